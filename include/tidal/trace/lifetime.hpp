@@ -1,0 +1,60 @@
+// Lifetime analysis: when each tensor is live, when it is active, and how long it sits idle.
+// Torch-free.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "tidal/trace/trace.hpp"
+
+namespace tidal::trace {
+
+/// A gap between two consecutive uses of one tensor, during which it could live elsewhere.
+/// For a persistent tensor the last gap wraps around the iteration boundary: last_use is its
+/// last use in this iteration and next_use its first use in the next (wraps == true, and
+/// next_use <= last_use).
+struct InactivePeriod {
+  TensorId tensor = 0;
+  std::uint64_t bytes = 0;
+  OpIndex last_use = 0;  ///< the period starts after this op ends
+  OpIndex next_use = 0;  ///< and ends before this op starts
+  bool wraps = false;
+  double idle_seconds = 0;  ///< compute time of the ops strictly between the two uses
+};
+
+struct TensorLifetime {
+  TensorId tensor = 0;
+  OpIndex live_begin = 0;     ///< first op at which it occupies memory (0 for persistent/inputs)
+  OpIndex live_end = 0;       ///< last op at which it occupies memory (inclusive)
+  std::vector<OpIndex> uses;  ///< ops that read or write it, ascending, unique
+  std::vector<InactivePeriod> periods;  ///< ordered by last_use; disjoint
+};
+
+struct LifetimeSummary {
+  std::uint64_t peak_live_bytes = 0;
+  OpIndex peak_live_op = 0;
+  std::uint64_t peak_active_bytes = 0;
+  double mean_active_ratio = 0;  ///< mean over ops of active/live bytes (TERAIO: 1.7%)
+  /// Inactive periods by tensor size class: [<1 MiB, 1-10 MiB, 10-100 MiB, 100 MiB-1 GiB, >1 GiB]
+  struct SizeClass {
+    std::uint64_t min_bytes = 0;
+    std::uint64_t max_bytes = 0;  ///< exclusive; UINT64_MAX for the last
+    std::int64_t periods = 0;
+    double mean_idle_seconds = 0;
+    double median_idle_seconds = 0;
+    std::uint64_t total_bytes = 0;  ///< bytes summed over periods
+  };
+  std::vector<SizeClass> size_classes;
+};
+
+struct LifetimeAnalysis {
+  std::vector<TensorLifetime> tensors;      ///< indexed by TensorId
+  std::vector<std::uint64_t> live_bytes;    ///< per op: bytes of tensors live at it
+  std::vector<std::uint64_t> active_bytes;  ///< per op: bytes of its inputs and outputs
+  LifetimeSummary summary;
+};
+
+/// Computes lifetimes for a validated trace. O(ops + uses + tensors log tensors).
+LifetimeAnalysis analyze_lifetimes(const Trace& trace);
+
+}  // namespace tidal::trace

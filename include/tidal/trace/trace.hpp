@@ -1,0 +1,88 @@
+// The trace data model: what the profiler records about one training iteration, and what the
+// planner and the simulator consume. Torch-free.
+//
+// A Trace is one iteration: an ordered list of ops (forward, backward, optimizer) and the tensors
+// they touch. Tensor ids are dense indices into Trace::tensors. Op indices are dense indices into
+// Trace::ops. Plain data: copyable, no internal synchronisation.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace tidal::trace {
+
+/// Version of the JSON schema written by write_trace (docs/trace-format.md).
+inline constexpr int kTraceVersion = 1;
+
+using TensorId = std::int32_t;
+using OpIndex = std::int32_t;
+inline constexpr OpIndex kNoOp = -1;
+
+enum class Phase : std::uint8_t { kForward, kBackward, kOptimizer, kOther };
+
+enum class TensorClass : std::uint8_t {
+  kParameter,       ///< model weight; persistent
+  kGradient,        ///< .grad of a parameter; persistent unless zeroed to None each step
+  kOptimizerState,  ///< e.g. AdamW exp_avg / exp_avg_sq; persistent
+  kActivation,      ///< produced in forward and used again in backward (saved for backward)
+  kTemporary,       ///< produced and dead within one phase
+  kInput,           ///< data fed to the iteration (tokens, targets)
+};
+
+const char* to_string(Phase p);
+const char* to_string(TensorClass c);
+/// Inverse of to_string; throws tidal::InvalidArgument on an unknown name.
+Phase phase_from_string(const std::string& s);
+TensorClass tensor_class_from_string(const std::string& s);
+
+/// One operator call of the iteration.
+struct Op {
+  OpIndex index = 0;  ///< position in the iteration, 0-based, equal to its place in ops
+  std::string name;   ///< e.g. "aten::mm"
+  Phase phase = Phase::kOther;
+  double start_s = 0;             ///< start time in seconds from the iteration start
+  double end_s = 0;               ///< end time; end_s - start_s is the op's compute time
+  std::vector<TensorId> inputs;   ///< tensors read (active at this op)
+  std::vector<TensorId> outputs;  ///< tensors written or created (active at this op)
+  std::int32_t layer = -1;        ///< transformer block the op belongs to, -1 if none or unknown
+
+  [[nodiscard]] double duration() const { return end_s - start_s; }
+};
+
+/// One tensor (one storage) seen during the iteration.
+struct Tensor {
+  TensorId id = 0;             ///< equal to its place in Trace::tensors
+  std::string name;            ///< human label: parameter name, or "op<k>:<slot>"
+  std::uint64_t bytes = 0;     ///< storage bytes
+  std::string device = "cpu";  ///< "cpu", "cuda:0", ...
+  TensorClass cls = TensorClass::kTemporary;
+  bool persistent = false;        ///< alive across iterations (parameters, grads, optimizer state)
+  OpIndex producer = kNoOp;       ///< op that creates it; kNoOp for persistent tensors and inputs
+  std::int32_t output_slot = -1;  ///< output slot of producer; (producer, slot) names it
+  OpIndex freed_after = kNoOp;    ///< op after which its memory is released; kNoOp: persistent,
+                                  ///< or (per-iteration) freed after its last use
+};
+
+/// One profiled (or analytically built) training iteration.
+struct Trace {
+  int version = kTraceVersion;
+  std::string model;  ///< e.g. "gpt2-small"
+  std::string device = "cpu";
+  std::int64_t batch = 0;
+  std::int64_t seq = 0;
+  std::vector<Op> ops;
+  std::vector<Tensor> tensors;
+  std::map<std::string, std::string> meta;  ///< free-form provenance (tool, torch version, ...)
+
+  /// Sum of op durations: the compute time of the iteration without stalls.
+  [[nodiscard]] double compute_seconds() const;
+};
+
+/// Checks the structural invariants (dense ids and indices, references in range, producer and
+/// freed_after consistent with uses, times non-decreasing). Throws tidal::Error naming the first
+/// violation.
+void validate(const Trace& trace);
+
+}  // namespace tidal::trace

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The test command of README.md (and of .ci/run): set-up, build, all tests, then the suite under
+# AddressSanitizer+UBSan, the store's concurrency tests under ThreadSanitizer, and a format check.
+# TIDAL_QUICK=1 skips the sanitizer builds.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+start=$(date +%s)
+stamp() { echo "== [$(( $(date +%s) - start ))s] $*"; }
+
+stamp "set-up"
+bash scripts/setup.sh
+
+stamp "build"
+BUILD_DIR=build bash scripts/build.sh
+stamp "tests"
+ctest --test-dir build --output-on-failure -j "$(nproc)" --timeout 600
+
+if [ "${TIDAL_QUICK:-0}" != 1 ]; then
+  # The sanitizer builds leave out the libtorch layers: libtorch itself is not instrumented.
+  stamp "build with AddressSanitizer+UBSan (torch-free layers)"
+  BUILD_DIR=build-asan BUILD_TYPE=Debug bash scripts/build.sh -DTIDAL_WITH_TORCH=OFF \
+    -DTIDAL_BUILD_BENCH=OFF -DTIDAL_SANITIZE=address,undefined
+  stamp "tests under ASan+UBSan"
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+    ctest --test-dir build-asan --output-on-failure -j "$(nproc)" --timeout 900
+
+  stamp "build with ThreadSanitizer (torch-free layers)"
+  BUILD_DIR=build-tsan BUILD_TYPE=RelWithDebInfo bash scripts/build.sh -DTIDAL_WITH_TORCH=OFF \
+    -DTIDAL_BUILD_BENCH=OFF -DTIDAL_SANITIZE=thread
+  stamp "store concurrency tests under TSan"
+  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+    ctest --test-dir build-tsan --output-on-failure -L io --timeout 900
+fi
+
+stamp "format check"
+bash scripts/format.sh --check
+stamp "all tests passed"

@@ -1,0 +1,54 @@
+#include "tidal/common/units.hpp"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "tidal/common/error.hpp"
+
+namespace tidal {
+namespace {
+
+TEST(Units, ParsesBinaryAndDecimalSizes) {
+  EXPECT_EQ(parse_bytes("4096"), 4096u);
+  EXPECT_EQ(parse_bytes("64MiB"), 64u * kMiB);
+  EXPECT_EQ(parse_bytes("64M"), 64u * kMiB);
+  EXPECT_EQ(parse_bytes("2GB"), 2000000000u);
+  EXPECT_EQ(parse_bytes(" 1.5 gib "), 3u * kGiB / 2);
+  EXPECT_EQ(parse_bytes("3KB"), 3000u);
+  EXPECT_EQ(parse_bytes("1TiB"), 1024u * kGiB);
+}
+
+TEST(Units, RejectsGarbageWithAHint) {
+  EXPECT_THROW(parse_bytes("lots"), InvalidArgument);
+  EXPECT_THROW(parse_bytes("-5MiB"), InvalidArgument);
+  try {
+    parse_bytes("12 parsecs");
+    FAIL() << "no exception";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("MiB"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Units, ParsesBandwidthAndDurations) {
+  EXPECT_DOUBLE_EQ(parse_bandwidth("6.5GB/s"), 6.5e9);
+  EXPECT_DOUBLE_EQ(parse_bandwidth("800MiB/s"), 800.0 * kMiB);
+  EXPECT_DOUBLE_EQ(parse_seconds("1.5ms"), 1.5e-3);
+  EXPECT_DOUBLE_EQ(parse_seconds("2"), 2.0);
+  EXPECT_THROW(parse_seconds("3 fortnights"), Error);
+}
+
+TEST(Units, FormatThenParseRoundTripsWithinRounding) {
+  std::mt19937_64 rng(7);
+  for (int i = 0; i < 200; ++i) {
+    const std::uint64_t n = rng() % (std::uint64_t{1} << 44);
+    const double back = static_cast<double>(parse_bytes(format_bytes(static_cast<double>(n))));
+    EXPECT_NEAR(back, static_cast<double>(n), static_cast<double>(n) * 0.01 + 1) << n;
+  }
+  EXPECT_EQ(align_up(1, 4096), 4096u);
+  EXPECT_EQ(align_up(4096, 4096), 4096u);
+  EXPECT_EQ(align_up(4097, 4096), 8192u);
+}
+
+}  // namespace
+}  // namespace tidal

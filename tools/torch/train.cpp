@@ -1,0 +1,12 @@
+#include "commands.hpp"
+#include "tidal/common/error.hpp"
+
+namespace tidal::cli {
+
+// Placeholder until the trainer issue lands: the subcommand exists and says so.
+void add_train_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand("train", "(not built yet) see issue 3");
+  cmd->callback([] { TIDAL_FAIL("'tidal train' is not implemented in this build yet"); });
+}
+
+}  // namespace tidal::cli
