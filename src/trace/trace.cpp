@@ -1,0 +1,132 @@
+#include "tidal/trace/trace.hpp"
+
+#include <cmath>
+#include <cstddef>
+#include <iterator>
+#include <vector>
+
+#include "tidal/common/error.hpp"
+
+namespace tidal::trace {
+
+namespace {
+
+constexpr const char* kPhaseNames[] = {"forward", "backward", "optimizer", "other"};
+constexpr const char* kClassNames[] = {"parameter",  "gradient",  "optimizer_state",
+                                       "activation", "temporary", "input"};
+
+template <std::size_t N>
+std::string list_names(const char* const (&names)[N]) {
+  std::string out;
+  for (std::size_t i = 0; i < N; ++i) {
+    if (i > 0) out += ", ";
+    out += names[i];
+  }
+  return out;
+}
+
+bool in_range(std::int64_t v, std::size_t n) { return v >= 0 && static_cast<std::uint64_t>(v) < n; }
+
+}  // namespace
+
+const char* to_string(Phase p) {
+  const auto i = static_cast<std::size_t>(p);
+  return i < std::size(kPhaseNames) ? kPhaseNames[i] : "unknown";
+}
+
+const char* to_string(TensorClass c) {
+  const auto i = static_cast<std::size_t>(c);
+  return i < std::size(kClassNames) ? kClassNames[i] : "unknown";
+}
+
+Phase phase_from_string(const std::string& s) {
+  std::size_t i = 0;
+  while (i < std::size(kPhaseNames) && s != kPhaseNames[i]) ++i;
+  TIDAL_EXPECT_AS(InvalidArgument, i < std::size(kPhaseNames), "unknown op phase '", s,
+                  "'; expected one of: ", list_names(kPhaseNames));
+  return static_cast<Phase>(i);
+}
+
+TensorClass tensor_class_from_string(const std::string& s) {
+  std::size_t i = 0;
+  while (i < std::size(kClassNames) && s != kClassNames[i]) ++i;
+  TIDAL_EXPECT_AS(InvalidArgument, i < std::size(kClassNames), "unknown tensor class '", s,
+                  "'; expected one of: ", list_names(kClassNames));
+  return static_cast<TensorClass>(i);
+}
+
+double Trace::compute_seconds() const {
+  double total = 0;
+  for (const Op& op : ops) total += op.duration();
+  return total;
+}
+
+void validate(const Trace& trace) {
+  const std::size_t n_ops = trace.ops.size();
+  const std::size_t n_tensors = trace.tensors.size();
+
+  for (std::size_t i = 0; i < n_tensors; ++i) {
+    const Tensor& t = trace.tensors[i];
+    TIDAL_EXPECT(t.id == static_cast<TensorId>(i), "tensor at position ", i, " ('", t.name,
+                 "') has id ", t.id, "; tensor ids must be dense and equal to the position");
+  }
+
+  // First and last use of every tensor, and whether its producer lists it as an output.
+  std::vector<OpIndex> first_use(n_tensors, kNoOp);
+  std::vector<OpIndex> last_use(n_tensors, kNoOp);
+  for (std::size_t k = 0; k < n_ops; ++k) {
+    const Op& op = trace.ops[k];
+    TIDAL_EXPECT(op.index == static_cast<OpIndex>(k), "op at position ", k, " ('", op.name,
+                 "') has index ", op.index, "; op indices must be dense and equal to the position");
+    TIDAL_EXPECT(std::isfinite(op.start_s) && std::isfinite(op.end_s), "op ", k, " ('", op.name,
+                 "') has a non-finite time (start ", op.start_s, " s, end ", op.end_s, " s)");
+    TIDAL_EXPECT(op.end_s >= op.start_s, "op ", k, " ('", op.name, "') ends at ", op.end_s,
+                 " s before it starts at ", op.start_s, " s");
+    if (k > 0) {
+      const Op& prev = trace.ops[k - 1];
+      TIDAL_EXPECT(op.start_s >= prev.start_s, "op ", k, " ('", op.name, "') starts at ",
+                   op.start_s, " s, before op ", k - 1, " which starts at ", prev.start_s,
+                   " s; op start times must be non-decreasing");
+    }
+    for (int dir = 0; dir < 2; ++dir) {
+      const auto& ids = dir == 0 ? op.inputs : op.outputs;
+      for (TensorId id : ids) {
+        TIDAL_EXPECT(in_range(id, n_tensors), "op ", k, " ('", op.name, "') lists ",
+                     dir == 0 ? "input" : "output", " tensor ", id, ", which does not exist (",
+                     n_tensors, " tensors)");
+        if (first_use[id] == kNoOp) first_use[id] = static_cast<OpIndex>(k);
+        last_use[id] = static_cast<OpIndex>(k);
+      }
+    }
+  }
+
+  for (std::size_t i = 0; i < n_tensors; ++i) {
+    const Tensor& t = trace.tensors[i];
+    if (t.producer != kNoOp) {
+      TIDAL_EXPECT(in_range(t.producer, n_ops), "tensor ", i, " ('", t.name, "') has producer ",
+                   t.producer, ", which is not an op (", n_ops, " ops)");
+      const Op& p = trace.ops[t.producer];
+      bool listed = false;
+      for (TensorId id : p.outputs) listed = listed || id == t.id;
+      TIDAL_EXPECT(listed, "tensor ", i, " ('", t.name, "') names op ", t.producer, " ('", p.name,
+                   "') as its producer, but that op does not list it among its outputs");
+      if (!t.persistent) {
+        TIDAL_EXPECT(first_use[i] >= t.producer, "tensor ", i, " ('", t.name, "') is used by op ",
+                     first_use[i], " before its producer op ", t.producer);
+      }
+    }
+    if (t.freed_after != kNoOp) {
+      TIDAL_EXPECT(!t.persistent, "tensor ", i, " ('", t.name,
+                   "') is persistent but has freed_after ", t.freed_after,
+                   "; a persistent tensor is never freed within the iteration");
+      TIDAL_EXPECT(in_range(t.freed_after, n_ops), "tensor ", i, " ('", t.name,
+                   "') has freed_after ", t.freed_after, ", which is not an op (", n_ops, " ops)");
+      TIDAL_EXPECT(last_use[i] <= t.freed_after, "tensor ", i, " ('", t.name, "') is used by op ",
+                   last_use[i], " after it is freed after op ", t.freed_after);
+      TIDAL_EXPECT(t.producer == kNoOp || t.producer <= t.freed_after, "tensor ", i, " ('", t.name,
+                   "') is freed after op ", t.freed_after, " before its producer op ", t.producer);
+    }
+  }
+}
+
+}  // namespace tidal::trace
