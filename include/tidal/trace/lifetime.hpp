@@ -22,20 +22,34 @@ struct InactivePeriod {
   double idle_seconds = 0;  ///< compute time of the ops strictly between the two uses
 };
 
+/// The life of one tensor within the iteration.
+///
+/// Live interval: a persistent tensor is live at every op. An input is live from op 0 (or its
+/// producer, if it has one) through freed_after, or through the last op when freed_after is
+/// kNoOp. Any other tensor is live from its producer (its first use when the producer is kNoOp)
+/// through freed_after (its last use when freed_after is kNoOp). A non-persistent tensor that is
+/// neither produced nor used is never live: live_begin == live_end == kNoOp.
 struct TensorLifetime {
   TensorId tensor = 0;
   OpIndex live_begin = 0;     ///< first op at which it occupies memory (0 for persistent/inputs)
   OpIndex live_end = 0;       ///< last op at which it occupies memory (inclusive)
   std::vector<OpIndex> uses;  ///< ops that read or write it, ascending, unique
-  std::vector<InactivePeriod> periods;  ///< ordered by last_use; disjoint
+  /// Gaps with at least one op strictly between two consecutive uses, ordered by last_use and
+  /// disjoint. A persistent tensor also gets the wrapping gap from its last use to its first use
+  /// of the next iteration (last in the list) when some op lies outside [first use, last use];
+  /// with a single use that gap covers every other op and last_use == next_use.
+  std::vector<InactivePeriod> periods;
 };
 
 struct LifetimeSummary {
   std::uint64_t peak_live_bytes = 0;
   OpIndex peak_live_op = 0;
   std::uint64_t peak_active_bytes = 0;
-  double mean_active_ratio = 0;  ///< mean over ops of active/live bytes (TERAIO: 1.7%)
-  /// Inactive periods by tensor size class: [<1 MiB, 1-10 MiB, 10-100 MiB, 100 MiB-1 GiB, >1 GiB]
+  /// Mean over the ops with live bytes > 0 of active/live bytes (TERAIO: 1.7%).
+  double mean_active_ratio = 0;
+  /// Inactive periods by tensor size class, always five entries:
+  /// [<1 MiB, 1-10 MiB, 10-100 MiB, 100 MiB-1 GiB, >=1 GiB]; a tensor of b bytes falls in the
+  /// class with min_bytes <= b < max_bytes (the last class also holds UINT64_MAX).
   struct SizeClass {
     std::uint64_t min_bytes = 0;
     std::uint64_t max_bytes = 0;  ///< exclusive; UINT64_MAX for the last
@@ -54,7 +68,8 @@ struct LifetimeAnalysis {
   LifetimeSummary summary;
 };
 
-/// Computes lifetimes for a validated trace. O(ops + uses + tensors log tensors).
+/// Computes lifetimes of a trace. Validates it first (throws tidal::Error like validate()).
+/// O(ops + uses + tensors), plus the median selection per size class (linear on average).
 LifetimeAnalysis analyze_lifetimes(const Trace& trace);
 
 }  // namespace tidal::trace
