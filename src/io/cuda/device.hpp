@@ -3,10 +3,11 @@
 // with or without GPUDirect Storage. Everything here is thread-safe.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
-#include <sys/types.h>
 
 namespace tidal::io::detail::cuda {
 
@@ -22,6 +23,12 @@ bool is_device_pointer(const void* p) noexcept;
 /// CUDA error text through last_error()).
 int copy_device_to_host(void* host_dst, const void* device_src, std::size_t bytes) noexcept;
 int copy_host_to_device(void* device_dst, const void* host_src, std::size_t bytes) noexcept;
+
+/// Device memory on the current device (cudaMalloc), for tests and tools that need a device
+/// buffer without including CUDA headers. Returns nullptr on failure (see last_error()). Release
+/// with free_device_memory(); nullptr is ignored.
+void* allocate_device_memory(std::size_t bytes) noexcept;
+void free_device_memory(void* device_ptr) noexcept;
 
 /// Page-locks [p, p + bytes) so device copies from/to it run at full speed (cudaHostRegister).
 /// Returns 0, or -errno-style failure (the memory stays usable, just pageable).
