@@ -51,6 +51,11 @@ template <typename E, typename... Args>
   throw E(with_location(concat(std::forward<Args>(args)...), file, line));
 }
 
+template <typename... Args>
+[[noreturn]] void fail_io(const char* file, int line, int errnum, Args&&... args) {
+  throw IoError(with_location(concat(std::forward<Args>(args)...), file, line), errnum);
+}
+
 [[noreturn]] void fail_syscall(const char* file, int line, const char* call, int errnum);
 
 }  // namespace detail
@@ -71,6 +76,10 @@ template <typename E, typename... Args>
 
 /// Throw tidal::Error unconditionally.
 #define TIDAL_FAIL(...) ::tidal::detail::fail<::tidal::Error>(__FILE__, __LINE__, __VA_ARGS__)
+
+/// Throw tidal::IoError carrying errnum (a positive errno value).
+#define TIDAL_FAIL_IO(errnum, ...) \
+  ::tidal::detail::fail_io(__FILE__, __LINE__, (errnum), __VA_ARGS__)
 
 /// Evaluate a system call; when it returns a negative value, throw tidal::IoError with errno's
 /// text. Evaluates to the call's result.

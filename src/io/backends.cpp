@@ -1,0 +1,197 @@
+// Backend names, the fault-injection wrapper, and the cuFile backend for device memory.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cerrno>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "tidal/common/error.hpp"
+#include "tidal/io/backend.hpp"
+#ifdef TIDAL_WITH_CUDA
+#include "io/cuda/device.hpp"
+#endif
+
+namespace tidal::io {
+
+const char* to_string(BackendKind kind) {
+  switch (kind) {
+    case BackendKind::kAuto:
+      return "auto";
+    case BackendKind::kIoUring:
+      return "io_uring";
+    case BackendKind::kPosix:
+      return "posix";
+  }
+  return "?";
+}
+
+BackendKind backend_kind_from_string(const std::string& name) {
+  if (name == "auto") return BackendKind::kAuto;
+  if (name == "io_uring" || name == "uring") return BackendKind::kIoUring;
+  if (name == "posix") return BackendKind::kPosix;
+  TIDAL_EXPECT_AS(InvalidArgument, false, "unknown I/O backend '", name,
+                  "': use auto, io_uring or posix (cuFile is chosen with TIDAL_GDS=on)");
+  return BackendKind::kAuto;
+}
+
+#ifndef TIDAL_WITH_IO_URING
+std::unique_ptr<Backend> make_uring_backend(std::vector<int> /*fds*/, unsigned /*entries*/,
+                                            const std::vector<std::pair<void*, std::size_t>>&) {
+  TIDAL_FAIL_IO(ENOSYS, "this build of tidal has no io_uring backend (liburing-dev was missing at "
+                        "build time); use the posix backend");
+}
+bool uring_compiled() { return false; }
+#endif
+
+namespace {
+
+class FaultBackend final : public Backend {
+ public:
+  FaultBackend(std::unique_ptr<Backend> inner, FaultPlan plan)
+      : inner_(std::move(inner)), plan_(plan) {}
+
+  [[nodiscard]] const char* name() const override { return inner_->name(); }
+
+  void submit(IoOp* op) override {
+    const std::uint64_t k = ++ops_;
+    const bool fail = plan_.fail_op != 0 &&
+                      (k == plan_.fail_op || (plan_.fail_every_after && k > plan_.fail_op));
+    if (fail) {
+      op->on_complete(op, -plan_.fail_errno);
+      return;
+    }
+    const bool make_short = plan_.short_op != 0 && k == plan_.short_op;
+    bool corrupt = false;
+    if (!op->write) {
+      ++reads_;
+      corrupt = plan_.corrupt_read != 0 && reads_ == plan_.corrupt_read;
+    }
+    if (make_short || corrupt || plan_.delay_us != 0) {
+      // Interpose on the completion: remember the real callback in a side record.
+      auto rec = std::make_unique<Interposed>();
+      rec->real_complete = op->on_complete;
+      rec->real_context = op->context;
+      rec->short_by = make_short ? 512 : 0;
+      rec->corrupt = corrupt;
+      rec->delay_us = plan_.delay_us;
+      op->context = rec.release();
+      op->on_complete = &FaultBackend::complete;
+    }
+    inner_->submit(op);
+  }
+
+  void flush() override { inner_->flush(); }
+
+ private:
+  struct Interposed {
+    void (*real_complete)(IoOp*, long) = nullptr;
+    void* real_context = nullptr;
+    long short_by = 0;
+    bool corrupt = false;
+    unsigned delay_us = 0;
+  };
+
+  static void complete(IoOp* op, long result) {
+    std::unique_ptr<Interposed> rec(static_cast<Interposed*>(op->context));
+    if (rec->delay_us != 0) std::this_thread::sleep_for(std::chrono::microseconds(rec->delay_us));
+    op->context = rec->real_context;
+    op->on_complete = rec->real_complete;
+    if (result > 0 && rec->short_by > 0) result = std::max(0L, result - rec->short_by);
+    if (result > 0 && rec->corrupt) static_cast<unsigned char*>(op->buffer)[result / 2] ^= 0x5a;
+    op->on_complete(op, result);
+  }
+
+  std::unique_ptr<Backend> inner_;
+  FaultPlan plan_;
+  std::uint64_t ops_ = 0;  // submit() runs on the dispatcher thread only
+  std::uint64_t reads_ = 0;
+};
+
+#ifdef TIDAL_WITH_CUDA
+class CuFileBackend final : public Backend {
+ public:
+  CuFileBackend(std::vector<int> fds, int threads) {
+    driver_ = detail::cuda::CuFile::instance();
+    TIDAL_EXPECT(driver_ != nullptr, "cuFile is not available: ",
+                 detail::cuda::CuFile::unavailable_reason());
+    for (int fd : fds) {
+      void* h = driver_->register_file(fd);
+      if (h == nullptr) {
+        for (void* done : handles_) driver_->deregister_file(done);
+        TIDAL_FAIL("cuFileHandleRegister failed: ", detail::cuda::last_error(),
+                   " (set TIDAL_GDS=off to use the staging path)");
+      }
+      handles_.push_back(h);
+    }
+    for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
+  }
+
+  ~CuFileBackend() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+    for (void* h : handles_) driver_->deregister_file(h);
+  }
+
+  [[nodiscard]] const char* name() const override { return "cufile"; }
+
+  void submit(IoOp* op) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(op);
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      IoOp* op = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        op = queue_.front();
+        queue_.pop_front();
+      }
+      void* h = handles_[static_cast<std::size_t>(op->file)];
+      const auto off = static_cast<off_t>(op->offset);
+      const ssize_t n = op->write ? driver_->write(h, op->buffer, op->length, off)
+                                  : driver_->read(h, op->buffer, op->length, off);
+      op->on_complete(op, static_cast<long>(n));
+    }
+  }
+
+  detail::cuda::CuFile* driver_ = nullptr;
+  std::vector<void*> handles_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<IoOp*> queue_;
+  bool stop_ = false;
+  std::vector<std::thread> workers_;
+};
+#endif
+
+}  // namespace
+
+std::unique_ptr<Backend> make_fault_backend(std::unique_ptr<Backend> inner, FaultPlan plan) {
+  return std::make_unique<FaultBackend>(std::move(inner), plan);
+}
+
+std::unique_ptr<Backend> make_cufile_backend(std::vector<int> fds, int threads) {
+#ifdef TIDAL_WITH_CUDA
+  return std::make_unique<CuFileBackend>(std::move(fds), threads);
+#else
+  (void)fds;
+  (void)threads;
+  TIDAL_FAIL("this build of tidal has no CUDA support (nvcc was missing at build time)");
+#endif
+}
+
+}  // namespace tidal::io

@@ -1,0 +1,710 @@
+// The tensor store: layout (striping + extents), the priority dispatcher, staging, checksums and
+// error handling. Backends only move aligned blocks; everything a user can get wrong is here.
+#include "tidal/io/store.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+#include <unordered_map>
+
+#include "tidal/common/env.hpp"
+#include "tidal/common/error.hpp"
+#include "tidal/common/units.hpp"
+#include "tidal/io/extent_allocator.hpp"
+#ifdef TIDAL_WITH_CUDA
+#include "io/cuda/device.hpp"
+#endif
+
+namespace tidal::io {
+namespace {
+
+bool is_device_memory(const void* p) {
+#ifdef TIDAL_WITH_CUDA
+  return detail::cuda::device_available() && detail::cuda::is_device_pointer(p);
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+// Copies between a (possibly device) user buffer and host staging memory. Returns 0 or -EIO.
+int copy_out(void* host_dst, const void* src, std::size_t n, bool device) {
+#ifdef TIDAL_WITH_CUDA
+  if (device) return detail::cuda::copy_device_to_host(host_dst, src, n);
+#endif
+  (void)device;
+  std::memcpy(host_dst, src, n);
+  return 0;
+}
+
+int copy_in(void* dst, const void* host_src, std::size_t n, bool device) {
+#ifdef TIDAL_WITH_CUDA
+  if (device) return detail::cuda::copy_host_to_device(dst, host_src, n);
+#endif
+  (void)device;
+  std::memcpy(dst, host_src, n);
+  return 0;
+}
+
+struct AlignedFree {
+  void operator()(void* p) const { std::free(p); }
+};
+
+// One preallocated file in one directory.
+struct StoreFile {
+  std::string dir;
+  int fd = -1;
+  bool tmpfile = false;
+  std::unique_ptr<ExtentAllocator> extents;
+
+  StoreFile() = default;
+  StoreFile(const StoreFile&) = delete;
+  StoreFile& operator=(const StoreFile&) = delete;
+  ~StoreFile() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+std::uint64_t free_space(const std::string& dir) {
+  struct statvfs st {};
+  if (::statvfs(dir.c_str(), &st) != 0) return 0;
+  return static_cast<std::uint64_t>(st.f_bavail) * st.f_frsize;
+}
+
+void open_store_file(StoreFile& f, std::uint64_t bytes, bool buffered) {
+  struct stat st {};
+  TIDAL_EXPECT_AS(InvalidArgument, ::stat(f.dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode),
+                  "store directory '", f.dir, "' does not exist; create it (mkdir -p ", f.dir,
+                  ") or pass another directory");
+  const int flags = O_RDWR | O_CLOEXEC | (buffered ? 0 : O_DIRECT);
+  // O_TMPFILE: no name, so the space goes back when the process ends, even on a crash.
+  f.fd = ::open(f.dir.c_str(), O_TMPFILE | flags, 0600);
+  f.tmpfile = f.fd >= 0;
+  if (f.fd < 0) {
+    std::string name = f.dir + "/.tidal-store-XXXXXX";
+    f.fd = ::mkostemp(name.data(), flags & ~O_RDWR);
+    if (f.fd >= 0) {
+      ::unlink(name.c_str());
+    } else if (errno == EINVAL && !buffered) {
+      TIDAL_EXPECT_AS(InvalidArgument, false, "the filesystem of '", f.dir,
+                      "' does not support O_DIRECT (tmpfs?); put the store on an SSD, or ask for "
+                      "buffered I/O, which keeps the data in the page cache and frees no memory");
+    } else {
+      const int err = errno;
+      TIDAL_FAIL_IO(err, "cannot create a store file in '", f.dir, "': ", std::strerror(err));
+    }
+  }
+  if (::fallocate(f.fd, 0, 0, static_cast<off_t>(bytes)) != 0) {
+    const int err = errno;
+    if (err == EOPNOTSUPP) {
+      TIDAL_SYSCALL(::ftruncate(f.fd, static_cast<off_t>(bytes)));  // sparse, but works
+    } else {
+      ::close(f.fd);
+      f.fd = -1;
+      TIDAL_FAIL_IO(err, "cannot reserve ", format_bytes(static_cast<double>(bytes)), " in '", f.dir,
+                    "': ", std::strerror(err), " (",
+                    format_bytes(static_cast<double>(free_space(f.dir))),
+                    " free there); lower the store capacity or free disk space");
+    }
+  }
+  f.extents = std::make_unique<ExtentAllocator>(bytes);
+}
+
+}  // namespace
+
+// One stripe run of a tensor: `length` tensor bytes at `tensor_offset` stored at `file_offset`.
+struct Piece {
+  int file = 0;
+  std::uint64_t file_offset = 0;
+  std::uint64_t tensor_offset = 0;
+  std::uint32_t length = 0;
+  std::uint64_t checksum = 0;
+};
+
+struct Entry;
+
+// One op of a request: queued in a lane, then in flight in a backend.
+struct OpSlot {
+  IoOp io;
+  TensorStore::Impl* store = nullptr;
+  Entry* entry = nullptr;
+  std::uint32_t piece = 0;
+  Priority priority = Priority::kOffload;
+  std::uint64_t seq = 0;
+  int staging = -1;
+  bool queued = false;
+};
+
+struct Entry {
+  std::uint64_t id = 0;
+  std::uint64_t bytes = 0;
+  std::vector<Piece> pieces;
+  std::vector<std::pair<int, Extent>> extents;
+  bool has_data = false;  // a write completed successfully
+  bool checksummed = false;
+  // The request in flight (at most one per ticket).
+  bool busy = false;
+  bool writing = false;
+  bool device = false;
+  char* user = nullptr;
+  int pending = 0;
+  int err = 0;
+  std::string err_msg;
+  std::vector<OpSlot> slots;
+};
+
+struct LaneKey {
+  bool operator()(const OpSlot* a, const OpSlot* b) const {
+    if (a->priority != b->priority) return a->priority > b->priority;
+    return a->seq < b->seq;
+  }
+};
+
+struct TensorStore::Impl {
+  StoreOptions opt;
+  std::vector<std::unique_ptr<StoreFile>> files;
+  std::unique_ptr<Backend> host_backend;
+  std::unique_ptr<Backend> device_backend;  // cuFile, when in use
+  std::string backend_name;
+
+  // Staging pool: fixed aligned buffers of stripe_unit bytes, pinned when a GPU exists.
+  std::vector<std::unique_ptr<char, AlignedFree>> staging;
+  std::vector<int> staging_free;
+  bool staging_pinned = false;
+
+  mutable std::mutex mu;
+  std::condition_variable dispatch_cv;
+  std::condition_variable done_cv;
+  std::vector<std::set<OpSlot*, LaneKey>> lanes;
+  std::vector<int> in_flight;
+  std::unordered_map<std::uint64_t, std::unique_ptr<Entry>> entries;
+  std::uint64_t next_id = 1;
+  std::uint64_t next_seq = 0;
+  std::uint64_t rotate = 0;
+  int busy_entries = 0;
+  bool stop = false;
+  StoreStats counters;
+  std::thread dispatcher;
+
+  explicit Impl(StoreOptions o);
+  ~Impl();
+
+  Entry& find(Ticket t) const {
+    auto it = entries.find(t.id);
+    TIDAL_EXPECT(it != entries.end(), "ticket ", t.id, " is not in the store (freed already?)");
+    return *it->second;
+  }
+  [[nodiscard]] bool fits_direct(const char* p, std::uint32_t len, bool device) const;
+  bool layout(Entry& e);
+  void release_extents(Entry& e);
+  void start_request(Entry& e, char* user, bool write, Priority prio, bool device);
+  void throw_pending_error(Entry& e);
+  void dispatch_loop();
+  void prepare_and_submit(OpSlot* s);
+  static void on_complete(IoOp* io, long result);
+  void complete(OpSlot* s, int err, std::string msg);
+};
+
+TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
+  const Env& env = tidal::env();
+  if (opt.dirs.empty() && env.dirs) {
+    std::stringstream ss(*env.dirs);
+    for (std::string d; std::getline(ss, d, ',');) {
+      if (!d.empty()) opt.dirs.push_back(d);
+    }
+  }
+  TIDAL_EXPECT_AS(InvalidArgument, !opt.dirs.empty(),
+                  "no store directory given: pass one directory per SSD (e.g. --dir "
+                  "/mnt/nvme0,/mnt/nvme1) or set TIDAL_DIRS");
+  if (opt.stripe_unit == 0) opt.stripe_unit = env.stripe_unit.value_or(kMiB);
+  TIDAL_EXPECT_AS(InvalidArgument,
+                  opt.stripe_unit >= kBlockSize && opt.stripe_unit <= 256 * kMiB &&
+                      (opt.stripe_unit & (opt.stripe_unit - 1)) == 0,
+                  "stripe unit ", opt.stripe_unit,
+                  " must be a power of two from 4 KiB to 256 MiB (default 1 MiB)");
+  if (opt.queue_depth == 0) opt.queue_depth = env.queue_depth.value_or(32);
+  TIDAL_EXPECT_AS(InvalidArgument, opt.queue_depth > 0 && opt.queue_depth <= 4096,
+                  "queue depth ", opt.queue_depth, " must be from 1 to 4096");
+  if (env.checksum) opt.checksum = *env.checksum;
+  const auto nfiles = static_cast<int>(opt.dirs.size());
+  if (opt.threads <= 0) opt.threads = std::min(32, opt.queue_depth * nfiles);
+  if (opt.staging_buffers <= 0) opt.staging_buffers = std::min(64, opt.queue_depth * nfiles);
+  if (opt.backend == BackendKind::kAuto && env.io_backend) {
+    if (*env.io_backend == "cufile") {
+      opt.gds = GdsMode::kOn;
+    } else {
+      opt.backend = backend_kind_from_string(*env.io_backend);
+    }
+  }
+  if (opt.gds == GdsMode::kAuto && env.gds) {
+    TIDAL_EXPECT_AS(InvalidArgument, *env.gds == "on" || *env.gds == "off" || *env.gds == "auto",
+                    "TIDAL_GDS='", *env.gds, "' must be on, off or auto");
+    opt.gds = *env.gds == "on" ? GdsMode::kOn : *env.gds == "off" ? GdsMode::kOff : GdsMode::kAuto;
+  }
+  if (opt.capacity == 0) {
+    opt.capacity = std::min<std::uint64_t>(64 * kGiB, free_space(opt.dirs[0]) / 4);
+  }
+  const std::uint64_t per_file = opt.capacity / static_cast<std::uint64_t>(nfiles) / kBlockSize *
+                                 kBlockSize;
+  TIDAL_EXPECT_AS(InvalidArgument, per_file >= kBlockSize, "store capacity ",
+                  format_bytes(static_cast<double>(opt.capacity)), " is too small for ", nfiles,
+                  " director", nfiles == 1 ? "y" : "ies", "; give at least 4 KiB per directory");
+
+  std::vector<int> fds;
+  counters.tmpfile = true;
+  for (const auto& d : opt.dirs) {
+    auto f = std::make_unique<StoreFile>();
+    f->dir = d;
+    open_store_file(*f, per_file, opt.buffered);
+    counters.tmpfile = counters.tmpfile && f->tmpfile;
+    fds.push_back(f->fd);
+    files.push_back(std::move(f));
+  }
+  counters.capacity = per_file * static_cast<std::uint64_t>(nfiles);
+  counters.buffered = opt.buffered;
+
+  std::vector<std::pair<void*, std::size_t>> regions;
+  for (int i = 0; i < opt.staging_buffers; ++i) {
+    void* p = std::aligned_alloc(kBlockSize, opt.stripe_unit);
+    TIDAL_EXPECT(p != nullptr, "out of host memory for ", opt.staging_buffers,
+                 " staging buffers of ", format_bytes(static_cast<double>(opt.stripe_unit)));
+    staging.emplace_back(static_cast<char*>(p));
+    staging_free.push_back(opt.staging_buffers - 1 - i);
+    regions.emplace_back(p, opt.stripe_unit);
+  }
+#ifdef TIDAL_WITH_CUDA
+  if (detail::cuda::device_available()) {
+    staging_pinned = true;
+    for (auto& b : staging) {
+      staging_pinned = detail::cuda::pin_host_memory(b.get(), opt.stripe_unit) == 0 &&
+                       staging_pinned;
+    }
+  }
+#endif
+
+  const bool want_uring = opt.backend == BackendKind::kIoUring ||
+                          (opt.backend == BackendKind::kAuto && uring_compiled());
+  if (want_uring) {
+    try {
+      host_backend = make_uring_backend(
+          fds, static_cast<unsigned>(opt.queue_depth * nfiles), regions);
+    } catch (const IoError&) {
+      if (opt.backend == BackendKind::kIoUring) throw;
+    }
+  }
+  if (!host_backend) host_backend = make_posix_backend(fds, opt.threads);
+  if (opt.faults.any()) host_backend = make_fault_backend(std::move(host_backend), opt.faults);
+  backend_name = host_backend->name();
+#ifdef TIDAL_WITH_CUDA
+  if (opt.gds != GdsMode::kOff && detail::cuda::device_available() && !opt.buffered) {
+    try {
+      device_backend = make_cufile_backend(fds, opt.threads);
+      backend_name += "+cufile";
+    } catch (const Error&) {
+      if (opt.gds == GdsMode::kOn) throw;
+    }
+  }
+#endif
+  counters.backend = backend_name;
+  lanes.resize(files.size());
+  in_flight.assign(files.size(), 0);
+  dispatcher = std::thread([this] { dispatch_loop(); });
+}
+
+TensorStore::Impl::~Impl() {
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    done_cv.wait(lock, [this] { return busy_entries == 0; });
+    stop = true;
+  }
+  dispatch_cv.notify_all();
+  dispatcher.join();
+  host_backend.reset();
+  device_backend.reset();
+#ifdef TIDAL_WITH_CUDA
+  if (staging_pinned) {
+    for (auto& b : staging) detail::cuda::unpin_host_memory(b.get());
+  }
+#endif
+}
+
+bool TensorStore::Impl::fits_direct(const char* p, std::uint32_t len, bool device) const {
+  if (device) return device_backend != nullptr;  // cuFile moves device memory itself
+  if (opt.buffered) return true;
+  return reinterpret_cast<std::uintptr_t>(p) % kBlockSize == 0 && len % kBlockSize == 0;
+}
+
+// Places e.bytes over the files: stripe i on file (start + i) % F, one contiguous extent per
+// file when possible, else one extent per stripe on any file with room.
+bool TensorStore::Impl::layout(Entry& e) {
+  const std::uint64_t unit = opt.stripe_unit;
+  const std::uint64_t nstripes = (e.bytes + unit - 1) / unit;
+  const std::size_t nfiles = files.size();
+  // Continue the round robin where the previous tensor stopped, as RAID-0 does, so stripes
+  // spread evenly however tensor sizes fall.
+  const std::size_t start = rotate % nfiles;
+  rotate += nstripes;
+  auto stripe_len = [&](std::uint64_t i) {
+    return static_cast<std::uint32_t>(std::min(unit, e.bytes - i * unit));
+  };
+  std::vector<std::uint64_t> need(nfiles, 0);
+  for (std::uint64_t i = 0; i < nstripes; ++i) {
+    need[(start + i) % nfiles] += align_up(stripe_len(i), kBlockSize);
+  }
+  std::vector<Extent> run(nfiles);
+  bool ok = true;
+  for (std::size_t f = 0; f < nfiles && ok; ++f) {
+    if (need[f] == 0) continue;
+    auto x = files[f]->extents->allocate(need[f]);
+    if (x) {
+      run[f] = *x;
+      e.extents.emplace_back(static_cast<int>(f), *x);
+    } else {
+      ok = false;
+    }
+  }
+  e.pieces.clear();
+  if (ok) {
+    std::vector<std::uint64_t> cursor(nfiles, 0);
+    for (std::uint64_t i = 0; i < nstripes; ++i) {
+      const std::size_t f = (start + i) % nfiles;
+      const std::uint32_t len = stripe_len(i);
+      e.pieces.push_back(Piece{static_cast<int>(f), run[f].offset + cursor[f], i * unit, len, 0});
+      cursor[f] += align_up(len, kBlockSize);
+    }
+    return true;
+  }
+  release_extents(e);
+  // Fragmented: one extent per stripe, preferring the round-robin file.
+  for (std::uint64_t i = 0; i < nstripes; ++i) {
+    const std::uint32_t len = stripe_len(i);
+    std::optional<Extent> x;
+    std::size_t f = (start + i) % nfiles;
+    for (std::size_t k = 0; k < nfiles && !x; ++k) {
+      f = (start + i + k) % nfiles;
+      x = files[f]->extents->allocate(len);
+    }
+    if (!x) {
+      release_extents(e);
+      e.pieces.clear();
+      return false;
+    }
+    e.extents.emplace_back(static_cast<int>(f), *x);
+    e.pieces.push_back(Piece{static_cast<int>(f), x->offset, i * unit, len, 0});
+  }
+  return true;
+}
+
+void TensorStore::Impl::release_extents(Entry& e) {
+  for (const auto& [f, x] : e.extents) files[static_cast<std::size_t>(f)]->extents->free(x);
+  e.extents.clear();
+}
+
+// Called with mu held: builds one op per piece and queues them.
+void TensorStore::Impl::start_request(Entry& e, char* user, bool write, Priority prio,
+                                      bool device) {
+  e.busy = true;
+  ++busy_entries;
+  e.writing = write;
+  e.device = device;
+  e.user = user;
+  e.err = 0;
+  e.err_msg.clear();
+  e.pending = static_cast<int>(e.pieces.size());
+  e.slots.assign(e.pieces.size(), OpSlot{});
+  for (std::size_t i = 0; i < e.pieces.size(); ++i) {
+    OpSlot& s = e.slots[i];
+    const Piece& p = e.pieces[i];
+    s.store = this;
+    s.entry = &e;
+    s.piece = static_cast<std::uint32_t>(i);
+    s.priority = prio;
+    s.seq = next_seq++;
+    s.queued = true;
+    s.io.file = p.file;
+    s.io.offset = p.file_offset;
+    s.io.write = write;
+    s.io.on_complete = &Impl::on_complete;
+    s.io.context = &s;
+    lanes[static_cast<std::size_t>(p.file)].insert(&s);
+  }
+  if (e.pieces.empty()) {  // zero bytes: complete at once
+    e.busy = false;
+    --busy_entries;
+    if (write) e.has_data = true;
+    done_cv.notify_all();
+  }
+  dispatch_cv.notify_one();
+}
+
+void TensorStore::Impl::dispatch_loop() {
+  std::vector<OpSlot*> batch;
+  std::unique_lock<std::mutex> lock(mu);
+  while (!stop) {
+    batch.clear();
+    for (std::size_t f = 0; f < lanes.size(); ++f) {
+      auto& lane = lanes[f];
+      while (in_flight[f] < opt.queue_depth && !lane.empty()) {
+        OpSlot* s = *lane.begin();
+        const Piece& p = s->entry->pieces[s->piece];
+        if (!fits_direct(s->entry->user + p.tensor_offset, p.length, s->entry->device)) {
+          if (staging_free.empty()) break;  // wait for a completion to return a buffer
+          s->staging = staging_free.back();
+          staging_free.pop_back();
+          ++counters.staged_ops;
+        }
+        lane.erase(lane.begin());
+        s->queued = false;
+        ++in_flight[f];
+        batch.push_back(s);
+      }
+    }
+    if (batch.empty()) {
+      dispatch_cv.wait(lock);
+      continue;
+    }
+    lock.unlock();
+    bool device_ops = false;
+    for (OpSlot* s : batch) {
+      device_ops = device_ops || (s->entry->device && s->staging < 0);
+      prepare_and_submit(s);
+    }
+    host_backend->flush();
+    if (device_ops) device_backend->flush();
+    lock.lock();
+  }
+}
+
+// Runs on the dispatcher thread without the lock: the op's entry is busy, so nobody else
+// touches it. Checksums of writes are taken here, over the bytes as they are written.
+void TensorStore::Impl::prepare_and_submit(OpSlot* s) {
+  Entry& e = *s->entry;
+  Piece& p = e.pieces[s->piece];
+  char* user = e.user + p.tensor_offset;
+  const bool staged = s->staging >= 0;
+  if (staged) {
+    char* buf = staging[static_cast<std::size_t>(s->staging)].get();
+    s->io.buffer = buf;
+    s->io.length = static_cast<std::uint32_t>(opt.buffered ? p.length : align_up(p.length, kBlockSize));
+    s->io.fixed_buffer = s->staging;
+    if (e.writing) {
+      if (copy_out(buf, user, p.length, e.device) != 0) {
+        complete(s, EIO, "copying device memory to the staging buffer failed");
+        return;
+      }
+      std::memset(buf + p.length, 0, s->io.length - p.length);
+      if (e.checksummed) p.checksum = XXH3_64bits(buf, p.length);
+    }
+  } else {
+    s->io.buffer = user;
+    s->io.length = p.length;
+    s->io.fixed_buffer = -1;
+    if (e.writing && e.checksummed) p.checksum = XXH3_64bits(user, p.length);
+  }
+  if (e.device && !staged) {
+    device_backend->submit(&s->io);
+  } else {
+    host_backend->submit(&s->io);
+  }
+}
+
+void TensorStore::Impl::on_complete(IoOp* io, long result) {
+  auto* s = static_cast<OpSlot*>(io->context);
+  Impl* self = s->store;
+  Entry& e = *s->entry;
+  Piece& p = e.pieces[s->piece];
+  const char* what = e.writing ? "write" : "read";
+  const std::uint32_t want = s->io.length;
+  std::string msg;
+  int err = 0;
+  if (result < 0) {
+    err = static_cast<int>(-result);
+    msg = ::tidal::detail::concat(what, " of ", want, " bytes at offset ", p.file_offset, " in '",
+                         self->files[static_cast<std::size_t>(p.file)]->dir,
+                         "' failed: ", std::strerror(err));
+  } else if (static_cast<std::uint64_t>(result) < want) {
+    err = EIO;
+    msg = ::tidal::detail::concat("short ", what, ": ", result, " of ", want, " bytes at offset ",
+                         p.file_offset, " in '", self->files[static_cast<std::size_t>(p.file)]->dir,
+                         "'");
+  } else if (!e.writing) {
+    const char* data = s->staging >= 0 ? static_cast<const char*>(s->io.buffer)
+                                       : (e.device ? nullptr : e.user + p.tensor_offset);
+    if (e.checksummed && data != nullptr && XXH3_64bits(data, p.length) != p.checksum) {
+      err = EIO;
+      msg = ::tidal::detail::concat("checksum mismatch in the stripe at tensor byte ", p.tensor_offset,
+                           " (file offset ", p.file_offset, " in '",
+                           self->files[static_cast<std::size_t>(p.file)]->dir,
+                           "'): the data read back is corrupt, so it was not used");
+    } else if (s->staging >= 0 &&
+               copy_in(e.user + p.tensor_offset, s->io.buffer, p.length, e.device) != 0) {
+      err = EIO;
+      msg = "copying the staging buffer to device memory failed";
+    }
+  }
+  self->complete(s, err, std::move(msg));
+}
+
+void TensorStore::Impl::complete(OpSlot* s, int err, std::string msg) {
+  Entry& e = *s->entry;
+  std::lock_guard<std::mutex> lock(mu);
+  --in_flight[static_cast<std::size_t>(e.pieces[s->piece].file)];
+  if (s->staging >= 0) {
+    staging_free.push_back(s->staging);
+    s->staging = -1;
+  }
+  if (err != 0 && e.err == 0) {
+    e.err = err;
+    e.err_msg = std::move(msg);
+  }
+  if (--e.pending == 0) {
+    if (e.err != 0) {
+      ++counters.failed_requests;
+    } else if (e.writing) {
+      ++counters.writes;
+      counters.bytes_written += e.bytes;
+    } else {
+      ++counters.reads;
+      counters.bytes_read += e.bytes;
+    }
+    if (e.writing) e.has_data = e.err == 0;
+    e.busy = false;
+    --busy_entries;
+    done_cv.notify_all();
+  }
+  dispatch_cv.notify_one();
+}
+
+// With mu held: reports (once) the error of the finished request.
+void TensorStore::Impl::throw_pending_error(Entry& e) {
+  if (e.err == 0) return;
+  const int err = e.err;
+  std::string msg = ::tidal::detail::concat("tensor store ", e.writing ? "write" : "read", " of ",
+                                   format_bytes(static_cast<double>(e.bytes)), " (ticket ", e.id,
+                                   ") failed: ", e.err_msg);
+  e.err = 0;
+  e.err_msg.clear();
+  throw IoError(msg, err);
+}
+
+TensorStore::TensorStore(StoreOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
+
+TensorStore::~TensorStore() = default;
+
+Ticket TensorStore::write(const void* src, std::uint64_t bytes, Priority priority) {
+  TIDAL_EXPECT(src != nullptr || bytes == 0, "TensorStore::write: null source buffer");
+  const bool device = bytes > 0 && is_device_memory(src);
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto entry = std::make_unique<Entry>();
+  Entry& e = *entry;
+  e.id = impl_->next_id++;
+  e.bytes = bytes;
+  e.checksummed = impl_->opt.checksum && (!device || impl_->device_backend == nullptr);
+  impl_->entries.emplace(e.id, std::move(entry));
+  if (bytes > 0 && !impl_->layout(e)) {
+    std::uint64_t free = 0;
+    std::uint64_t largest = 0;
+    for (const auto& f : impl_->files) {
+      free += f->extents->free_bytes();
+      largest = std::max(largest, f->extents->largest_free());
+    }
+    e.err = ENOSPC;
+    e.err_msg = ::tidal::detail::concat(
+        "the store is full: the tensor needs ", format_bytes(static_cast<double>(bytes)),
+        " but only ", format_bytes(static_cast<double>(free)), " of ",
+        format_bytes(static_cast<double>(impl_->counters.capacity)),
+        " is free (largest free extent ", format_bytes(static_cast<double>(largest)),
+        "); free tickets or open the store with a larger capacity");
+    e.writing = true;
+    ++impl_->counters.failed_requests;
+    return Ticket{e.id};
+  }
+  impl_->start_request(e, static_cast<char*>(const_cast<void*>(src)), true, priority, device);
+  return Ticket{e.id};
+}
+
+void TensorStore::read(Ticket ticket, void* dst, Priority priority) {
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  Entry& e = impl_->find(ticket);
+  TIDAL_EXPECT(dst != nullptr || e.bytes == 0, "TensorStore::read: null destination buffer");
+  impl_->done_cv.wait(lock, [&] { return !e.busy; });
+  impl_->throw_pending_error(e);
+  TIDAL_EXPECT(e.has_data, "ticket ", ticket.id,
+               " holds no data: its write failed, so there is nothing to read back");
+  const bool device = e.bytes > 0 && is_device_memory(dst);
+  impl_->start_request(e, static_cast<char*>(dst), false, priority, device);
+}
+
+bool TensorStore::ready(Ticket ticket) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return !impl_->find(ticket).busy;
+}
+
+void TensorStore::wait(Ticket ticket) {
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  Entry& e = impl_->find(ticket);
+  impl_->done_cv.wait(lock, [&] { return !e.busy; });
+  impl_->throw_pending_error(e);
+}
+
+void TensorStore::prioritize(Ticket ticket, Priority priority) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Entry& e = impl_->find(ticket);
+  if (!e.busy) return;
+  for (OpSlot& s : e.slots) {
+    if (!s.queued || s.priority >= priority) continue;
+    auto& lane = impl_->lanes[static_cast<std::size_t>(e.pieces[s.piece].file)];
+    lane.erase(&s);
+    s.priority = priority;
+    lane.insert(&s);
+  }
+  impl_->dispatch_cv.notify_one();
+}
+
+void TensorStore::free(Ticket ticket) {
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  Entry& e = impl_->find(ticket);
+  impl_->done_cv.wait(lock, [&] { return !e.busy; });
+  impl_->release_extents(e);
+  impl_->entries.erase(ticket.id);
+}
+
+std::uint64_t TensorStore::size(Ticket ticket) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->find(ticket).bytes;
+}
+
+StoreStats TensorStore::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  StoreStats s = impl_->counters;
+  s.used_bytes = 0;
+  for (const auto& f : impl_->files) {
+    s.file_used_bytes.push_back(f->extents->used_bytes());
+    s.used_bytes += f->extents->used_bytes();
+  }
+  s.tickets = impl_->entries.size();
+  return s;
+}
+
+const StoreOptions& TensorStore::options() const { return impl_->opt; }
+
+std::uint64_t TensorStore::free_bytes() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::uint64_t n = 0;
+  for (const auto& f : impl_->files) n += f->extents->free_bytes();
+  return n;
+}
+
+}  // namespace tidal::io

@@ -1,0 +1,461 @@
+#include "tidal/io/store.hpp"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <random>
+#include <thread>
+
+#include "test_dir.hpp"
+#include "tidal/common/error.hpp"
+#include "tidal/common/units.hpp"
+
+#if defined(__SANITIZE_THREAD__)
+#define TIDAL_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define TIDAL_TSAN 1
+#endif
+#endif
+
+namespace tidal::io {
+namespace {
+
+using testing::random_bytes;
+using testing::TestDir;
+
+// A buffer at a chosen misalignment from a 4 KiB boundary.
+struct Buffer {
+  Buffer(std::size_t n, std::size_t misalign) : n_(n) {
+    raw_.reset(static_cast<unsigned char*>(std::aligned_alloc(4096, align_up(n + misalign + 1, 4096))));
+    p_ = raw_.get() + misalign;
+  }
+  unsigned char* data() { return p_; }
+  [[nodiscard]] std::size_t size() const { return n_; }
+
+ private:
+  struct Free {
+    void operator()(unsigned char* p) const { std::free(p); }
+  };
+  std::unique_ptr<unsigned char, Free> raw_;
+  unsigned char* p_;
+  std::size_t n_;
+};
+
+class StoreTest : public ::testing::TestWithParam<BackendKind> {
+ protected:
+  StoreOptions options(std::uint64_t capacity = 64 * kMiB) {
+    StoreOptions o;
+    o.dirs = {dir_.path()};
+    o.capacity = capacity;
+    o.backend = GetParam();
+    o.queue_depth = 8;
+    return o;
+  }
+  void SetUp() override {
+#ifdef TIDAL_TSAN
+    if (GetParam() == BackendKind::kIoUring) {
+      GTEST_SKIP() << "io_uring orders memory through the kernel, which ThreadSanitizer cannot "
+                      "see; the posix variant runs under TSan";
+    }
+#endif
+    if (GetParam() == BackendKind::kIoUring) {
+      try {
+        TensorStore probe(options(kMiB));
+        if (probe.stats().backend.rfind("io_uring", 0) != 0) GTEST_SKIP() << "no io_uring";
+      } catch (const IoError& e) {
+        GTEST_SKIP() << "io_uring unavailable here: " << e.what();
+      }
+    }
+  }
+  TestDir dir_;
+};
+
+void round_trip(TensorStore& store, std::size_t n, std::size_t misalign_src,
+                std::size_t misalign_dst, std::uint64_t seed) {
+  auto data = random_bytes(n, seed);
+  Buffer src(n, misalign_src);
+  std::memcpy(src.data(), data.data(), n);
+  Ticket t = store.write(src.data(), n);
+  store.wait(t);
+  EXPECT_EQ(store.size(t), n);
+  Buffer dst(n, misalign_dst);
+  std::memset(dst.data(), 0xee, n);
+  store.read(t, dst.data(), Priority::kUrgent);
+  store.wait(t);
+  ASSERT_EQ(std::memcmp(dst.data(), data.data(), n), 0)
+      << "size " << n << " misalign " << misalign_src << "/" << misalign_dst;
+  store.free(t);
+}
+
+TEST_P(StoreTest, RoundTripsAtOddSizesAndAlignments) {
+  TensorStore store(options());
+  const std::size_t sizes[] = {1,        511,      512,         1024,           1025,
+                               4095,     4096,     4097,        kMiB - 1,       kMiB,
+                               kMiB + 3, 3 * kMiB + 4097, 5 * kMiB / 2};
+  std::uint64_t seed = 1;
+  for (std::size_t n : sizes) {
+    round_trip(store, n, 0, 0, seed++);
+    round_trip(store, n, 1, 0, seed++);
+    round_trip(store, n, 0, 513, seed++);
+    round_trip(store, n, 4095, 7, seed++);
+  }
+  const StoreStats s = store.stats();
+  EXPECT_EQ(s.used_bytes, 0u);
+  EXPECT_EQ(s.tickets, 0u);
+  EXPECT_EQ(s.failed_requests, 0u);
+  EXPECT_GT(s.staged_ops, 0u) << "unaligned buffers must go through staging";
+  EXPECT_FALSE(s.buffered);
+}
+
+TEST_P(StoreTest, ZeroBytesIsCompleteAtOnce) {
+  TensorStore store(options());
+  Ticket t = store.write(nullptr, 0);
+  EXPECT_TRUE(store.ready(t));
+  store.wait(t);
+  store.read(t, nullptr);
+  store.wait(t);
+  store.free(t);
+}
+
+TEST_P(StoreTest, StripesOverTwoDirectories) {
+  StoreOptions o = options(64 * kMiB);
+  o.dirs = {dir_.sub("ssd0"), dir_.sub("ssd1")};
+  o.stripe_unit = kMiB;
+  TensorStore store(o);
+  const std::size_t n = 4 * kMiB + 100;  // 5 stripes: 3 on one file, 2 on the other
+  auto data = random_bytes(n, 77);
+  Ticket t = store.write(data.data(), n);
+  store.wait(t);
+  StoreStats s = store.stats();
+  ASSERT_EQ(s.file_used_bytes.size(), 2u);
+  EXPECT_GT(s.file_used_bytes[0], 0u);
+  EXPECT_GT(s.file_used_bytes[1], 0u);
+  EXPECT_EQ(s.file_used_bytes[0] + s.file_used_bytes[1], 4 * kMiB + 4096);
+  std::vector<unsigned char> back(n);
+  store.read(t, back.data());
+  store.wait(t);
+  EXPECT_EQ(back, data);
+  // The round robin goes on where the last tensor stopped: the next stripe lands on the file
+  // that had fewer, so both now hold three stripes.
+  Ticket u = store.write(data.data(), kMiB);
+  store.wait(u);
+  s = store.stats();
+  EXPECT_EQ(s.file_used_bytes[0], 2 * kMiB + 4096);
+  EXPECT_EQ(s.file_used_bytes[1], 3 * kMiB);
+}
+
+TEST_P(StoreTest, TmpFilesAreInvisibleInTheDirectory) {
+  auto count = [&] {
+    return std::distance(std::filesystem::directory_iterator(dir_.path()),
+                         std::filesystem::directory_iterator{});
+  };
+  const auto before = count();
+  TensorStore store(options());
+  EXPECT_EQ(count(), before) << "the store file must have no name in the directory";
+  auto data = random_bytes(kMiB, 5);
+  Ticket t = store.write(data.data(), kMiB);
+  store.wait(t);
+  EXPECT_EQ(count(), before);
+  EXPECT_TRUE(store.stats().tmpfile) << "ext4 supports O_TMPFILE";
+}
+
+TEST_P(StoreTest, FullStoreFailsOneRequestAndRecoversAfterFree) {
+  TensorStore store(options(8 * kMiB));
+  auto data = random_bytes(3 * kMiB, 9);
+  Ticket a = store.write(data.data(), 3 * kMiB);
+  Ticket b = store.write(data.data(), 3 * kMiB);
+  Ticket c = store.write(data.data(), 3 * kMiB);  // 9 MiB > 8 MiB
+  store.wait(a);
+  store.wait(b);
+  try {
+    store.wait(c);
+    FAIL() << "a write past capacity must fail";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.errnum(), ENOSPC);
+    EXPECT_NE(std::string(e.what()).find("store is full"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(store.read(c, data.data()), Error) << "a failed write holds no data";
+  store.free(c);
+  store.free(a);
+  Ticket d = store.write(data.data(), 3 * kMiB);
+  store.wait(d);
+  std::vector<unsigned char> back(3 * kMiB);
+  store.read(b, back.data());
+  store.wait(b);
+  EXPECT_EQ(back, data) << "earlier data is untouched by the failure";
+  store.read(d, back.data());
+  store.wait(d);
+  EXPECT_EQ(back, data);
+  EXPECT_EQ(store.stats().failed_requests, 1u);
+}
+
+TEST_P(StoreTest, FragmentedStoreStillPlacesATensor) {
+  StoreOptions o = options(16 * kMiB);
+  o.stripe_unit = 256 * kKiB;
+  TensorStore store(o);
+  auto data = random_bytes(kMiB, 3);
+  std::vector<Ticket> t;
+  for (int i = 0; i < 16; ++i) t.push_back(store.write(data.data(), kMiB));
+  for (auto& x : t) store.wait(x);
+  for (int i = 0; i < 16; i += 2) store.free(t[static_cast<std::size_t>(i)]);
+  // 8 MiB free in 1 MiB holes: a 4 MiB tensor only fits stripe by stripe.
+  auto big = random_bytes(4 * kMiB, 4);
+  Ticket b = store.write(big.data(), 4 * kMiB);
+  store.wait(b);
+  std::vector<unsigned char> back(4 * kMiB);
+  store.read(b, back.data());
+  store.wait(b);
+  EXPECT_EQ(back, big);
+}
+
+TEST_P(StoreTest, InjectedEioIsReportedAndTheStoreStaysUsable) {
+  StoreOptions o = options();
+  o.faults.fail_op = 2;
+  TensorStore store(o);
+  auto data = random_bytes(kMiB, 12);
+  Ticket a = store.write(data.data(), kMiB);
+  store.wait(a);
+  Ticket b = store.write(data.data(), kMiB);
+  try {
+    store.wait(b);
+    FAIL() << "the 2nd op was set to fail";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.errnum(), EIO);
+    EXPECT_NE(std::string(e.what()).find("Input/output error"), std::string::npos) << e.what();
+  }
+  store.wait(b);  // reported once
+  Ticket c = store.write(data.data(), kMiB);
+  store.wait(c);
+  std::vector<unsigned char> back(kMiB);
+  for (Ticket x : {a, c}) {
+    store.read(x, back.data());
+    store.wait(x);
+    EXPECT_EQ(back, data);
+  }
+  EXPECT_EQ(store.stats().failed_requests, 1u);
+}
+
+TEST_P(StoreTest, InjectedEnospcFromTheDisk) {
+  StoreOptions o = options();
+  o.faults.fail_op = 1;
+  o.faults.fail_errno = ENOSPC;
+  TensorStore store(o);
+  auto data = random_bytes(100000, 13);
+  Ticket a = store.write(data.data(), data.size());
+  try {
+    store.wait(a);
+    FAIL();
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.errnum(), ENOSPC);
+  }
+  store.free(a);
+  Ticket b = store.write(data.data(), data.size());
+  store.wait(b);
+}
+
+TEST_P(StoreTest, ShortWriteAndShortReadFailTheirRequest) {
+  StoreOptions o = options();
+  o.faults.short_op = 1;  // the write
+  TensorStore store(o);
+  auto data = random_bytes(2 * 4096, 14);
+  Ticket a = store.write(data.data(), data.size());
+  try {
+    store.wait(a);
+    FAIL();
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("short write"), std::string::npos) << e.what();
+  }
+  StoreOptions o2 = options();
+  o2.faults.short_op = 2;  // the read
+  TensorStore store2(o2);
+  Ticket b = store2.write(data.data(), data.size());
+  store2.wait(b);
+  std::vector<unsigned char> back(data.size());
+  store2.read(b, back.data());
+  try {
+    store2.wait(b);
+    FAIL();
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("short read"), std::string::npos) << e.what();
+  }
+  store2.read(b, back.data());  // the data is still there: a retry succeeds
+  store2.wait(b);
+  EXPECT_EQ(back, data);
+}
+
+TEST_P(StoreTest, CorruptReadIsDetectedByChecksum) {
+  StoreOptions o = options();
+  o.faults.corrupt_read = 2;  // the second stripe read of the tensor
+  o.stripe_unit = 64 * kKiB;
+  TensorStore store(o);
+  auto data = random_bytes(300 * 1000, 15);
+  Ticket t = store.write(data.data(), data.size());
+  store.wait(t);
+  std::vector<unsigned char> back(data.size());
+  store.read(t, back.data());
+  try {
+    store.wait(t);
+    FAIL() << "a flipped byte must fail the read";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("checksum mismatch"), std::string::npos) << e.what();
+  }
+  store.read(t, back.data());
+  store.wait(t);
+  EXPECT_EQ(back, data);
+}
+
+TEST_P(StoreTest, WithoutChecksumsCorruptionGoesUnnoticed) {
+  // The control for the test above: it is the checksum, not luck, that catches the flip.
+  StoreOptions o = options();
+  o.faults.corrupt_read = 1;
+  o.checksum = false;
+  TensorStore store(o);
+  auto data = random_bytes(8192, 16);
+  Ticket t = store.write(data.data(), data.size());
+  store.wait(t);
+  std::vector<unsigned char> back(data.size());
+  store.read(t, back.data());
+  store.wait(t);
+  EXPECT_NE(back, data);
+}
+
+TEST_P(StoreTest, UrgentRequestsOvertakeQueuedOffloads) {
+  StoreOptions o = options();
+  o.queue_depth = 1;
+  o.threads = 1;
+  o.faults.delay_us = 2000;  // every op takes >= 2 ms
+  TensorStore store(o);
+  auto data = random_bytes(kMiB, 17);
+  std::vector<Ticket> offloads;
+  for (int i = 0; i < 24; ++i) offloads.push_back(store.write(data.data(), 64 * kKiB));
+  Ticket urgent = store.write(data.data(), 64 * kKiB, Priority::kUrgent);
+  store.wait(urgent);
+  int pending = 0;
+  for (Ticket t : offloads) pending += store.ready(t) ? 0 : 1;
+  EXPECT_GE(pending, 12) << "the urgent write waited behind the offloads";
+  // prioritize() lifts a queued request the same way.
+  Ticket late = store.write(data.data(), 64 * kKiB);
+  store.prioritize(late, Priority::kUrgent);
+  store.wait(late);
+  pending = 0;
+  for (Ticket t : offloads) pending += store.ready(t) ? 0 : 1;
+  EXPECT_GE(pending, 6);
+  for (Ticket t : offloads) store.wait(t);
+}
+
+TEST_P(StoreTest, ConcurrentRandomStressChecksEveryByte) {
+  StoreOptions o = options(48 * kMiB);
+  o.dirs = {dir_.sub("a"), dir_.sub("b")};
+  o.stripe_unit = 128 * kKiB;
+  TensorStore store(o);
+  std::atomic<int> failures{0};
+  std::atomic<int> full{0};
+  auto worker = [&](int id) {
+    std::mt19937_64 rng(1000 + id);
+    std::map<std::uint64_t, std::pair<Ticket, std::vector<unsigned char>>> mine;
+    std::uint64_t next = 0;
+    for (int step = 0; step < 150; ++step) {
+      const int action = static_cast<int>(rng() % 3);
+      if (action == 0 || mine.empty()) {
+        const std::size_t n = 1 + rng() % (700 * 1024);
+        auto data = random_bytes(n, rng());
+        const auto prio = static_cast<Priority>(rng() % 3);
+        Ticket t = store.write(data.data(), n, prio);
+        try {
+          store.wait(t);
+          mine.emplace(next++, std::make_pair(t, std::move(data)));
+        } catch (const IoError& e) {
+          if (e.errnum() != ENOSPC) failures++;
+          full++;
+          store.free(t);
+        }
+      } else {
+        auto it = mine.begin();
+        std::advance(it, static_cast<long>(rng() % mine.size()));
+        if (action == 1) {
+          std::vector<unsigned char> back(it->second.second.size() + 3);
+          store.read(it->second.first, back.data() + (rng() % 4));
+          store.wait(it->second.first);
+          // Compare the bytes where the read landed.
+          bool same = false;
+          for (int off = 0; off < 4 && !same; ++off) {
+            same = std::memcmp(back.data() + off, it->second.second.data(),
+                               it->second.second.size()) == 0;
+          }
+          if (!same) failures++;
+        } else {
+          store.free(it->second.first);
+          mine.erase(it);
+        }
+      }
+    }
+    for (auto& [k, v] : mine) store.free(v.first);
+  };
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 4; ++i) threads.emplace_back(worker, i);
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  const StoreStats s = store.stats();
+  EXPECT_EQ(s.used_bytes, 0u);
+  EXPECT_EQ(s.tickets, 0u);
+  EXPECT_GT(s.reads, 50u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, StoreTest,
+                         ::testing::Values(BackendKind::kPosix, BackendKind::kIoUring),
+                         [](const auto& info) {
+                           return std::string(info.param == BackendKind::kPosix ? "posix"
+                                                                                : "io_uring");
+                         });
+
+TEST(StoreErrors, MissingDirectorySaysWhatToDo) {
+  StoreOptions o;
+  o.dirs = {"/nonexistent/tidal-dir"};
+  o.capacity = kMiB;
+  try {
+    TensorStore store(o);
+    FAIL();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("mkdir -p"), std::string::npos) << e.what();
+  }
+}
+
+TEST(StoreErrors, BadOptionsAreRejected) {
+  TestDir dir;
+  StoreOptions o;
+  o.dirs = {dir.path()};
+  o.capacity = kMiB;
+  o.stripe_unit = 3000;
+  EXPECT_THROW(TensorStore{o}, InvalidArgument);
+  o.stripe_unit = 0;
+  o.capacity = 100;
+  EXPECT_THROW(TensorStore{o}, InvalidArgument);
+  o.capacity = kMiB;
+  TensorStore ok(o);
+  EXPECT_THROW(ok.read(Ticket{12345}, nullptr), Error);
+  EXPECT_THROW(ok.free(Ticket{12345}), Error);
+}
+
+TEST(StoreErrors, CapacityLargerThanTheDiskIsRefusedClearly) {
+  TestDir dir;
+  StoreOptions o;
+  o.dirs = {dir.path()};
+  o.capacity = std::uint64_t{1} << 60;  // an exabyte
+  try {
+    TensorStore store(o);
+    FAIL();
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("lower the store capacity"), std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace tidal::io
