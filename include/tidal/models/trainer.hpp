@@ -1,0 +1,135 @@
+// The reference trainer: data, AdamW and the step loop used by `tidal train`, `tidal profile`,
+// the tests and the benchmarks.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tidal/models/gpt.hpp"
+#include "tidal/torch/step.hpp"
+
+namespace tidal::models {
+
+/// AdamW with decoupled weight decay (Loshchilov & Hutter), written with plain ATen ops so that
+/// every state tensor is visible and the same on libtorch 1.13 and 2.x. Weight decay applies to
+/// parameters with two or more dimensions (GPT-2 practice). State tensors are created at
+/// construction, so they exist (and can be registered with a tracer) before the first step.
+/// Not thread-safe. Holds references to the parameters it was given.
+class AdamW {
+ public:
+  struct Options {
+    double lr = 3e-4;
+    double beta1 = 0.9;
+    double beta2 = 0.95;
+    double eps = 1e-8;
+    double weight_decay = 0.1;
+  };
+
+  AdamW(std::vector<torch::Tensor> params, Options options);
+
+  /// One update of every parameter that has a gradient. Runs under torch::NoGradGuard.
+  void step();
+
+  /// Zeroes the gradients in place (they stay allocated: persistent across steps).
+  void zero_grad();
+
+  /// The state tensors with a name: ("exp_avg.<i>", t), ("exp_avg_sq.<i>", t) for parameter i.
+  [[nodiscard]] std::vector<std::pair<std::string, torch::Tensor>> named_state() const;
+
+  [[nodiscard]] const Options& options() const { return options_; }
+  [[nodiscard]] std::int64_t steps_taken() const { return step_; }
+
+ private:
+  std::vector<torch::Tensor> params_;
+  std::vector<torch::Tensor> exp_avg_;
+  std::vector<torch::Tensor> exp_avg_sq_;
+  Options options_;
+  std::int64_t step_ = 0;
+};
+
+/// Where training tokens come from: a deterministic synthetic stream (default) or a text file
+/// read as bytes (token = byte value, so the model's vocabulary must be at least 256).
+/// Deterministic given the seed. Not thread-safe.
+class TokenSource {
+ public:
+  /// Synthetic stream: a noisy affine recurrence over `vocab`, learnable so that losses fall.
+  TokenSource(std::int64_t vocab, std::uint64_t seed);
+
+  /// Byte-level text from `path`. Throws tidal::InvalidArgument if the file cannot be read, is
+  /// shorter than seq + 1 bytes at first use, or vocab < 256.
+  TokenSource(const std::string& path, std::int64_t vocab, std::uint64_t seed);
+
+  /// The next batch: inputs [batch, seq] and targets (inputs shifted by one), int64, on CPU.
+  std::pair<torch::Tensor, torch::Tensor> next_batch(std::int64_t batch, std::int64_t seq);
+
+ private:
+  std::int64_t vocab_;
+  std::mt19937_64 rng_;
+  std::vector<std::uint8_t> text_;  // empty: synthetic
+  std::int64_t state_ = 0;          // synthetic stream position
+};
+
+struct TrainerOptions {
+  ModelConfig config;
+  std::int64_t batch = 8;
+  std::int64_t seq = 128;
+  std::uint64_t seed = 1234;
+  AdamW::Options adamw;
+  std::string data_path;  ///< empty: synthetic tokens
+  torch::Device device = torch::kCPU;
+};
+
+/// What one step produced.
+struct StepResult {
+  std::int64_t step = 0;
+  double loss = 0;
+  double seconds = 0;  ///< wall time of the step, the loss read back included
+};
+
+/// Builds model, optimizer and data from TrainerOptions and runs training steps. The step loop is
+/// step(): batch, forward, backward, optimizer, with StepObserver calls at each boundary.
+/// Seeds torch's generator at construction: the same options give the same losses.
+/// Not thread-safe; observers are not owned and must outlive their registration.
+class Trainer {
+ public:
+  /// Throws tidal::InvalidArgument on a bad option (seq > max_seq, batch < 1, unreadable data).
+  explicit Trainer(TrainerOptions options);
+
+  /// Runs one step and returns its loss and time.
+  StepResult step();
+
+  /// Adds an observer called from step(); it also receives the model's layer changes.
+  void add_observer(torch_layer::StepObserver* observer);
+  /// Removes an observer added before (no-op if absent).
+  void remove_observer(torch_layer::StepObserver* observer);
+
+  [[nodiscard]] Transformer& model() { return model_; }
+  [[nodiscard]] AdamW& optimizer() { return optimizer_; }
+  [[nodiscard]] const TrainerOptions& options() const { return options_; }
+  [[nodiscard]] std::int64_t steps_done() const { return step_; }
+
+  /// Named persistent tensors: parameters ("param:<name>"), gradients ("grad:<name>", those
+  /// defined), optimizer state ("adamw:<state>.<i>") and buffers ("buffer:<name>").
+  struct NamedTensors {
+    std::vector<std::pair<std::string, torch::Tensor>> parameters, gradients, optimizer_state,
+        buffers;
+  };
+  [[nodiscard]] NamedTensors persistent_tensors();
+
+ private:
+  void notify_phase(trace::Phase phase);
+
+  TrainerOptions options_;
+  Transformer model_{nullptr};
+  AdamW optimizer_;
+  TokenSource data_;
+  std::vector<torch_layer::StepObserver*> observers_;
+  std::int64_t step_ = 0;
+};
+
+}  // namespace tidal::models

@@ -1,0 +1,197 @@
+#include "tidal/models/trainer.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <iterator>
+
+#include "tidal/common/error.hpp"
+
+namespace tidal::models {
+
+AdamW::AdamW(std::vector<torch::Tensor> params, Options options)
+    : params_(std::move(params)), options_(options) {
+  torch::NoGradGuard no_grad;
+  exp_avg_.reserve(params_.size());
+  exp_avg_sq_.reserve(params_.size());
+  for (const auto& p : params_) {
+    exp_avg_.push_back(torch::zeros_like(p));
+    exp_avg_sq_.push_back(torch::zeros_like(p));
+  }
+}
+
+void AdamW::step() {
+  torch::NoGradGuard no_grad;
+  ++step_;
+  const double t = static_cast<double>(step_);
+  const double bias_correction1 = 1.0 - std::pow(options_.beta1, t);
+  const double bias_correction2 = 1.0 - std::pow(options_.beta2, t);
+  const double step_size = options_.lr / bias_correction1;
+  const double sqrt_bc2 = std::sqrt(bias_correction2);
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    auto& p = params_[i];
+    const auto& g = p.grad();
+    if (!g.defined()) continue;
+    if (options_.weight_decay != 0 && p.dim() >= 2)
+      p.mul_(1.0 - options_.lr * options_.weight_decay);
+    exp_avg_[i].mul_(options_.beta1).add_(g, 1.0 - options_.beta1);
+    exp_avg_sq_[i].mul_(options_.beta2).addcmul_(g, g, 1.0 - options_.beta2);
+    auto denom = (exp_avg_sq_[i].sqrt() / sqrt_bc2).add_(options_.eps);
+    p.addcdiv_(exp_avg_[i], denom, -step_size);
+  }
+}
+
+void AdamW::zero_grad() {
+  torch::NoGradGuard no_grad;
+  for (auto& p : params_) {
+    auto g = p.grad();
+    if (g.defined()) g.zero_();
+  }
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> AdamW::named_state() const {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  out.reserve(2 * params_.size());
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    out.emplace_back("exp_avg." + std::to_string(i), exp_avg_[i]);
+    out.emplace_back("exp_avg_sq." + std::to_string(i), exp_avg_sq_[i]);
+  }
+  return out;
+}
+
+TokenSource::TokenSource(std::int64_t vocab, std::uint64_t seed) : vocab_(vocab), rng_(seed) {
+  TIDAL_EXPECT_AS(InvalidArgument, vocab >= 2, "the vocabulary needs at least two tokens");
+}
+
+TokenSource::TokenSource(const std::string& path, std::int64_t vocab, std::uint64_t seed)
+    : vocab_(vocab), rng_(seed) {
+  TIDAL_EXPECT_AS(InvalidArgument, vocab >= 256, "--data trains on bytes: the model's vocabulary (",
+                  vocab, ") must hold at least 256 tokens");
+  std::ifstream in(path, std::ios::binary);
+  TIDAL_EXPECT_AS(InvalidArgument, in.good(), "cannot open the data file '", path,
+                  "'; check the path given to --data");
+  text_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  TIDAL_EXPECT_AS(InvalidArgument, text_.size() >= 2, "the data file '", path, "' is empty");
+}
+
+std::pair<torch::Tensor, torch::Tensor> TokenSource::next_batch(std::int64_t batch,
+                                                                std::int64_t seq) {
+  TIDAL_EXPECT_AS(InvalidArgument, batch >= 1 && seq >= 1, "batch and seq must be at least 1");
+  std::vector<std::int64_t> rows(static_cast<std::size_t>(batch * (seq + 1)));
+  if (!text_.empty()) {
+    TIDAL_EXPECT_AS(InvalidArgument, static_cast<std::int64_t>(text_.size()) > seq,
+                    "the data file holds ", text_.size(), " bytes, fewer than seq + 1 = ", seq + 1,
+                    "; use a shorter --seq or a longer file");
+    std::uniform_int_distribution<std::int64_t> offset(
+        0, static_cast<std::int64_t>(text_.size()) - seq - 1);
+    for (std::int64_t b = 0; b < batch; ++b) {
+      const auto start = offset(rng_);
+      for (std::int64_t i = 0; i <= seq; ++i) {
+        rows[static_cast<std::size_t>(b * (seq + 1) + i)] =
+            text_[static_cast<std::size_t>(start + i)];
+      }
+    }
+  } else {
+    // t[i+1] = (5 t[i] + 3) mod vocab, replaced by a random token one time in eight.
+    std::uniform_int_distribution<std::int64_t> token(0, vocab_ - 1);
+    std::uniform_int_distribution<int> noise(0, 7);
+    for (std::int64_t b = 0; b < batch; ++b) {
+      for (std::int64_t i = 0; i <= seq; ++i) {
+        state_ = noise(rng_) == 0 ? token(rng_) : (5 * state_ + 3) % vocab_;
+        rows[static_cast<std::size_t>(b * (seq + 1) + i)] = state_;
+      }
+    }
+  }
+  auto all = torch::from_blob(rows.data(), {batch, seq + 1}, torch::kLong).clone();
+  return {all.narrow(1, 0, seq).contiguous(), all.narrow(1, 1, seq).contiguous()};
+}
+
+namespace {
+
+Transformer seeded_model(const TrainerOptions& o) {
+  TIDAL_EXPECT_AS(InvalidArgument, o.batch >= 1, "--batch must be at least 1");
+  TIDAL_EXPECT_AS(InvalidArgument, o.seq >= 1 && o.seq <= o.config.max_seq, "--seq ", o.seq,
+                  " is outside 1..", o.config.max_seq, " for model ", o.config.name);
+  torch::manual_seed(o.seed);
+  return make_model(o.config, o.device);
+}
+
+TokenSource make_source(const TrainerOptions& o) {
+  if (o.data_path.empty()) return TokenSource(o.config.vocab, o.seed);
+  return TokenSource(o.data_path, o.config.vocab, o.seed);
+}
+
+}  // namespace
+
+Trainer::Trainer(TrainerOptions options)
+    : options_(std::move(options)),
+      model_(seeded_model(options_)),
+      optimizer_(model_->parameters(), options_.adamw),
+      data_(make_source(options_)) {
+  model_->set_layer_listener([this](std::int64_t layer) {
+    for (auto* o : observers_) o->begin_layer(layer);
+  });
+}
+
+void Trainer::add_observer(torch_layer::StepObserver* observer) {
+  TIDAL_EXPECT(observer != nullptr, "add_observer: null observer");
+  if (std::find(observers_.begin(), observers_.end(), observer) == observers_.end()) {
+    observers_.push_back(observer);
+  }
+}
+
+void Trainer::remove_observer(torch_layer::StepObserver* observer) {
+  observers_.erase(std::remove(observers_.begin(), observers_.end(), observer), observers_.end());
+}
+
+void Trainer::notify_phase(trace::Phase phase) {
+  for (auto* o : observers_) o->begin_phase(phase);
+}
+
+StepResult Trainer::step() {
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  auto [inputs, targets] = data_.next_batch(options_.batch, options_.seq);
+  if (options_.device != torch::Device(torch::kCPU)) {
+    inputs = inputs.to(options_.device);
+    targets = targets.to(options_.device);
+  }
+  for (auto* o : observers_) o->begin_step(step_, {inputs, targets});
+
+  notify_phase(trace::Phase::kForward);
+  torch::Tensor loss = model_->loss(inputs, targets);
+
+  notify_phase(trace::Phase::kBackward);
+  // torch::autograd::backward rather than Tensor::backward: the latter is itself a dispatched op
+  // (aten::_backward) and would hide the backward ops from a tracer as nested calls.
+  torch::autograd::backward({loss});
+
+  notify_phase(trace::Phase::kOptimizer);
+  optimizer_.step();
+  optimizer_.zero_grad();
+
+  for (auto* o : observers_) o->end_step(step_);
+
+  StepResult r;
+  r.step = step_++;
+  r.loss = loss.item<double>();  // also waits for the device
+  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  return r;
+}
+
+Trainer::NamedTensors Trainer::persistent_tensors() {
+  NamedTensors out;
+  for (const auto& p : model_->named_parameters()) {
+    out.parameters.emplace_back("param:" + p.key(), p.value());
+    if (p.value().grad().defined()) out.gradients.emplace_back("grad:" + p.key(), p.value().grad());
+  }
+  for (auto& s : optimizer_.named_state()) {
+    out.optimizer_state.emplace_back("adamw:" + s.first, s.second);
+  }
+  for (const auto& b : model_->named_buffers())
+    out.buffers.emplace_back("buffer:" + b.key(), b.value());
+  return out;
+}
+
+}  // namespace tidal::models

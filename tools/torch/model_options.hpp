@@ -1,0 +1,86 @@
+// Flags shared by `tidal train` and `tidal profile`: which model, its shape, the data and the
+// optimizer.
+#pragma once
+
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "tidal/models/gpt.hpp"
+#include "tidal/models/trainer.hpp"
+#include "tidal/torch/build_info.hpp"
+
+namespace tidal::cli {
+
+struct ModelArgs {
+  std::string model = "gpt-tiny";
+  std::int64_t batch = 8;
+  std::int64_t seq = 128;
+  std::int64_t steps = 10;
+  std::uint64_t seed = 1234;
+  std::string data;
+  double lr = 3e-4;
+  std::int64_t layers = 0;
+  std::int64_t hidden = 0;
+  std::int64_t heads = 0;
+  std::string device = "auto";
+};
+
+inline void add_model_options(CLI::App* cmd, ModelArgs& a) {
+  std::string names;
+  for (const auto& n : models::model_names()) names += (names.empty() ? "" : ", ") + n;
+  cmd->add_option("--model", a.model, "model config: " + names)->capture_default_str();
+  cmd->add_option("--batch", a.batch, "sequences per step")->capture_default_str();
+  cmd->add_option("--seq", a.seq, "tokens per sequence")->capture_default_str();
+  cmd->add_option("--steps", a.steps, "training steps")->capture_default_str();
+  cmd->add_option("--seed", a.seed, "seed of weights and data")->capture_default_str();
+  cmd->add_option("--data", a.data, "train on this text file (byte-level tokens)");
+  cmd->add_option("--lr", a.lr, "AdamW learning rate")->capture_default_str();
+  cmd->add_option("--layers", a.layers, "override the config's number of blocks");
+  cmd->add_option("--hidden", a.hidden, "override the config's hidden size");
+  cmd->add_option("--heads", a.heads, "override the config's attention heads");
+  cmd->add_option("--device", a.device, "auto, cpu or cuda[:N]")->capture_default_str();
+}
+
+inline models::TrainerOptions to_trainer_options(const ModelArgs& a) {
+  models::TrainerOptions o;
+  o.config = models::with_overrides(models::model_config(a.model), a.layers, a.hidden, a.heads);
+  o.batch = a.batch;
+  o.seq = a.seq;
+  o.seed = a.seed;
+  o.data_path = a.data;
+  o.adamw.lr = a.lr;
+  if (a.device == "auto") {
+    o.device =
+        torch_layer::cuda_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+  } else {
+    o.device = torch::Device(a.device);
+  }
+  return o;
+}
+
+/// A one-line progress bar on stderr; a line per update when stderr is not a terminal.
+class ProgressBar {
+ public:
+  explicit ProgressBar(std::int64_t total) : total_(total), tty_(isatty(2) != 0) {}
+  void update(std::int64_t done, const std::string& text) {
+    constexpr int kWidth = 24;
+    const int filled = total_ > 0 ? static_cast<int>(kWidth * done / total_) : kWidth;
+    std::string bar(static_cast<std::size_t>(filled), '#');
+    bar.resize(kWidth, '.');
+    std::fprintf(stderr, "%s[%s] %lld/%lld %s%s", tty_ ? "\r" : "", bar.c_str(),
+                 static_cast<long long>(done), static_cast<long long>(total_), text.c_str(),
+                 tty_ ? "\x1b[K" : "\n");
+    if (tty_ && done == total_) std::fputc('\n', stderr);
+    std::fflush(stderr);
+  }
+
+ private:
+  std::int64_t total_;
+  bool tty_;
+};
+
+}  // namespace tidal::cli
