@@ -1,12 +1,265 @@
+// `tidal simulate`: replay a trace (profiled or analytic) under each policy on a hardware model.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
 #include "commands.hpp"
 #include "tidal/common/error.hpp"
+#include "tidal/common/units.hpp"
+#include "tidal/plan/hardware.hpp"
+#include "tidal/plan/model_trace.hpp"
+#include "tidal/plan/policies.hpp"
+#include "tidal/trace/io.hpp"
 
 namespace tidal::cli {
+namespace {
 
-// Placeholder until the planner issue lands: the subcommand exists and says so.
+struct SimulateArgs {
+  std::string trace_path;
+  std::string model;
+  std::int64_t batch = 0;
+  std::int64_t seq = 0;
+  plan::ModelOverrides shape;
+  std::string hardware = "h100-4ssd";
+  plan::HardwareOverrides hw;
+  std::string policy = "all";
+  bool json = false;
+  std::string svg;
+  std::uint64_t min_bytes = 0;
+  std::string min_bytes_text;
+};
+
+std::string pct(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f%%", 100 * x);
+  return buf;
+}
+
+std::string svg_plot(const std::vector<plan::PolicyResult>& results, std::uint64_t capacity,
+                     const std::string& title) {
+  const double w = 960;
+  const double h = 480;
+  const double left = 70;
+  const double right = 170;
+  const double top = 40;
+  const double bottom = 50;
+  double ymax = static_cast<double>(capacity);
+  for (const auto& r : results) ymax = std::max(ymax, static_cast<double>(r.sim.peak_bytes));
+  ymax *= 1.05;
+  const double gb = 1e9;
+  auto X = [&](double f) { return left + f * (w - left - right); };
+  auto Y = [&](double b) { return top + (1 - b / ymax) * (h - top - bottom); };
+  static const char* kColors[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728",
+                                  "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"};
+  std::ostringstream s;
+  s << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << w << "\" height=\"" << h
+    << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
+    << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    << "<text x=\"" << left << "\" y=\"24\" font-size=\"15\">" << title << "</text>\n";
+  for (int i = 0; i <= 5; ++i) {
+    const double b = ymax * i / 5;
+    s << "<line x1=\"" << left << "\" x2=\"" << X(1) << "\" y1=\"" << Y(b) << "\" y2=\"" << Y(b)
+      << "\" stroke=\"#ddd\"/>\n<text x=\"" << left - 6 << "\" y=\"" << Y(b) + 4
+      << "\" text-anchor=\"end\">" << std::lround(b / gb) << "</text>\n";
+  }
+  s << "<text x=\"14\" y=\"" << (top + h - bottom) / 2 << "\" transform=\"rotate(-90 14 "
+    << (top + h - bottom) / 2 << ")\" text-anchor=\"middle\">device memory (GB)</text>\n"
+    << "<text x=\"" << X(0.5) << "\" y=\"" << h - 12
+    << "\" text-anchor=\"middle\">position in the iteration (op index / ops)</text>\n";
+  s << "<line x1=\"" << left << "\" x2=\"" << X(1) << "\" y1=\"" << Y(static_cast<double>(capacity))
+    << "\" y2=\"" << Y(static_cast<double>(capacity))
+    << "\" stroke=\"black\" stroke-dasharray=\"6 4\"/>\n<text x=\"" << X(1) + 6 << "\" y=\""
+    << Y(static_cast<double>(capacity)) + 4 << "\">capacity</text>\n";
+  int idx = 0;
+  for (const auto& r : results) {
+    const auto& m = r.sim.memory_per_op;
+    if (m.empty()) continue;
+    const char* color = kColors[idx % 8];
+    // At most 1500 points: the maximum of each bucket, so peaks stay visible.
+    const std::size_t points = std::min<std::size_t>(m.size(), 1500);
+    s << "<polyline fill=\"none\" stroke=\"" << color << "\" stroke-width=\"1.5\" points=\"";
+    for (std::size_t p = 0; p < points; ++p) {
+      const std::size_t lo = p * m.size() / points;
+      const std::size_t hi = std::max(lo + 1, (p + 1) * m.size() / points);
+      std::uint64_t v = 0;
+      for (std::size_t k = lo; k < hi; ++k) v = std::max(v, m[k]);
+      s << X(static_cast<double>(lo) / static_cast<double>(m.size())) << ","
+        << Y(static_cast<double>(v)) << " ";
+    }
+    s << "\"/>\n<text x=\"" << X(1) + 6 << "\" y=\"" << top + 16 * (idx + 2) << "\" fill=\""
+      << color << "\">" << plan::to_string(r.policy) << "</text>\n";
+    ++idx;
+  }
+  s << "</svg>\n";
+  return s.str();
+}
+
+void run_simulate(const SimulateArgs& a) {
+  plan::Hardware hw = plan::hardware_preset(a.hardware);
+  plan::apply_overrides(hw, a.hw);
+  trace::Trace tr;
+  if (!a.trace_path.empty()) {
+    TIDAL_EXPECT_AS(InvalidArgument, a.model.empty(), "give either --trace or --model, not both");
+    tr = trace::read_trace(a.trace_path);
+  } else {
+    TIDAL_EXPECT_AS(InvalidArgument, !a.model.empty(),
+                    "give a trace (--trace T.json) or a model (--model llama3-8b --batch 8 --seq "
+                    "4096)");
+    TIDAL_EXPECT_AS(InvalidArgument, a.batch > 0 && a.seq > 0,
+                    "--model needs --batch and --seq (positive)");
+    plan::TransformerConfig cfg = plan::model_preset(a.model);
+    plan::apply_overrides(cfg, a.shape);
+    tr = plan::transformer_trace(cfg, a.batch, a.seq, hw);
+  }
+  std::vector<plan::Policy> policies;
+  if (a.policy == "all") {
+    policies = plan::all_policies();
+  } else {
+    std::stringstream ss(a.policy);
+    std::string name;
+    while (std::getline(ss, name, ',')) policies.push_back(plan::policy_from_string(name));
+  }
+  plan::PolicyOptions opt;
+  opt.planner.min_bytes = a.min_bytes;
+  if (isatty(2) != 0) {
+    opt.planner.progress = [](double f) {
+      std::fprintf(stderr, "\rplanning: %3.0f%%", 100 * f);
+      if (f >= 1) std::fprintf(stderr, "\r               \r");
+    };
+  }
+  const auto results = plan::run_policies(policies, tr, hw, opt);
+
+  std::uint64_t trace_peak = 0;
+  for (const auto& r : results) {
+    if (r.policy == plan::Policy::kKeepAll || r.policy == plan::Policy::kIdeal) {
+      trace_peak = r.sim.peak_bytes;
+    }
+  }
+  const double cap = static_cast<double>(hw.device_memory);
+  std::printf("%s (batch %lld, seq %lld): %zu ops, %zu tensors, compute %s\n", tr.model.c_str(),
+              static_cast<long long>(tr.batch), static_cast<long long>(tr.seq), tr.ops.size(),
+              tr.tensors.size(), format_seconds(tr.compute_seconds()).c_str());
+  std::printf("hardware %s: %s\n", hw.name.c_str(), hw.describe().c_str());
+  if (trace_peak > 0) {
+    std::printf("keep-all peak %s = %s of device memory\n",
+                format_bytes(static_cast<double>(trace_peak)).c_str(),
+                pct(static_cast<double>(trace_peak) / cap).c_str());
+  }
+  std::printf("\n%-14s %12s %9s %12s %5s %10s %12s %12s  %s\n", "policy", "iteration", "of ideal",
+              "peak memory", "fits", "stall", "SSD written", "host written", "note");
+  for (const auto& r : results) {
+    std::printf("%-14s %12s %9s %12s %5s %10s %12s %12s  %s\n", plan::to_string(r.policy),
+                format_seconds(r.sim.iteration_seconds).c_str(), pct(r.fraction_of_ideal).c_str(),
+                format_bytes(static_cast<double>(r.sim.peak_bytes)).c_str(), r.fits ? "yes" : "NO",
+                format_seconds(r.sim.stall_seconds).c_str(),
+                format_bytes(static_cast<double>(r.sim.ssd_bytes_written)).c_str(),
+                format_bytes(static_cast<double>(r.sim.host_bytes_written)).c_str(),
+                r.note.c_str());
+  }
+  for (const auto& r : results) {
+    if (r.policy != plan::Policy::kTidal || !r.plan) continue;
+    std::printf(
+        "\ntidal: planned in %s; SSD write/read utilisation %s/%s, host %s/%s; SSD lifetime "
+        "%.0f days at %s TBW per SSD\n",
+        format_seconds(r.planning_seconds).c_str(), pct(r.sim.ssd_write_utilisation).c_str(),
+        pct(r.sim.ssd_read_utilisation).c_str(), pct(r.sim.host_write_utilisation).c_str(),
+        pct(r.sim.host_read_utilisation).c_str(), r.sim.ssd_lifetime_days,
+        format_bytes(hw.ssd_tbw).c_str());
+  }
+  if (!a.svg.empty()) {
+    std::ofstream out(a.svg);
+    TIDAL_EXPECT(out.good(), "cannot write the plot to '", a.svg, "'");
+    std::ostringstream title;
+    title << tr.model << " batch " << tr.batch << " seq " << tr.seq << " on " << hw.name;
+    out << svg_plot(results, hw.device_memory, title.str());
+    std::printf("memory plot written to %s\n", a.svg.c_str());
+  }
+  if (a.json) {
+    nlohmann::json j;
+    j["model"] = tr.model;
+    j["batch"] = tr.batch;
+    j["seq"] = tr.seq;
+    j["ops"] = tr.ops.size();
+    j["hardware"] = {{"name", hw.name},
+                     {"device_memory", hw.device_memory},
+                     {"ssd_count", hw.ssd_count},
+                     {"ssd_write_bw", hw.ssd_write_bw},
+                     {"ssd_read_bw", hw.ssd_read_bw},
+                     {"host_link_bw", hw.host_link_bw},
+                     {"host_memory", hw.host_memory}};
+    j["capacity_bytes"] = hw.device_memory;
+    j["trace_peak_bytes"] = trace_peak;
+    j["compute_seconds"] = tr.compute_seconds();
+    nlohmann::json ps = nlohmann::json::object();
+    for (const auto& r : results) {
+      nlohmann::json x = {{"iteration_seconds", r.sim.iteration_seconds},
+                          {"fraction_of_ideal", r.fraction_of_ideal},
+                          {"peak_bytes", r.sim.peak_bytes},
+                          {"fits", r.fits},
+                          {"stall_seconds", r.sim.stall_seconds},
+                          {"ssd_bytes_written", r.sim.ssd_bytes_written},
+                          {"host_bytes_written", r.sim.host_bytes_written},
+                          {"ssd_write_utilisation", r.sim.ssd_write_utilisation},
+                          {"ssd_read_utilisation", r.sim.ssd_read_utilisation},
+                          {"ssd_lifetime_days", r.sim.ssd_lifetime_days},
+                          {"misses", r.sim.misses},
+                          {"note", r.note}};
+      if (r.policy == plan::Policy::kTidal) x["planning_seconds"] = r.planning_seconds;
+      ps[plan::to_string(r.policy)] = x;
+    }
+    j["policies"] = ps;
+    std::printf("%s\n", j.dump().c_str());
+  }
+}
+
+}  // namespace
+
 void add_simulate_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("simulate", "(not built yet) see issue 4");
-  cmd->callback([] { TIDAL_FAIL("'tidal simulate' is not implemented in this build yet"); });
+  auto args = std::make_shared<SimulateArgs>();
+  auto* cmd = app.add_subcommand("simulate",
+                                 "Replay a trace under each offloading policy on a hardware model");
+  cmd->add_option("--trace", args->trace_path, "trace JSON from `tidal profile`");
+  cmd->add_option("--model", args->model,
+                  "analytic trace of a transformer: gpt2-small|gpt2-medium|gpt2-large|gpt2-xl|"
+                  "llama3.2-1b|llama3-8b|llama3-70b");
+  cmd->add_option("--batch", args->batch, "batch size (with --model)");
+  cmd->add_option("--seq", args->seq, "sequence length (with --model)");
+  cmd->add_option("--layers", args->shape.layers, "override the number of blocks");
+  cmd->add_option("--hidden", args->shape.hidden, "override the hidden size");
+  cmd->add_option("--heads", args->shape.heads, "override the attention heads");
+  cmd->add_option("--kv-heads", args->shape.kv_heads, "override the key/value heads");
+  cmd->add_option("--ffn", args->shape.ffn, "override the MLP width");
+  cmd->add_option("--vocab", args->shape.vocab, "override the vocabulary size");
+  cmd->add_option("--hardware", args->hardware, "h100-4ssd|a100-2ssd|cpu-here")
+      ->capture_default_str();
+  cmd->add_option("--gpu-mem", args->hw.gpu_mem, "device memory, e.g. 80GiB");
+  cmd->add_option("--ssd", args->hw.ssd, "SSD array, e.g. 4x6.5/6.7GB/s (count x write/read)");
+  cmd->add_option("--host-mem", args->hw.host_mem,
+                  "host memory for offloaded tensors, e.g. 256GiB");
+  cmd->add_option("--host-link", args->hw.host_link, "device-host link per direction, e.g. 55GB/s");
+  cmd->add_option("--gpu-flops", args->hw.gpu_flops, "peak matmul FLOP/s, e.g. 60T");
+  cmd->add_option("--gpu-mem-bw", args->hw.gpu_mem_bw, "device memory bandwidth, e.g. 3.9TB/s");
+  cmd->add_option("--cpu-adam", args->hw.cpu_adam, "CPU Adam parameters/s, e.g. 2G");
+  cmd->add_option("--tbw", args->hw.ssd_tbw, "SSD endurance per drive, e.g. 1200TB");
+  cmd->add_option("--margin", args->hw.margin, "share of device memory kept free (0.01)");
+  cmd->add_option("--min-bytes", args->min_bytes_text,
+                  "tidal: tensors smaller than this stay in device memory");
+  cmd->add_option("--policy", args->policy,
+                  "ideal|keep-all|recompute|activations|zero-offload|zero-infinity|tidal, a "
+                  "comma-separated list, or all")
+      ->capture_default_str();
+  cmd->add_flag("--json", args->json, "print one JSON object as the last line");
+  cmd->add_option("--svg", args->svg, "write a plot of memory over the iteration");
+  cmd->callback([args] {
+    if (!args->min_bytes_text.empty()) args->min_bytes = parse_bytes(args->min_bytes_text);
+    run_simulate(*args);
+  });
 }
 
 }  // namespace tidal::cli

@@ -1,0 +1,94 @@
+// The hardware a plan is made for and simulated on: device memory, SSDs, host link, host memory,
+// and the roofline figures that turn an analytic op into seconds. Torch-free.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace tidal::plan {
+
+/// Transfer rates of the four channels the planner and the simulator schedule, bytes/s.
+///
+/// The GPU's host link (PCIe) carries every transfer. The SSD channels get what the SSD array
+/// can do (capped by the link); the host-memory channels get the rest of the link. This static
+/// split keeps the planner's bandwidth buckets and the simulator's queues in agreement.
+struct ChannelRates {
+  double ssd_write = 0;
+  double ssd_read = 0;
+  double host_write = 0;
+  double host_read = 0;
+};
+
+/// A machine, or one GPU's share of it. Plain data; copyable; no synchronisation.
+struct Hardware {
+  std::string name;                 ///< preset name, or "custom"
+  std::uint64_t device_memory = 0;  ///< device (GPU) memory capacity, bytes
+  int ssd_count = 0;                ///< SSDs striped as one array (RAID-0 in software)
+  double ssd_write_bw = 0;          ///< per SSD, bytes/s
+  double ssd_read_bw = 0;           ///< per SSD, bytes/s
+  double host_link_bw = 0;          ///< device <-> host, per direction, bytes/s
+  std::uint64_t host_memory = 0;    ///< host memory offloaded tensors may use, bytes (0: none)
+  double gpu_flops = 0;             ///< peak matmul FLOP/s at the training precision
+  double gpu_mem_bw = 0;            ///< device memory bandwidth, bytes/s
+  double matmul_efficiency = 0.8;   ///< fraction of gpu_flops a large matmul reaches
+  double op_overhead_s = 5e-6;      ///< launch and framework overhead per op
+  double cpu_adam_rate = 0;         ///< parameters/s of the host CPU Adam (ZeRO baselines)
+  double ssd_tbw = 0;               ///< endurance per SSD, bytes written (TBW)
+  double memory_margin = 0.01;      ///< share of device memory the planner leaves free (G10)
+
+  /// Aggregate SSD write/read bandwidth of the array, capped by the host link.
+  [[nodiscard]] double ssd_write_total() const;
+  [[nodiscard]] double ssd_read_total() const;
+  /// The channel split tidal's planner and the simulator use (see ChannelRates).
+  [[nodiscard]] ChannelRates channels() const;
+  /// One line: "94.0 GB device, 4x SSD 6.50/6.70 GB/s, host link 55.0 GB/s, host 768 GB".
+  [[nodiscard]] std::string describe() const;
+};
+
+/// Names of the presets: h100-4ssd, a100-2ssd, cpu-here.
+std::vector<std::string> hardware_preset_names();
+
+/// A preset by name. Throws tidal::InvalidArgument listing the known names otherwise.
+///
+/// - h100-4ssd: one H100 NVL (94 GB, fp32 60 TFLOP/s without TF32, 3.9 TB/s), 4 SSDs of 6.5 GB/s
+///   write and 6.7 GB/s read (Samsung 990 PRO, 1200 TB written each), PCIe Gen5 x16 link, half
+///   of a 1.5 TB host: the per-GPU setup of the TERAIO paper.
+/// - a100-2ssd: one A100 80 GB (fp32 19.5 TFLOP/s, 2.0 TB/s), 2 SSDs of 3.0/3.5 GB/s (Gen4),
+///   PCIe Gen4 x16, 256 GB host.
+/// - cpu-here: the 2-core build machine: the memory budget must be given (--gpu-mem); one SSD
+///   at the fio figures of this machine (2.0 GB/s write, 1.5 GB/s read) unless measured figures
+///   are given with --ssd (tidal bench-io prints them).
+Hardware hardware_preset(const std::string& name);
+
+/// Field overrides, as given on the command line. Unset fields keep the preset's value.
+struct HardwareOverrides {
+  std::optional<std::string> gpu_mem;     ///< "80GiB"
+  std::optional<std::string> ssd;         ///< "4x6.5/6.7GB/s" (count x write/read), "2x3GB/s"
+  std::optional<std::string> host_mem;    ///< "256GiB", "0"
+  std::optional<std::string> host_link;   ///< "55GB/s"
+  std::optional<std::string> gpu_flops;   ///< "60T", "378e12"
+  std::optional<std::string> gpu_mem_bw;  ///< "3.9TB/s"
+  std::optional<std::string> cpu_adam;    ///< parameters/s, "2e9" or "2G"
+  std::optional<std::string> ssd_tbw;     ///< "1200TB"
+  std::optional<double> margin;           ///< 0.01
+};
+
+/// Applies the set fields. Throws tidal::InvalidArgument naming the flag on a bad value.
+void apply_overrides(Hardware& hw, const HardwareOverrides& o);
+
+/// Parses an SSD array: "<count>x<write>/<read><unit>/s" or "<count>x<bw><unit>/s" (same both
+/// ways); the unit on the last figure applies to both. Returns {count, write, read}.
+struct SsdSpec {
+  int count = 0;
+  double write_bw = 0;
+  double read_bw = 0;
+};
+SsdSpec parse_ssd_spec(const std::string& text);
+
+/// Parses a rate with an optional SI prefix (k, M, G, T, P) and an optional "FLOPS", "FLOP/s"
+/// or "/s" suffix: "60T", "60TFLOPS", "2e9". Throws tidal::InvalidArgument on bad input.
+double parse_rate(const std::string& text);
+
+}  // namespace tidal::plan

@@ -1,0 +1,46 @@
+// The lifetime-aware planner: TERAIO's greedy over inactive periods, with G10's per-op bandwidth
+// buckets, made fast with lazy re-evaluation and segment trees. Torch-free.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+#include "tidal/plan/hardware.hpp"
+#include "tidal/plan/plan.hpp"
+#include "tidal/trace/trace.hpp"
+
+namespace tidal::plan {
+
+struct PlannerOptions {
+  /// Allow host memory as a destination (up to Hardware::host_memory) when the SSD channel has
+  /// no room for a period.
+  bool use_host = true;
+  /// When no migration fits the bandwidth and memory still exceeds capacity, accept the
+  /// migrations that add the least stall (true), or give up and return a plan that does not fit.
+  bool allow_stalls = true;
+  /// Tensors smaller than this stay in device memory (their migration costs more than it frees).
+  std::uint64_t min_bytes = 0;
+  /// Called now and then with the share of over-capacity time already resolved (0..1). Called
+  /// on the planner's thread.
+  std::function<void(double)> progress;
+};
+
+/// Makes a plan that keeps device memory under hw.device_memory x (1 - hw.memory_margin) at
+/// every op of `trace`, moving tensors during their inactive periods.
+///
+/// Algorithm (docs/simulator.md): M[k] = live bytes at op k. Candidates are the inactive periods
+/// (tensor t, bytes s, last use a, next use b). Each channel has per-op buckets of capacity
+/// rate x op time; an offload fills write buckets forward from a + 1 (it completes in bucket
+/// e), a prefetch fills read buckets backward from b - 1 (it starts in bucket p); the tensor is
+/// gone for the ops e+1 .. p-1. The score of a candidate is the compute time of the ops in that
+/// span whose memory still exceeds the target; the best is committed (SSD first, then host
+/// memory within its cap), scores are re-evaluated lazily when popped (they only shrink).
+/// When nothing feasible is left and an op still exceeds the target, the candidate covering it
+/// with the least added stall is committed together with that stall.
+///
+/// Thread-safe for distinct arguments; runs on the calling thread. Throws
+/// tidal::InvalidArgument when even the tensors that cannot leave (the active ones) exceed the
+/// capacity at some op, naming the op and the shortfall.
+Plan make_plan(const trace::Trace& trace, const Hardware& hw, const PlannerOptions& options = {});
+
+}  // namespace tidal::plan

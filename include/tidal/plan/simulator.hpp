@@ -1,0 +1,68 @@
+// Replays a trace with a plan on a hardware model: iteration time with stalls, memory per op,
+// channel utilisation, bytes written per iteration, SSD lifetime. Torch-free.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "tidal/plan/hardware.hpp"
+#include "tidal/plan/plan.hpp"
+#include "tidal/trace/trace.hpp"
+
+namespace tidal::plan {
+
+struct SimOptions {
+  /// Iterations replayed; the last one is reported (the first starts with every persistent
+  /// tensor in device memory, the later ones are in steady state). At least 1.
+  int iterations = 3;
+  /// An offload of a tensor that is unchanged since it was read from the same target costs no
+  /// write: the store keeps the extent until the tensor is modified (ZeRO's parameter release
+  /// works this way too).
+  bool skip_clean_writes = true;
+  /// Channel rates; unset: Hardware::channels().
+  std::optional<ChannelRates> channels;
+};
+
+/// What one replayed iteration did. All byte counts are per iteration.
+struct SimResult {
+  double iteration_seconds = 0;
+  double compute_seconds = 0;                ///< sum of op times
+  double stall_seconds = 0;                  ///< iteration_seconds - compute_seconds
+  std::vector<std::uint64_t> memory_per_op;  ///< device bytes while op k runs
+  std::uint64_t peak_bytes = 0;
+  trace::OpIndex peak_op = 0;
+  std::uint64_t capacity_bytes = 0;
+  bool fits = false;  ///< peak_bytes <= capacity_bytes
+  std::uint64_t ssd_bytes_written = 0;
+  std::uint64_t ssd_bytes_read = 0;
+  std::uint64_t host_bytes_written = 0;
+  std::uint64_t host_bytes_read = 0;
+  std::uint64_t peak_host_bytes = 0;  ///< host memory holding offloaded tensors at once
+  double ssd_write_utilisation = 0;   ///< busy share of the iteration, 0..1
+  double ssd_read_utilisation = 0;
+  double host_write_utilisation = 0;
+  double host_read_utilisation = 0;
+  std::int64_t misses = 0;     ///< tensors needed but not resident nor on their way (read late)
+  std::int64_t forwarded = 0;  ///< prefetches answered by a tensor whose write was in flight
+  /// Days until the SSDs reach their rated endurance at this rate (0: no SSD writes or no
+  /// endurance figure); iterations likewise.
+  double ssd_lifetime_days = 0;
+  double ssd_lifetime_iterations = 0;
+};
+
+/// Replays `trace` with `plan` (nullptr: keep everything) on `hw`.
+///
+/// Model: ops run back to back in trace order for their recorded duration. An op starts when
+/// the previous one has ended, every tensor it uses is resident (prefetch reads done; a tensor
+/// neither resident nor being read is read at once, counted as a miss) and every offload whose
+/// deadline is this op has completed. Each channel (ChannelRates) moves one transfer at a time
+/// at its full rate, earliest deadline first, preempting. Device memory counts a tensor from
+/// its creation (or prefetch issue) until its free point (or offload completion).
+///
+/// Throws tidal::InvalidArgument when the plan does not match the trace or uses a channel whose
+/// rate is zero.
+SimResult simulate(const trace::Trace& trace, const Plan* plan, const Hardware& hw,
+                   const SimOptions& options = {});
+
+}  // namespace tidal::plan

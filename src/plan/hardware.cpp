@@ -1,0 +1,207 @@
+#include "tidal/plan/hardware.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <sstream>
+
+#include "tidal/common/error.hpp"
+#include "tidal/common/units.hpp"
+
+namespace tidal::plan {
+
+double Hardware::ssd_write_total() const {
+  return std::min(ssd_count * ssd_write_bw, host_link_bw);
+}
+
+double Hardware::ssd_read_total() const { return std::min(ssd_count * ssd_read_bw, host_link_bw); }
+
+ChannelRates Hardware::channels() const {
+  ChannelRates r;
+  r.ssd_write = ssd_write_total();
+  r.ssd_read = ssd_read_total();
+  // Host memory as a destination only gets the link bandwidth the SSDs leave, and only when a
+  // host-memory budget exists.
+  if (host_memory > 0) {
+    r.host_write = std::max(0.0, host_link_bw - r.ssd_write);
+    r.host_read = std::max(0.0, host_link_bw - r.ssd_read);
+  }
+  return r;
+}
+
+std::string Hardware::describe() const {
+  std::ostringstream out;
+  out << format_bytes(static_cast<double>(device_memory)) << " device, " << ssd_count << "x SSD "
+      << format_bandwidth(ssd_write_bw) << " write / " << format_bandwidth(ssd_read_bw)
+      << " read, host link " << format_bandwidth(host_link_bw) << ", host memory "
+      << format_bytes(static_cast<double>(host_memory));
+  return out.str();
+}
+
+std::vector<std::string> hardware_preset_names() { return {"h100-4ssd", "a100-2ssd", "cpu-here"}; }
+
+Hardware hardware_preset(const std::string& name) {
+  Hardware hw;
+  hw.name = name;
+  if (name == "h100-4ssd") {
+    hw.device_memory = 94'000'000'000ull;
+    hw.ssd_count = 4;
+    hw.ssd_write_bw = 6.5e9;
+    hw.ssd_read_bw = 6.7e9;
+    hw.host_link_bw = 55e9;               // PCIe Gen5 x16: 64 GB/s raw, about 55 GB/s achieved
+    hw.host_memory = 768'000'000'000ull;  // half of the 1.5 TB host of two GPUs
+    hw.gpu_flops = 60e12;                 // fp32 without TF32 (PyTorch's default for matmul)
+    hw.gpu_mem_bw = 3.9e12;
+    hw.cpu_adam_rate = 2e9;
+    hw.ssd_tbw = 1200e12;
+  } else if (name == "a100-2ssd") {
+    hw.device_memory = 80ull * kGiB;
+    hw.ssd_count = 2;
+    hw.ssd_write_bw = 3.0e9;
+    hw.ssd_read_bw = 3.5e9;
+    hw.host_link_bw = 25e9;
+    hw.host_memory = 256ull * kGiB;
+    hw.gpu_flops = 19.5e12;
+    hw.gpu_mem_bw = 2.0e12;
+    hw.cpu_adam_rate = 1e9;
+    hw.ssd_tbw = 600e12;
+  } else if (name == "cpu-here") {
+    hw.device_memory = 0;  // must be given
+    hw.ssd_count = 1;
+    hw.ssd_write_bw = 2.0e9;
+    hw.ssd_read_bw = 1.5e9;
+    hw.host_link_bw = 10e9;  // memcpy within host memory
+    hw.host_memory = 0;
+    hw.gpu_flops = 50e9;
+    hw.gpu_mem_bw = 10e9;
+    hw.matmul_efficiency = 0.5;
+    hw.op_overhead_s = 20e-6;
+    hw.cpu_adam_rate = 0.2e9;
+    hw.ssd_tbw = 600e12;
+  } else {
+    std::string names;
+    for (const auto& n : hardware_preset_names()) names += (names.empty() ? "" : ", ") + n;
+    TIDAL_EXPECT_AS(InvalidArgument, false, "unknown hardware preset '", name,
+                    "'; choose one of: ", names);
+  }
+  return hw;
+}
+
+double parse_rate(const std::string& text) {
+  std::string s;
+  for (char c : text) {
+    if (std::isspace(static_cast<unsigned char>(c)) == 0) s.push_back(c);
+  }
+  std::size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(s, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  TIDAL_EXPECT_AS(InvalidArgument, used > 0 && std::isfinite(v) && v >= 0, "'", text,
+                  "' is not a valid rate (examples: 60T, 60TFLOPS, 2e9)");
+  std::string unit = s.substr(used);
+  for (const char* suffix : {"FLOP/s", "flop/s", "FLOPS", "flops", "/s"}) {
+    const std::string suf(suffix);
+    if (unit.size() >= suf.size() && unit.compare(unit.size() - suf.size(), suf.size(), suf) == 0) {
+      unit.erase(unit.size() - suf.size());
+      break;
+    }
+  }
+  double mult = 1;
+  if (unit.empty()) {
+    mult = 1;
+  } else if (unit == "k" || unit == "K") {
+    mult = 1e3;
+  } else if (unit == "M") {
+    mult = 1e6;
+  } else if (unit == "G") {
+    mult = 1e9;
+  } else if (unit == "T") {
+    mult = 1e12;
+  } else if (unit == "P") {
+    mult = 1e15;
+  } else {
+    TIDAL_EXPECT_AS(InvalidArgument, false, "'", text,
+                    "' has an unknown unit; use k, M, G, T or P (e.g. 60T)");
+  }
+  return v * mult;
+}
+
+SsdSpec parse_ssd_spec(const std::string& text) {
+  SsdSpec spec;
+  const auto x = text.find_first_of("xX");
+  TIDAL_EXPECT_AS(InvalidArgument, x != std::string::npos && x > 0, "'", text,
+                  "' is not an SSD array; write <count>x<write>/<read>GB/s, e.g. 4x6.5/6.7GB/s");
+  try {
+    spec.count = std::stoi(text.substr(0, x));
+  } catch (const std::exception&) {
+    spec.count = 0;
+  }
+  TIDAL_EXPECT_AS(InvalidArgument, spec.count > 0 && spec.count <= 1024, "'", text,
+                  "': the SSD count before 'x' must be a positive number");
+  const std::string rest = text.substr(x + 1);
+  // "6.5/6.7GB/s": the first '/' followed by a digit separates write from read.
+  std::size_t slash = std::string::npos;
+  for (std::size_t i = 0; i + 1 < rest.size(); ++i) {
+    if (rest[i] == '/' &&
+        (std::isdigit(static_cast<unsigned char>(rest[i + 1])) != 0 || rest[i + 1] == '.')) {
+      slash = i;
+      break;
+    }
+  }
+  if (slash == std::string::npos) {
+    spec.write_bw = spec.read_bw = parse_bandwidth(rest);
+  } else {
+    const std::string second = rest.substr(slash + 1);
+    spec.read_bw = parse_bandwidth(second);
+    // The unit of the second figure applies to the first.
+    std::size_t used = 0;
+    double first_num = 0;
+    double second_num = 0;
+    try {
+      first_num = std::stod(rest.substr(0, slash), &used);
+      second_num = std::stod(second);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    TIDAL_EXPECT_AS(InvalidArgument, used > 0 && second_num > 0, "'", text,
+                    "' is not an SSD array; write e.g. 4x6.5/6.7GB/s");
+    const std::string first_unit = rest.substr(used, slash - used);
+    spec.write_bw = first_unit.empty() ? spec.read_bw * first_num / second_num
+                                       : parse_bandwidth(rest.substr(0, slash));
+  }
+  TIDAL_EXPECT_AS(InvalidArgument, spec.write_bw > 0 && spec.read_bw > 0, "'", text,
+                  "': SSD bandwidths must be positive");
+  return spec;
+}
+
+void apply_overrides(Hardware& hw, const HardwareOverrides& o) {
+  if (o.gpu_mem) hw.device_memory = parse_bytes(*o.gpu_mem);
+  if (o.ssd) {
+    const SsdSpec s = parse_ssd_spec(*o.ssd);
+    hw.ssd_count = s.count;
+    hw.ssd_write_bw = s.write_bw;
+    hw.ssd_read_bw = s.read_bw;
+  }
+  if (o.host_mem) hw.host_memory = parse_bytes(*o.host_mem);
+  if (o.host_link) hw.host_link_bw = parse_bandwidth(*o.host_link);
+  if (o.gpu_flops) hw.gpu_flops = parse_rate(*o.gpu_flops);
+  if (o.gpu_mem_bw) hw.gpu_mem_bw = parse_bandwidth(*o.gpu_mem_bw);
+  if (o.cpu_adam) hw.cpu_adam_rate = parse_rate(*o.cpu_adam);
+  if (o.ssd_tbw) hw.ssd_tbw = static_cast<double>(parse_bytes(*o.ssd_tbw));
+  if (o.margin) {
+    TIDAL_EXPECT_AS(InvalidArgument, *o.margin >= 0 && *o.margin < 0.5,
+                    "--margin must be in [0, 0.5), got ", *o.margin);
+    hw.memory_margin = *o.margin;
+  }
+  const bool any = o.gpu_mem || o.ssd || o.host_mem || o.host_link || o.gpu_flops || o.gpu_mem_bw ||
+                   o.cpu_adam || o.ssd_tbw || o.margin;
+  if (any && hw.name.find('+') == std::string::npos) hw.name += "+overrides";
+  TIDAL_EXPECT_AS(InvalidArgument, hw.device_memory > 0,
+                  "the device memory is unknown for preset '", hw.name,
+                  "'; give it with --gpu-mem (e.g. --gpu-mem 8GiB)");
+}
+
+}  // namespace tidal::plan

@@ -1,0 +1,201 @@
+#include "tidal/plan/plan.hpp"
+
+#include <algorithm>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "tidal/common/error.hpp"
+
+namespace tidal::plan {
+
+using nlohmann::json;
+
+const char* to_string(ActionKind k) { return k == ActionKind::kOffload ? "offload" : "prefetch"; }
+const char* to_string(Target t) { return t == Target::kSsd ? "ssd" : "host"; }
+
+ActionKind action_kind_from_string(const std::string& s) {
+  if (s == "offload") return ActionKind::kOffload;
+  if (s == "prefetch") return ActionKind::kPrefetch;
+  TIDAL_EXPECT_AS(InvalidArgument, false, "unknown plan action '", s,
+                  "' (expected offload or prefetch)");
+  return ActionKind::kOffload;
+}
+
+Target target_from_string(const std::string& s) {
+  if (s == "ssd") return Target::kSsd;
+  if (s == "host") return Target::kHost;
+  TIDAL_EXPECT_AS(InvalidArgument, false, "unknown plan target '", s, "' (expected ssd or host)");
+  return Target::kSsd;
+}
+
+std::string plan_to_json(const Plan& plan) {
+  json j;
+  j["format"] = "tidal-plan";
+  j["version"] = plan.version;
+  j["model"] = plan.model;
+  j["hardware"] = plan.hardware;
+  j["num_ops"] = plan.num_ops;
+  j["num_tensors"] = plan.num_tensors;
+  const PlanSummary& s = plan.summary;
+  j["summary"] = {{"capacity_bytes", s.capacity_bytes},
+                  {"target_bytes", s.target_bytes},
+                  {"peak_before_bytes", s.peak_before_bytes},
+                  {"peak_after_bytes", s.peak_after_bytes},
+                  {"peak_after_op", s.peak_after_op},
+                  {"candidates", s.candidates},
+                  {"offloads_ssd", s.offloads_ssd},
+                  {"offloads_host", s.offloads_host},
+                  {"bytes_to_ssd", s.bytes_to_ssd},
+                  {"bytes_to_host", s.bytes_to_host},
+                  {"peak_host_bytes", s.peak_host_bytes},
+                  {"planned_stall_seconds", s.planned_stall_seconds},
+                  {"compute_seconds", s.compute_seconds},
+                  {"planning_seconds", s.planning_seconds},
+                  {"fits", s.fits}};
+  json actions = json::array();
+  for (const PlanAction& a : plan.actions) {
+    actions.push_back({{"tensor", a.tensor},
+                       {"action", to_string(a.kind)},
+                       {"trigger", a.trigger},
+                       {"deadline", a.deadline},
+                       {"target", to_string(a.target)},
+                       {"bytes", a.bytes},
+                       {"wraps", a.wraps}});
+  }
+  j["actions"] = std::move(actions);
+  json stalls = json::array();
+  for (const auto& [op, sec] : plan.stalls) stalls.push_back({{"op", op}, {"seconds", sec}});
+  j["stalls"] = std::move(stalls);
+  return j.dump(1);
+}
+
+namespace {
+
+template <typename T>
+T field(const json& j, const char* name, const char* where) {
+  TIDAL_EXPECT_AS(InvalidArgument, j.is_object() && j.contains(name), "the plan's ", where,
+                  " lacks the field '", name, "'");
+  try {
+    return j.at(name).get<T>();
+  } catch (const json::exception& e) {
+    TIDAL_EXPECT_AS(InvalidArgument, false, "the plan's ", where, " field '", name,
+                    "' has the wrong type: ", e.what());
+  }
+  return T{};
+}
+
+}  // namespace
+
+Plan plan_from_json(const std::string& text) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    TIDAL_EXPECT_AS(InvalidArgument, false, "the plan is not valid JSON: ", e.what());
+  }
+  Plan p;
+  p.version = field<int>(j, "version", "top level");
+  TIDAL_EXPECT_AS(InvalidArgument, p.version == kPlanVersion, "plan version ", p.version,
+                  " is not supported (this tidal reads version ", kPlanVersion,
+                  "); make the plan again with this tidal");
+  p.model = field<std::string>(j, "model", "top level");
+  p.hardware = field<std::string>(j, "hardware", "top level");
+  p.num_ops = field<std::int32_t>(j, "num_ops", "top level");
+  p.num_tensors = field<std::int32_t>(j, "num_tensors", "top level");
+  if (j.contains("summary")) {
+    const json& s = j["summary"];
+    const char* w = "summary";
+    PlanSummary& o = p.summary;
+    o.capacity_bytes = field<std::uint64_t>(s, "capacity_bytes", w);
+    o.target_bytes = field<std::uint64_t>(s, "target_bytes", w);
+    o.peak_before_bytes = field<std::uint64_t>(s, "peak_before_bytes", w);
+    o.peak_after_bytes = field<std::uint64_t>(s, "peak_after_bytes", w);
+    o.peak_after_op = field<std::int32_t>(s, "peak_after_op", w);
+    o.candidates = field<std::int64_t>(s, "candidates", w);
+    o.offloads_ssd = field<std::int64_t>(s, "offloads_ssd", w);
+    o.offloads_host = field<std::int64_t>(s, "offloads_host", w);
+    o.bytes_to_ssd = field<std::uint64_t>(s, "bytes_to_ssd", w);
+    o.bytes_to_host = field<std::uint64_t>(s, "bytes_to_host", w);
+    o.peak_host_bytes = field<std::uint64_t>(s, "peak_host_bytes", w);
+    o.planned_stall_seconds = field<double>(s, "planned_stall_seconds", w);
+    o.compute_seconds = field<double>(s, "compute_seconds", w);
+    o.planning_seconds = field<double>(s, "planning_seconds", w);
+    o.fits = field<bool>(s, "fits", w);
+  }
+  for (const json& a : field<json>(j, "actions", "top level")) {
+    PlanAction x;
+    x.tensor = field<trace::TensorId>(a, "tensor", "action");
+    x.kind = action_kind_from_string(field<std::string>(a, "action", "action"));
+    x.trigger = field<trace::OpIndex>(a, "trigger", "action");
+    x.deadline = field<trace::OpIndex>(a, "deadline", "action");
+    x.target = target_from_string(field<std::string>(a, "target", "action"));
+    x.bytes = field<std::uint64_t>(a, "bytes", "action");
+    x.wraps = a.contains("wraps") ? a["wraps"].get<bool>() : x.deadline <= x.trigger;
+    p.actions.push_back(x);
+  }
+  if (j.contains("stalls")) {
+    for (const json& s : j["stalls"]) {
+      p.stalls.emplace_back(field<trace::OpIndex>(s, "op", "stall"),
+                            field<double>(s, "seconds", "stall"));
+    }
+  }
+  return p;
+}
+
+void write_plan(const Plan& plan, const std::string& path) {
+  std::ofstream out(path);
+  TIDAL_EXPECT(out.good(), "cannot open '", path, "' for writing the plan");
+  out << plan_to_json(plan) << "\n";
+  out.close();
+  TIDAL_EXPECT(!out.fail(), "writing the plan to '", path, "' failed (disk full?)");
+}
+
+Plan read_plan(const std::string& path) {
+  std::ifstream in(path);
+  TIDAL_EXPECT_AS(InvalidArgument, in.good(), "cannot open the plan file '", path, "'");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  try {
+    return plan_from_json(ss.str());
+  } catch (const InvalidArgument& e) {
+    TIDAL_EXPECT_AS(InvalidArgument, false, path, ": ", e.what());
+  }
+  return {};
+}
+
+void validate_plan(const Plan& plan, const trace::Trace& trace) {
+  const auto n_ops = static_cast<trace::OpIndex>(trace.ops.size());
+  const auto n_tensors = static_cast<trace::TensorId>(trace.tensors.size());
+  TIDAL_EXPECT_AS(InvalidArgument, plan.num_ops == n_ops && plan.num_tensors == n_tensors,
+                  "the plan was made for a trace of ", plan.num_ops, " ops and ", plan.num_tensors,
+                  " tensors, this trace has ", n_ops, " and ", n_tensors);
+  std::vector<char> offloaded(static_cast<std::size_t>(n_tensors), 0);
+  for (const PlanAction& a : plan.actions) {
+    if (a.kind == ActionKind::kOffload && a.tensor >= 0 && a.tensor < n_tensors) {
+      offloaded[static_cast<std::size_t>(a.tensor)] = 1;
+    }
+  }
+  for (std::size_t i = 0; i < plan.actions.size(); ++i) {
+    const PlanAction& a = plan.actions[i];
+    TIDAL_EXPECT_AS(InvalidArgument, a.tensor >= 0 && a.tensor < n_tensors, "plan action ", i,
+                    ": tensor ", a.tensor, " is out of range");
+    TIDAL_EXPECT_AS(InvalidArgument,
+                    a.trigger >= 0 && a.trigger < n_ops && a.deadline >= 0 && a.deadline < n_ops,
+                    "plan action ", i, ": trigger ", a.trigger, " or deadline ", a.deadline,
+                    " is out of range");
+    TIDAL_EXPECT_AS(InvalidArgument, a.bytes == trace.tensors[a.tensor].bytes, "plan action ", i,
+                    ": ", a.bytes, " bytes, but tensor ", a.tensor, " has ",
+                    trace.tensors[a.tensor].bytes);
+    TIDAL_EXPECT_AS(InvalidArgument, a.wraps == (a.deadline <= a.trigger), "plan action ", i,
+                    ": wraps must be true exactly when deadline <= trigger");
+    TIDAL_EXPECT_AS(InvalidArgument,
+                    a.kind == ActionKind::kOffload || offloaded[static_cast<std::size_t>(a.tensor)],
+                    "plan action ", i, ": prefetch of tensor ", a.tensor,
+                    " which the plan never offloads");
+    TIDAL_EXPECT_AS(InvalidArgument, !a.wraps || trace.tensors[a.tensor].persistent, "plan action ",
+                    i, ": only a persistent tensor can wait across iterations");
+  }
+}
+
+}  // namespace tidal::plan

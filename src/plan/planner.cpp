@@ -1,0 +1,672 @@
+#include "tidal/plan/planner.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <queue>
+
+#include "tidal/common/error.hpp"
+#include "tidal/common/units.hpp"
+#include "tidal/trace/lifetime.hpp"
+
+namespace tidal::plan {
+
+using trace::OpIndex;
+using trace::TensorId;
+
+namespace {
+
+// Remaining capacity of one channel per op (bytes), with prefix searches. Leaves only shrink
+// except where a planned stall adds capacity.
+class BucketTree {
+ public:
+  explicit BucketTree(const std::vector<double>& v) {
+    n_ = static_cast<int>(v.size());
+    size_ = 1;
+    while (size_ < n_) size_ <<= 1;
+    t_.assign(2 * static_cast<std::size_t>(size_), 0.0);
+    for (int i = 0; i < n_; ++i)
+      t_[static_cast<std::size_t>(size_ + i)] = v[static_cast<std::size_t>(i)];
+    for (int i = size_ - 1; i >= 1; --i) pull(i);
+  }
+  double get(int i) const { return t_[static_cast<std::size_t>(size_ + i)]; }
+  void set(int i, double v) {
+    int x = size_ + i;
+    t_[static_cast<std::size_t>(x)] = std::max(0.0, v);
+    for (x >>= 1; x >= 1; x >>= 1) pull(x);
+  }
+  double sum(int l, int r) const {
+    double s = 0;
+    if (l > r) return 0;
+    for (int a = l + size_, b = r + size_ + 1; a < b; a >>= 1, b >>= 1) {
+      if ((a & 1) != 0) s += t_[static_cast<std::size_t>(a++)];
+      if ((b & 1) != 0) s += t_[static_cast<std::size_t>(--b)];
+    }
+    return s;
+  }
+  // Smallest j in [l, r] with sum(l..j) >= need (need > 0), or -1.
+  int find_forward(int l, int r, double need) const {
+    if (l > r) return -1;
+    const int j = ff(1, 0, size_ - 1, l, r, need);
+    return j;
+  }
+  // Largest j in [l, r] with sum(j..r) >= need, or -1.
+  int find_backward(int l, int r, double need) const {
+    if (l > r) return -1;
+    return fb(1, 0, size_ - 1, l, r, need);
+  }
+  void zero(int l, int r) {
+    if (l <= r) zero(1, 0, size_ - 1, l, r);
+  }
+
+ private:
+  void pull(int x) {
+    t_[static_cast<std::size_t>(x)] =
+        t_[static_cast<std::size_t>(2 * x)] + t_[static_cast<std::size_t>(2 * x + 1)];
+  }
+  int ff(int x, int nl, int nr, int l, int r, double& need) const {
+    const double v = t_[static_cast<std::size_t>(x)];
+    if (nr < l || nl > r || v <= 0) return -1;
+    if (l <= nl && nr <= r && v < need) {
+      need -= v;
+      return -1;
+    }
+    if (nl == nr) return nl;
+    const int mid = (nl + nr) / 2;
+    const int j = ff(2 * x, nl, mid, l, r, need);
+    return j >= 0 ? j : ff(2 * x + 1, mid + 1, nr, l, r, need);
+  }
+  int fb(int x, int nl, int nr, int l, int r, double& need) const {
+    const double v = t_[static_cast<std::size_t>(x)];
+    if (nr < l || nl > r || v <= 0) return -1;
+    if (l <= nl && nr <= r && v < need) {
+      need -= v;
+      return -1;
+    }
+    if (nl == nr) return nl;
+    const int mid = (nl + nr) / 2;
+    const int j = fb(2 * x + 1, mid + 1, nr, l, r, need);
+    return j >= 0 ? j : fb(2 * x, nl, mid, l, r, need);
+  }
+  void zero(int x, int nl, int nr, int l, int r) {
+    if (nr < l || nl > r || t_[static_cast<std::size_t>(x)] <= 0) return;
+    if (nl == nr) {
+      t_[static_cast<std::size_t>(x)] = 0;
+      return;
+    }
+    const int mid = (nl + nr) / 2;
+    zero(2 * x, nl, mid, l, r);
+    zero(2 * x + 1, mid + 1, nr, l, r);
+    pull(x);
+  }
+  int n_ = 0;
+  int size_ = 1;
+  std::vector<double> t_;
+};
+
+// Range add with min and max queries over int64 values.
+class RangeTree {
+ public:
+  explicit RangeTree(const std::vector<std::int64_t>& v) {
+    n_ = static_cast<int>(v.size());
+    size_ = 1;
+    while (size_ < n_) size_ <<= 1;
+    mn_.assign(2 * static_cast<std::size_t>(size_), kInf);
+    mx_.assign(2 * static_cast<std::size_t>(size_), -kInf);
+    lz_.assign(2 * static_cast<std::size_t>(size_), 0);
+    for (int i = 0; i < n_; ++i) {
+      mn_[static_cast<std::size_t>(size_ + i)] = mx_[static_cast<std::size_t>(size_ + i)] =
+          v[static_cast<std::size_t>(i)];
+    }
+    for (int i = size_ - 1; i >= 1; --i) pull(i);
+  }
+  static constexpr std::int64_t kInf = std::numeric_limits<std::int64_t>::max() / 4;
+
+  void add(int l, int r, std::int64_t v) {
+    if (l <= r) add(1, 0, size_ - 1, l, r, v);
+  }
+  std::int64_t max(int l, int r) { return l <= r ? qmax(1, 0, size_ - 1, l, r) : -kInf; }
+  std::int64_t get(int i) { return qmax(1, 0, size_ - 1, i, i); }
+  void set(int i, std::int64_t v) { set(1, 0, size_ - 1, i, v); }
+  // Leftmost index in [l, r] whose value is <= threshold, or -1.
+  int first_at_most(int l, int r, std::int64_t threshold) {
+    return l <= r ? fam(1, 0, size_ - 1, l, r, threshold) : -1;
+  }
+
+ private:
+  void pull(int x) {
+    const auto a = static_cast<std::size_t>(2 * x);
+    mn_[static_cast<std::size_t>(x)] = std::min(mn_[a], mn_[a + 1]);
+    mx_[static_cast<std::size_t>(x)] = std::max(mx_[a], mx_[a + 1]);
+  }
+  void apply(int x, std::int64_t v) {
+    const auto i = static_cast<std::size_t>(x);
+    if (mn_[i] < kInf) mn_[i] += v;
+    if (mx_[i] > -kInf) mx_[i] += v;
+    lz_[i] += v;
+  }
+  void push(int x) {
+    const auto i = static_cast<std::size_t>(x);
+    if (lz_[i] != 0) {
+      apply(2 * x, lz_[i]);
+      apply(2 * x + 1, lz_[i]);
+      lz_[i] = 0;
+    }
+  }
+  void add(int x, int nl, int nr, int l, int r, std::int64_t v) {
+    if (nr < l || nl > r) return;
+    if (l <= nl && nr <= r) {
+      apply(x, v);
+      return;
+    }
+    push(x);
+    const int mid = (nl + nr) / 2;
+    add(2 * x, nl, mid, l, r, v);
+    add(2 * x + 1, mid + 1, nr, l, r, v);
+    pull(x);
+  }
+  std::int64_t qmax(int x, int nl, int nr, int l, int r) {
+    if (nr < l || nl > r) return -kInf;
+    if (l <= nl && nr <= r) return mx_[static_cast<std::size_t>(x)];
+    push(x);
+    const int mid = (nl + nr) / 2;
+    return std::max(qmax(2 * x, nl, mid, l, r), qmax(2 * x + 1, mid + 1, nr, l, r));
+  }
+  void set(int x, int nl, int nr, int i, std::int64_t v) {
+    if (nl == nr) {
+      mn_[static_cast<std::size_t>(x)] = mx_[static_cast<std::size_t>(x)] = v;
+      return;
+    }
+    push(x);
+    const int mid = (nl + nr) / 2;
+    if (i <= mid) {
+      set(2 * x, nl, mid, i, v);
+    } else {
+      set(2 * x + 1, mid + 1, nr, i, v);
+    }
+    pull(x);
+  }
+  int fam(int x, int nl, int nr, int l, int r, std::int64_t th) {
+    if (nr < l || nl > r || mn_[static_cast<std::size_t>(x)] > th) return -1;
+    if (nl == nr) return nl;
+    push(x);
+    const int mid = (nl + nr) / 2;
+    const int j = fam(2 * x, nl, mid, l, r, th);
+    return j >= 0 ? j : fam(2 * x + 1, mid + 1, nr, l, r, th);
+  }
+  int n_ = 0;
+  int size_ = 1;
+  std::vector<std::int64_t> mn_, mx_, lz_;
+};
+
+class Fenwick {
+ public:
+  explicit Fenwick(int n) : t_(static_cast<std::size_t>(n) + 1, 0.0) {}
+  void add(int i, double v) {
+    for (++i; i < static_cast<int>(t_.size()); i += i & -i) t_[static_cast<std::size_t>(i)] += v;
+  }
+  double prefix(int i) const {  // sum of [0, i]
+    double s = 0;
+    for (++i; i > 0; i -= i & -i) s += t_[static_cast<std::size_t>(i)];
+    return s;
+  }
+  double sum(int l, int r) const { return l > r ? 0 : prefix(r) - (l > 0 ? prefix(l - 1) : 0); }
+
+ private:
+  std::vector<double> t_;
+};
+
+struct Candidate {
+  TensorId tensor = 0;
+  std::uint64_t bytes = 0;
+  OpIndex a = 0;  // last use
+  OpIndex b = 0;  // next use
+  int len = 0;    // ops strictly between, cyclically
+  bool done = false;
+};
+
+struct Segment {
+  int l, r;
+};
+
+struct Choice {
+  bool ok = false;
+  Target target = Target::kSsd;
+  int pe = -1;  // position (0 = op a+1) of the bucket where the offload completes
+  int pp = -1;  // position of the bucket where the prefetch starts
+  double score = 0;
+};
+
+class Planner {
+ public:
+  Planner(const trace::Trace& tr, const Hardware& hw, const PlannerOptions& opt)
+      : tr_(tr), hw_(hw), opt_(opt), n_(static_cast<int>(tr.ops.size())) {}
+
+  Plan run() {
+    const auto t0 = std::chrono::steady_clock::now();
+    Plan plan;
+    plan.model = tr_.model;
+    plan.hardware = hw_.name;
+    plan.num_ops = n_;
+    plan.num_tensors = static_cast<std::int32_t>(tr_.tensors.size());
+    PlanSummary& sum = plan.summary;
+    sum.capacity_bytes = hw_.device_memory;
+    target_ = static_cast<std::int64_t>(static_cast<double>(hw_.device_memory) *
+                                        (1.0 - hw_.memory_margin));
+    sum.target_bytes = static_cast<std::uint64_t>(target_);
+    sum.compute_seconds = tr_.compute_seconds();
+    if (n_ == 0) {
+      sum.fits = true;
+      return plan;
+    }
+    const trace::LifetimeAnalysis la = trace::analyze_lifetimes(tr_);
+    for (std::uint64_t v : la.live_bytes)
+      sum.peak_before_bytes = std::max(sum.peak_before_bytes, v);
+
+    rates_ = hw_.channels();
+    if (!opt_.use_host || hw_.host_memory == 0) rates_.host_write = rates_.host_read = 0;
+    tau_.resize(static_cast<std::size_t>(n_));
+    for (int k = 0; k < n_; ++k)
+      tau_[static_cast<std::size_t>(k)] =
+          std::max(0.0, tr_.ops[static_cast<std::size_t>(k)].duration());
+    const double r[4] = {rates_.ssd_write, rates_.ssd_read, rates_.host_write, rates_.host_read};
+    for (int c = 0; c < 4; ++c) {
+      std::vector<double> cap(static_cast<std::size_t>(n_));
+      for (int k = 0; k < n_; ++k)
+        cap[static_cast<std::size_t>(k)] = r[c] * tau_[static_cast<std::size_t>(k)];
+      buckets_.emplace_back(cap);
+      rate_[c] = r[c];
+    }
+
+    // Candidates: every inactive period of a tensor worth moving.
+    for (const auto& life : la.tensors) {
+      for (const auto& p : life.periods) {
+        if (p.bytes == 0 || p.bytes < opt_.min_bytes) continue;
+        Candidate c;
+        c.tensor = p.tensor;
+        c.bytes = p.bytes;
+        c.a = p.last_use;
+        c.b = p.next_use;
+        c.len = p.wraps ? (n_ - 1 - p.last_use) + p.next_use : p.next_use - p.last_use - 1;
+        if (c.len < 3) continue;  // nothing can be freed between the transfers
+        cands_.push_back(c);
+      }
+    }
+    sum.candidates = static_cast<std::int64_t>(cands_.size());
+
+    check_active_fit(la);
+
+    // Ops over the target, with their compute time as weight.
+    std::vector<std::int64_t> m(static_cast<std::size_t>(n_));
+    fenwick_ = std::make_unique<Fenwick>(n_);
+    for (int k = 0; k < n_; ++k) {
+      const auto v = static_cast<std::int64_t>(la.live_bytes[static_cast<std::size_t>(k)]);
+      const bool over = v > target_;
+      m[static_cast<std::size_t>(k)] = over ? v : RangeTree::kInf;
+      if (over) fenwick_->add(k, weight(k));
+    }
+    over_ = std::make_unique<RangeTree>(m);
+    host_ = std::make_unique<RangeTree>(std::vector<std::int64_t>(static_cast<std::size_t>(n_), 0));
+    diff_.assign(static_cast<std::size_t>(n_) + 1, 0);
+    initial_over_ = fenwick_->sum(0, n_ - 1);
+
+    greedy(plan);
+    if (over_->first_at_most(0, n_ - 1, RangeTree::kInf / 2) >= 0 && opt_.allow_stalls) {
+      fallback(plan);
+    }
+
+    // The planned memory per op, and the summary.
+    std::int64_t run = 0;
+    for (int k = 0; k < n_; ++k) {
+      run += diff_[static_cast<std::size_t>(k)];
+      const std::int64_t v =
+          static_cast<std::int64_t>(la.live_bytes[static_cast<std::size_t>(k)]) + run;
+      if (static_cast<std::uint64_t>(v) > sum.peak_after_bytes) {
+        sum.peak_after_bytes = static_cast<std::uint64_t>(v);
+        sum.peak_after_op = k;
+      }
+    }
+    sum.peak_host_bytes =
+        static_cast<std::uint64_t>(std::max<std::int64_t>(0, host_->max(0, n_ - 1)));
+    sum.fits = sum.peak_after_bytes <= hw_.device_memory;
+    for (const auto& [op, s] : plan.stalls) sum.planned_stall_seconds += s;
+    std::sort(plan.actions.begin(), plan.actions.end(),
+              [](const PlanAction& x, const PlanAction& y) {
+                if (x.trigger != y.trigger) return x.trigger < y.trigger;
+                if (x.kind != y.kind) return x.kind < y.kind;
+                return x.tensor < y.tensor;
+              });
+    if (opt_.progress) opt_.progress(1.0);
+    sum.planning_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return plan;
+  }
+
+ private:
+  // Zero-time ops still count a little, so that an op over capacity always has a weight.
+  double weight(int k) const { return tau_[static_cast<std::size_t>(k)] + 1e-9; }
+
+  int op_at(const Candidate& c, int pos) const { return (c.a + 1 + pos) % n_; }
+  int pos_of(const Candidate& c, int k) const { return ((k - c.a - 1) % n_ + n_) % n_; }
+
+  // The op ranges covering positions [p0, p1] of c's interior, in order.
+  int segments(const Candidate& c, int p0, int p1, Segment out[2]) const {
+    if (p0 > p1) return 0;
+    const int l = op_at(c, p0);
+    const int len = p1 - p0;
+    if (l + len < n_) {
+      out[0] = {l, l + len};
+      return 1;
+    }
+    out[0] = {l, n_ - 1};
+    out[1] = {0, l + len - n_};
+    return 2;
+  }
+
+  double bucket_sum(const BucketTree& t, const Candidate& c, int p0, int p1) const {
+    Segment s[2];
+    const int ns = segments(c, p0, p1, s);
+    double v = 0;
+    for (int i = 0; i < ns; ++i) v += t.sum(s[i].l, s[i].r);
+    return v;
+  }
+
+  // Position where filling `need` bytes forward from p0 completes, or -1.
+  int fill_forward(const BucketTree& t, const Candidate& c, int p0, int p1, double need) const {
+    Segment s[2];
+    const int ns = segments(c, p0, p1, s);
+    for (int i = 0; i < ns; ++i) {
+      const double have = t.sum(s[i].l, s[i].r);
+      if (have >= need) {
+        int j = t.find_forward(s[i].l, s[i].r, need);
+        if (j < 0) j = s[i].r;  // rounding
+        return pos_of(c, j);
+      }
+      need -= have;
+    }
+    return -1;
+  }
+  int fill_backward(const BucketTree& t, const Candidate& c, int p0, int p1, double need) const {
+    Segment s[2];
+    const int ns = segments(c, p0, p1, s);
+    for (int i = ns - 1; i >= 0; --i) {
+      const double have = t.sum(s[i].l, s[i].r);
+      if (have >= need) {
+        int j = t.find_backward(s[i].l, s[i].r, need);
+        if (j < 0) j = s[i].l;
+        return pos_of(c, j);
+      }
+      need -= have;
+    }
+    return -1;
+  }
+
+  double over_time(const Candidate& c, int p0, int p1) const {
+    Segment s[2];
+    const int ns = segments(c, p0, p1, s);
+    double v = 0;
+    for (int i = 0; i < ns; ++i) v += fenwick_->sum(s[i].l, s[i].r);
+    return v;
+  }
+
+  bool host_room(const Candidate& c) {
+    Segment s[2];
+    const int ns = segments(c, 0, c.len - 1, s);
+    std::int64_t used = 0;
+    for (int i = 0; i < ns; ++i) used = std::max(used, host_->max(s[i].l, s[i].r));
+    return used + static_cast<std::int64_t>(c.bytes) <= static_cast<std::int64_t>(hw_.host_memory);
+  }
+
+  Choice evaluate_target(const Candidate& c, Target target) {
+    Choice ch;
+    const int w = target == Target::kSsd ? 0 : 2;
+    if (rate_[w] <= 0 || rate_[w + 1] <= 0) return ch;
+    if (target == Target::kHost && !host_room(c)) return ch;
+    const auto need = static_cast<double>(c.bytes);
+    const int pe = fill_forward(buckets_[static_cast<std::size_t>(w)], c, 0, c.len - 1, need);
+    if (pe < 0) return ch;
+    const int pp = fill_backward(buckets_[static_cast<std::size_t>(w + 1)], c, 0, c.len - 1, need);
+    if (pp < 0 || pe + 1 > pp - 1) return ch;
+    ch.ok = true;
+    ch.target = target;
+    ch.pe = pe;
+    ch.pp = pp;
+    ch.score = over_time(c, pe + 1, pp - 1);
+    return ch;
+  }
+
+  // SSD first; host memory when the SSD channel has no room for this period.
+  Choice evaluate(const Candidate& c) {
+    Choice ssd = evaluate_target(c, Target::kSsd);
+    if (ssd.ok && ssd.score > 0) return ssd;
+    Choice host = evaluate_target(c, Target::kHost);
+    if (host.ok && host.score > 0) return host;
+    return Choice{};
+  }
+
+  void consume_forward(BucketTree& t, const Candidate& c, int pe, double need) {
+    const double before = bucket_sum(t, c, 0, pe - 1);
+    Segment s[2];
+    const int ns = segments(c, 0, pe - 1, s);
+    for (int i = 0; i < ns; ++i) t.zero(s[i].l, s[i].r);
+    const int k = op_at(c, pe);
+    t.set(k, t.get(k) - (need - before));
+  }
+  void consume_backward(BucketTree& t, const Candidate& c, int pp, double need) {
+    const double after = bucket_sum(t, c, pp + 1, c.len - 1);
+    Segment s[2];
+    const int ns = segments(c, pp + 1, c.len - 1, s);
+    for (int i = 0; i < ns; ++i) t.zero(s[i].l, s[i].r);
+    const int k = op_at(c, pp);
+    t.set(k, t.get(k) - (need - after));
+  }
+
+  void commit(Plan& plan, Candidate& c, const Choice& ch) {
+    c.done = true;
+    const int w = ch.target == Target::kSsd ? 0 : 2;
+    const auto need = static_cast<double>(c.bytes);
+    consume_forward(buckets_[static_cast<std::size_t>(w)], c, ch.pe, need);
+    consume_backward(buckets_[static_cast<std::size_t>(w + 1)], c, ch.pp, need);
+    const auto s = static_cast<std::int64_t>(c.bytes);
+    Segment seg[2];
+    const int ns = segments(c, ch.pe + 1, ch.pp - 1, seg);
+    for (int i = 0; i < ns; ++i) {
+      over_->add(seg[i].l, seg[i].r, -s);
+      for (int k = over_->first_at_most(seg[i].l, seg[i].r, target_); k >= 0;
+           k = over_->first_at_most(seg[i].l, seg[i].r, target_)) {
+        over_->set(k, RangeTree::kInf);
+        fenwick_->add(k, -weight(k));
+      }
+      diff_[static_cast<std::size_t>(seg[i].l)] -= s;
+      diff_[static_cast<std::size_t>(seg[i].r) + 1] += s;
+    }
+    PlanSummary& sum = plan.summary;
+    if (ch.target == Target::kHost) {
+      Segment all[2];
+      const int na = segments(c, 0, c.len - 1, all);
+      for (int i = 0; i < na; ++i) host_->add(all[i].l, all[i].r, s);
+      ++sum.offloads_host;
+      sum.bytes_to_host += c.bytes;
+    } else {
+      ++sum.offloads_ssd;
+      sum.bytes_to_ssd += c.bytes;
+    }
+    PlanAction off;
+    off.tensor = c.tensor;
+    off.kind = ActionKind::kOffload;
+    off.trigger = c.a;
+    off.deadline = op_at(c, ch.pe + 1);
+    off.target = ch.target;
+    off.bytes = c.bytes;
+    off.wraps = off.deadline <= off.trigger;
+    PlanAction pre = off;
+    pre.kind = ActionKind::kPrefetch;
+    pre.trigger = op_at(c, ch.pp - 1);
+    pre.deadline = c.b;
+    pre.wraps = pre.deadline <= pre.trigger;
+    plan.actions.push_back(off);
+    plan.actions.push_back(pre);
+    if (opt_.progress && (++commits_ & 255) == 0 && initial_over_ > 0) {
+      opt_.progress(1.0 - fenwick_->sum(0, n_ - 1) / initial_over_);
+    }
+  }
+
+  void greedy(Plan& plan) {
+    struct Entry {
+      double score;
+      std::uint64_t bytes;
+      int cand;
+      bool operator<(const Entry& o) const {
+        return score != o.score ? score < o.score : bytes < o.bytes;
+      }
+    };
+    std::priority_queue<Entry> heap;
+    for (std::size_t i = 0; i < cands_.size(); ++i) {
+      const Choice ch = evaluate(cands_[i]);
+      if (ch.ok) heap.push({ch.score, cands_[i].bytes, static_cast<int>(i)});
+    }
+    while (!heap.empty() && fenwick_->sum(0, n_ - 1) > 0) {
+      const Entry top = heap.top();
+      heap.pop();
+      Candidate& c = cands_[static_cast<std::size_t>(top.cand)];
+      if (c.done) continue;
+      const Choice ch = evaluate(c);
+      if (!ch.ok) continue;
+      if (!heap.empty() && ch.score < heap.top().score * (1 - 1e-12)) {
+        heap.push({ch.score, c.bytes, top.cand});  // scores only shrink: re-queue, look again
+        continue;
+      }
+      commit(plan, c, ch);
+    }
+  }
+
+  void add_stall(Plan& plan, int bucket, int waiting_op, double seconds) {
+    for (int c = 0; c < 4; ++c) {
+      BucketTree& t = buckets_[static_cast<std::size_t>(c)];
+      t.set(bucket, t.get(bucket) + rate_[c] * seconds);
+    }
+    plan.stalls.emplace_back(waiting_op, seconds);
+  }
+
+  // Least-stall choice for each op still over the target, leftmost first.
+  void fallback(Plan& plan) {
+    for (;;) {
+      const int k = over_->first_at_most(0, n_ - 1, RangeTree::kInf / 2);
+      if (k < 0) break;
+      const std::int64_t excess = over_->get(k) - target_;
+      int best = -1;
+      Target best_target = Target::kSsd;
+      double best_cost = std::numeric_limits<double>::infinity();
+      double best_w = 0;
+      double best_r = 0;
+      for (std::size_t i = 0; i < cands_.size(); ++i) {
+        const Candidate& c = cands_[i];
+        if (c.done) continue;
+        const int pk = pos_of(c, k);
+        if (pk < 1 || pk > c.len - 2) continue;
+        for (Target target : {Target::kSsd, Target::kHost}) {
+          const int w = target == Target::kSsd ? 0 : 2;
+          if (rate_[w] <= 0 || rate_[w + 1] <= 0) continue;
+          if (target == Target::kHost && !host_room(c)) continue;
+          const auto s = static_cast<double>(c.bytes);
+          const double dw =
+              std::max(0.0, s - bucket_sum(buckets_[static_cast<std::size_t>(w)], c, 0, pk - 1));
+          const double dr = std::max(
+              0.0, s - bucket_sum(buckets_[static_cast<std::size_t>(w + 1)], c, pk + 1, c.len - 1));
+          const double stall_w = dw / rate_[w];
+          const double stall_r = dr / rate_[w + 1];
+          const double cost = (stall_w + stall_r) /
+                              std::min(s, static_cast<double>(std::max<std::int64_t>(excess, 1)));
+          const bool better = cost < best_cost * (1 - 1e-12) ||
+                              (best >= 0 && cost <= best_cost * (1 + 1e-12) &&
+                               c.bytes > cands_[static_cast<std::size_t>(best)].bytes);
+          if (better) {
+            best = static_cast<int>(i);
+            best_target = target;
+            best_cost = cost;
+            best_w = stall_w;
+            best_r = stall_r;
+          }
+        }
+      }
+      TIDAL_EXPECT(best >= 0, "planner: no migration can relieve op ", k, " (",
+                   tr_.ops[static_cast<std::size_t>(k)].name, "); this is a bug");
+      Candidate& c = cands_[static_cast<std::size_t>(best)];
+      const int pk = pos_of(c, k);
+      // A hair more than the deficit, so that rounding cannot leave it short.
+      if (best_w > 0) add_stall(plan, op_at(c, pk - 1), k, best_w * (1 + 1e-9) + 1e-12);
+      if (best_r > 0) add_stall(plan, op_at(c, c.len - 1), c.b, best_r * (1 + 1e-9) + 1e-12);
+      Choice ch = evaluate_target(c, best_target);
+      TIDAL_EXPECT(ch.ok && ch.pe < pk && ch.pp > pk, "planner: the stall for op ", k,
+                   " did not make room; this is a bug");
+      commit(plan, c, ch);
+    }
+  }
+
+  void check_active_fit(const trace::LifetimeAnalysis& la) {
+    // Bytes that may leave at op k: periods that cover it away from their ends.
+    std::vector<std::int64_t> movable(static_cast<std::size_t>(n_) + 1, 0);
+    for (const Candidate& c : cands_) {
+      Segment s[2];
+      const int ns = segments(c, 1, c.len - 2, s);
+      for (int i = 0; i < ns; ++i) {
+        movable[static_cast<std::size_t>(s[i].l)] += static_cast<std::int64_t>(c.bytes);
+        movable[static_cast<std::size_t>(s[i].r) + 1] -= static_cast<std::int64_t>(c.bytes);
+      }
+    }
+    std::int64_t run = 0;
+    std::int64_t worst = 0;
+    int worst_op = -1;
+    for (int k = 0; k < n_; ++k) {
+      run += movable[static_cast<std::size_t>(k)];
+      const std::int64_t pinned =
+          static_cast<std::int64_t>(la.live_bytes[static_cast<std::size_t>(k)]) - run;
+      if (pinned - target_ > worst) {
+        worst = pinned - target_;
+        worst_op = k;
+      }
+    }
+    if (worst_op < 0) return;
+    const auto& op = tr_.ops[static_cast<std::size_t>(worst_op)];
+    const auto kk = static_cast<std::size_t>(worst_op);
+    TIDAL_EXPECT_AS(
+        InvalidArgument, false, "the plan cannot fit: op ", worst_op, " '", op.name, "' (",
+        trace::to_string(op.phase), ") needs ", format_bytes(static_cast<double>(worst + target_)),
+        " of tensors that cannot leave device memory around it (",
+        format_bytes(static_cast<double>(la.active_bytes[kk])), " used by the op itself), but ",
+        format_bytes(static_cast<double>(target_)), " is available (",
+        format_bytes(static_cast<double>(hw_.device_memory)), " less the ", hw_.memory_margin * 100,
+        "% margin): ", format_bytes(static_cast<double>(worst)),
+        " short. Use a smaller batch or sequence, or more device memory (--gpu-mem).");
+  }
+
+  const trace::Trace& tr_;
+  const Hardware& hw_;
+  PlannerOptions opt_;
+  int n_;
+  std::int64_t target_ = 0;
+  ChannelRates rates_;
+  double rate_[4] = {0, 0, 0, 0};
+  std::vector<double> tau_;
+  std::vector<BucketTree> buckets_;
+  std::vector<Candidate> cands_;
+  std::unique_ptr<Fenwick> fenwick_;
+  std::unique_ptr<RangeTree> over_;
+  std::unique_ptr<RangeTree> host_;
+  std::vector<std::int64_t> diff_;
+  double initial_over_ = 0;
+  std::int64_t commits_ = 0;
+};
+
+}  // namespace
+
+Plan make_plan(const trace::Trace& trace, const Hardware& hw, const PlannerOptions& options) {
+  TIDAL_EXPECT_AS(InvalidArgument, hw.device_memory > 0,
+                  "the hardware model has no device memory capacity; give --gpu-mem");
+  Planner p(trace, hw, options);
+  return p.run();
+}
+
+}  // namespace tidal::plan

@@ -1,0 +1,578 @@
+#include "tidal/plan/policies.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <sstream>
+
+#include "tidal/common/error.hpp"
+#include "tidal/common/units.hpp"
+#include "tidal/trace/lifetime.hpp"
+
+namespace tidal::plan {
+
+using trace::OpIndex;
+using trace::Phase;
+using trace::TensorClass;
+using trace::TensorId;
+
+namespace {
+
+struct PolicyName {
+  Policy policy;
+  const char* name;
+};
+constexpr PolicyName kPolicyNames[] = {
+    {Policy::kIdeal, "ideal"},
+    {Policy::kKeepAll, "keep-all"},
+    {Policy::kRecompute, "recompute"},
+    {Policy::kActivations, "activations"},
+    {Policy::kZeroOffload, "zero-offload"},
+    {Policy::kZeroInfinity, "zero-infinity"},
+    {Policy::kTidal, "tidal"},
+};
+
+// Recomputes start/end times from durations, back to back.
+void retime(trace::Trace& t) {
+  double now = 0;
+  for (auto& op : t.ops) {
+    const double d = op.duration();
+    op.start_s = now;
+    now += d;
+    op.end_s = now;
+  }
+}
+
+void set_action(PlanAction& a, TensorId id, std::uint64_t bytes, ActionKind kind, OpIndex trigger,
+                OpIndex deadline, Target target) {
+  a.tensor = id;
+  a.bytes = bytes;
+  a.kind = kind;
+  a.trigger = trigger;
+  a.deadline = deadline;
+  a.target = target;
+  a.wraps = deadline <= trigger;
+}
+
+Plan empty_plan(const trace::Trace& t, const Hardware& hw) {
+  Plan p;
+  p.model = t.model;
+  p.hardware = hw.name;
+  p.num_ops = static_cast<std::int32_t>(t.ops.size());
+  p.num_tensors = static_cast<std::int32_t>(t.tensors.size());
+  p.summary.capacity_bytes = hw.device_memory;
+  p.summary.compute_seconds = t.compute_seconds();
+  return p;
+}
+
+void sort_actions(Plan& p) {
+  std::sort(p.actions.begin(), p.actions.end(), [](const PlanAction& x, const PlanAction& y) {
+    if (x.trigger != y.trigger) return x.trigger < y.trigger;
+    if (x.kind != y.kind) return x.kind < y.kind;
+    return x.tensor < y.tensor;
+  });
+}
+
+// The ZeRO rewrite: the optimizer step leaves the GPU (one CPU op instead) with the optimizer
+// states; gradients become per-iteration tensors that are shipped out after their last use.
+trace::Trace zero_trace(const trace::Trace& in, double cpu_step_seconds) {
+  std::vector<TensorId> remap(in.tensors.size(), -1);
+  trace::Trace out;
+  out.version = in.version;
+  out.model = in.model;
+  out.device = in.device;
+  out.batch = in.batch;
+  out.seq = in.seq;
+  out.meta = in.meta;
+  for (const auto& t : in.tensors) {
+    if (t.cls == TensorClass::kOptimizerState) continue;
+    trace::Tensor x = t;
+    x.id = static_cast<TensorId>(out.tensors.size());
+    remap[static_cast<std::size_t>(t.id)] = x.id;
+    out.tensors.push_back(x);
+  }
+  std::vector<OpIndex> op_remap(in.ops.size(), trace::kNoOp);
+  for (const auto& op : in.ops) {
+    if (op.phase == Phase::kOptimizer) continue;
+    trace::Op o = op;
+    o.index = static_cast<OpIndex>(out.ops.size());
+    op_remap[static_cast<std::size_t>(op.index)] = o.index;
+    o.inputs.clear();
+    o.outputs.clear();
+    for (TensorId id : op.inputs) {
+      if (remap[static_cast<std::size_t>(id)] >= 0)
+        o.inputs.push_back(remap[static_cast<std::size_t>(id)]);
+    }
+    for (TensorId id : op.outputs) {
+      if (remap[static_cast<std::size_t>(id)] >= 0)
+        o.outputs.push_back(remap[static_cast<std::size_t>(id)]);
+    }
+    out.ops.push_back(std::move(o));
+  }
+  trace::Op cpu;
+  cpu.index = static_cast<OpIndex>(out.ops.size());
+  cpu.name = "cpu_adam";
+  cpu.phase = Phase::kOptimizer;
+  cpu.start_s = 0;
+  cpu.end_s = cpu_step_seconds;
+  out.ops.push_back(cpu);
+  // Uses after the rewrite, to fix producers and frees.
+  std::vector<OpIndex> first(out.tensors.size(), trace::kNoOp);
+  std::vector<OpIndex> last(out.tensors.size(), trace::kNoOp);
+  std::vector<OpIndex> first_out(out.tensors.size(), trace::kNoOp);
+  for (const auto& op : out.ops) {
+    for (const auto* ids : {&op.inputs, &op.outputs}) {
+      for (TensorId id : *ids) {
+        auto& f = first[static_cast<std::size_t>(id)];
+        if (f == trace::kNoOp) f = op.index;
+        last[static_cast<std::size_t>(id)] = op.index;
+      }
+    }
+    for (std::size_t s = 0; s < op.outputs.size(); ++s) {
+      auto& fo = first_out[static_cast<std::size_t>(op.outputs[s])];
+      if (fo == trace::kNoOp) fo = op.index;
+    }
+  }
+  for (auto& t : out.tensors) {
+    const auto i = static_cast<std::size_t>(t.id);
+    if (t.cls == TensorClass::kGradient) {
+      t.persistent = false;
+      t.producer =
+          first_out[i] != trace::kNoOp && first_out[i] == first[i] ? first_out[i] : trace::kNoOp;
+      t.freed_after = trace::kNoOp;
+    } else if (!t.persistent) {
+      t.producer = t.producer == trace::kNoOp ? trace::kNoOp
+                                              : op_remap[static_cast<std::size_t>(t.producer)];
+      t.freed_after = t.freed_after == trace::kNoOp
+                          ? trace::kNoOp
+                          : op_remap[static_cast<std::size_t>(t.freed_after)];
+    }
+    if (t.producer != trace::kNoOp) {
+      const auto& outs = out.ops[static_cast<std::size_t>(t.producer)].outputs;
+      const auto it = std::find(outs.begin(), outs.end(), t.id);
+      t.output_slot = it == outs.end() ? -1 : static_cast<std::int32_t>(it - outs.begin());
+      if (it == outs.end()) t.producer = trace::kNoOp;
+    }
+  }
+  retime(out);
+  trace::validate(out);
+  return out;
+}
+
+// ZeRO-3 style movement: parameters (above the persistence threshold) come in before each use
+// with a lookahead of about one block and leave right after; gradients leave after their last
+// use and must be out before the CPU step.
+Plan zero_plan(const trace::Trace& t, const Hardware& hw, Target target, const PolicyOptions& opt) {
+  Plan p = empty_plan(t, hw);
+  const auto la = trace::analyze_lifetimes(t);
+  const auto n = static_cast<OpIndex>(t.ops.size());
+  const OpIndex cpu_op = n - 1;
+  int layers = 0;
+  OpIndex fwd_ops = 0;
+  for (const auto& op : t.ops) {
+    layers = std::max(layers, op.layer + 1);
+    if (op.phase == Phase::kForward) ++fwd_ops;
+  }
+  const OpIndex lookahead = std::max<OpIndex>(1, layers > 0 ? fwd_ops / layers : 4);
+  for (const auto& tensor : t.tensors) {
+    const auto& life = la.tensors[static_cast<std::size_t>(tensor.id)];
+    if (life.uses.empty() || tensor.bytes == 0) continue;
+    if (tensor.cls == TensorClass::kParameter && tensor.persistent &&
+        tensor.bytes >= opt.zero_persistence_bytes) {
+      for (const auto& period : life.periods) {
+        const OpIndex a = period.last_use;
+        const OpIndex b = period.next_use;
+        const OpIndex gap = period.wraps ? (n - 1 - a) + b : b - a - 1;
+        if (gap < 2) continue;
+        PlanAction off;
+        set_action(off, tensor.id, tensor.bytes, ActionKind::kOffload, a, (a + 1) % n, target);
+        // Prefetch `lookahead` ops ahead of the use, but not before the offload's deadline.
+        const OpIndex back = std::min<OpIndex>(lookahead, gap - 1);
+        PlanAction pre;
+        set_action(pre, tensor.id, tensor.bytes, ActionKind::kPrefetch,
+                   ((b - 1 - back) % n + n) % n, b, target);
+        p.actions.push_back(off);
+        p.actions.push_back(pre);
+      }
+    } else if (tensor.cls == TensorClass::kGradient && !tensor.persistent) {
+      const OpIndex a = life.uses.back();
+      if (a >= cpu_op) continue;
+      PlanAction off;
+      set_action(off, tensor.id, tensor.bytes, ActionKind::kOffload, a, cpu_op, target);
+      p.actions.push_back(off);
+    }
+  }
+  sort_actions(p);
+  return p;
+}
+
+std::uint64_t bytes_of(const trace::Trace& t, TensorClass cls) {
+  std::uint64_t s = 0;
+  for (const auto& x : t.tensors) {
+    if (x.cls == cls) s += x.bytes;
+  }
+  return s;
+}
+
+PolicyResult run_zero(const trace::Trace& tr, const Hardware& hw, const PolicyOptions& opt,
+                      bool infinity) {
+  PolicyResult r;
+  r.policy = infinity ? Policy::kZeroInfinity : Policy::kZeroOffload;
+  const double params = static_cast<double>(bytes_of(tr, TensorClass::kParameter));
+  const double grads = static_cast<double>(bytes_of(tr, TensorClass::kGradient));
+  const double states = static_cast<double>(bytes_of(tr, TensorClass::kOptimizerState));
+  const double elems = params / 4;
+  double step = hw.cpu_adam_rate > 0 ? elems / hw.cpu_adam_rate : 0;
+  ChannelRates rates;
+  Target target = Target::kHost;
+  if (infinity) {
+    // The CPU step streams parameters, gradients and states from NVMe and writes back
+    // parameters and states, overlapped with the arithmetic.
+    step = std::max({step, (params + grads + states) / std::max(1.0, hw.ssd_read_total()),
+                     (params + states) / std::max(1.0, hw.ssd_write_total())});
+    rates.ssd_write = hw.ssd_write_total();
+    rates.ssd_read = hw.ssd_read_total();
+    target = Target::kSsd;
+  } else {
+    rates.host_write = rates.host_read = hw.host_link_bw;
+  }
+  PolicyOptions o = opt;
+  o.sim.channels = rates;
+  std::ostringstream note;
+  auto attempt = [&](const trace::Trace& base) {
+    const trace::Trace z = zero_trace(base, step);
+    Plan plan = zero_plan(z, hw, target, o);
+    SimResult sim = simulate(z, &plan, hw, o.sim);
+    return std::make_pair(std::move(plan), std::move(sim));
+  };
+  auto [plan, sim] = attempt(tr);
+  bool checkpointed = false;
+  if (!sim.fits) {
+    auto second = attempt(recompute_trace(tr));
+    if (second.second.fits || second.second.peak_bytes < sim.peak_bytes) {
+      plan = std::move(second.first);
+      sim = std::move(second.second);
+      checkpointed = true;
+    }
+  }
+  r.sim = sim;
+  r.fits = sim.fits;
+  note << "CPU Adam step " << format_seconds(step);
+  if (checkpointed) note << "; with layer-wise activation checkpointing";
+  if (!infinity && params + grads + states > static_cast<double>(hw.host_memory)) {
+    r.fits = false;
+    note << "; out of host memory: needs " << format_bytes(params + grads + states) << ", has "
+         << format_bytes(static_cast<double>(hw.host_memory));
+  }
+  if (!sim.fits) note << "; device memory exceeded";
+  r.note = note.str();
+  r.plan = std::move(plan);
+  return r;
+}
+
+}  // namespace
+
+const char* to_string(Policy p) {
+  for (const auto& n : kPolicyNames) {
+    if (n.policy == p) return n.name;
+  }
+  return "?";
+}
+
+Policy policy_from_string(const std::string& s) {
+  std::string names;
+  for (const auto& n : kPolicyNames) {
+    if (s == n.name) return n.policy;
+    names += (names.empty() ? "" : ", ") + std::string(n.name);
+  }
+  TIDAL_EXPECT_AS(InvalidArgument, false, "unknown policy '", s, "'; choose one of: ", names,
+                  " or all");
+  return Policy::kIdeal;
+}
+
+std::vector<Policy> all_policies() {
+  std::vector<Policy> v;
+  for (const auto& n : kPolicyNames) v.push_back(n.policy);
+  return v;
+}
+
+trace::Trace recompute_trace(const trace::Trace& in) {
+  const auto la = trace::analyze_lifetimes(in);
+  const auto n = static_cast<OpIndex>(in.ops.size());
+  int layers = 0;
+  for (const auto& op : in.ops) layers = std::max(layers, op.layer + 1);
+  if (layers == 0) return in;
+  std::vector<std::vector<OpIndex>> fwd(static_cast<std::size_t>(layers));
+  std::vector<OpIndex> first_bwd(static_cast<std::size_t>(layers), trace::kNoOp);
+  for (const auto& op : in.ops) {
+    if (op.layer < 0) continue;
+    const auto l = static_cast<std::size_t>(op.layer);
+    if (op.phase == Phase::kForward) fwd[l].push_back(op.index);
+    if (op.phase == Phase::kBackward && first_bwd[l] == trace::kNoOp) first_bwd[l] = op.index;
+  }
+  // Which tensors are dropped after the forward pass and made again.
+  std::vector<char> recompute(in.tensors.size(), 0);
+  for (const auto& t : in.tensors) {
+    if (t.persistent || t.producer == trace::kNoOp) continue;
+    const auto& prod = in.ops[static_cast<std::size_t>(t.producer)];
+    if (prod.phase != Phase::kForward || prod.layer < 0) continue;
+    const int l = prod.layer;
+    if (first_bwd[static_cast<std::size_t>(l)] == trace::kNoOp) continue;
+    bool ok = true;
+    bool backward_use = false;
+    for (OpIndex u : la.tensors[static_cast<std::size_t>(t.id)].uses) {
+      const auto& op = in.ops[static_cast<std::size_t>(u)];
+      if (op.layer != l) ok = false;
+      if (op.phase == Phase::kBackward) backward_use = true;
+      if (op.phase != Phase::kForward && op.phase != Phase::kBackward) ok = false;
+    }
+    recompute[static_cast<std::size_t>(t.id)] = ok && backward_use ? 1 : 0;
+  }
+
+  trace::Trace out = in;
+  out.ops.clear();
+  out.meta["rewrite"] = "layer-wise activation checkpointing";
+  std::vector<OpIndex> op_remap(static_cast<std::size_t>(n), trace::kNoOp);
+  std::vector<int> block_of(static_cast<std::size_t>(n), -1);
+  for (int l = 0; l < layers; ++l) {
+    if (first_bwd[static_cast<std::size_t>(l)] != trace::kNoOp &&
+        !fwd[static_cast<std::size_t>(l)].empty()) {
+      block_of[static_cast<std::size_t>(first_bwd[static_cast<std::size_t>(l)])] = l;
+    }
+  }
+  std::vector<std::map<TensorId, TensorId>> copies(static_cast<std::size_t>(layers));
+  auto new_op = [&](const trace::Op& src) {
+    trace::Op o = src;
+    o.index = static_cast<OpIndex>(out.ops.size());
+    out.ops.push_back(std::move(o));
+    return &out.ops.back();
+  };
+  for (OpIndex k = 0; k < n; ++k) {
+    const int l = block_of[static_cast<std::size_t>(k)];
+    if (l >= 0) {
+      auto& map = copies[static_cast<std::size_t>(l)];
+      for (OpIndex f : fwd[static_cast<std::size_t>(l)]) {
+        const auto& src = in.ops[static_cast<std::size_t>(f)];
+        trace::Op* o = new_op(src);
+        o->name = "recompute:" + src.name;
+        o->phase = Phase::kBackward;
+        for (TensorId& id : o->inputs) {
+          const auto it = map.find(id);
+          if (it != map.end()) id = it->second;
+        }
+        for (std::size_t s = 0; s < o->outputs.size(); ++s) {
+          TensorId& id = o->outputs[s];
+          if (in.tensors[static_cast<std::size_t>(id)].persistent) continue;
+          trace::Tensor x = in.tensors[static_cast<std::size_t>(id)];
+          x.id = static_cast<TensorId>(out.tensors.size());
+          x.name += "@recompute";
+          x.producer = o->index;
+          x.output_slot = static_cast<std::int32_t>(s);
+          x.freed_after = trace::kNoOp;
+          if (!recompute[static_cast<std::size_t>(id)]) x.cls = TensorClass::kTemporary;
+          out.tensors.push_back(x);
+          map[id] = x.id;
+          id = x.id;
+        }
+      }
+    }
+    const auto& src = in.ops[static_cast<std::size_t>(k)];
+    trace::Op* o = new_op(src);
+    op_remap[static_cast<std::size_t>(k)] = o->index;
+    if (src.phase == Phase::kBackward && src.layer >= 0) {
+      const auto& map = copies[static_cast<std::size_t>(src.layer)];
+      for (auto* ids : {&o->inputs, &o->outputs}) {
+        for (TensorId& id : *ids) {
+          if (!recompute[static_cast<std::size_t>(id)]) continue;
+          const auto it = map.find(id);
+          if (it != map.end()) id = it->second;
+        }
+      }
+    }
+  }
+  for (std::size_t i = 0; i < in.tensors.size(); ++i) {
+    trace::Tensor& t = out.tensors[i];
+    if (t.producer != trace::kNoOp) t.producer = op_remap[static_cast<std::size_t>(t.producer)];
+    if (recompute[i]) {
+      t.freed_after = trace::kNoOp;
+    } else if (t.freed_after != trace::kNoOp) {
+      t.freed_after = op_remap[static_cast<std::size_t>(t.freed_after)];
+    }
+  }
+  retime(out);
+  trace::validate(out);
+  return out;
+}
+
+Plan activation_plan(const trace::Trace& t, const Hardware& hw, const PolicyOptions& opt,
+                     std::string* note) {
+  Plan p = empty_plan(t, hw);
+  const auto la = trace::analyze_lifetimes(t);
+  struct Cand {
+    TensorId id;
+    OpIndex a, b;
+    int layer;
+  };
+  std::vector<Cand> cands;
+  for (const auto& x : t.tensors) {
+    if (x.cls != TensorClass::kActivation || x.persistent || x.bytes < opt.activation_min_bytes ||
+        x.producer == trace::kNoOp) {
+      continue;
+    }
+    const auto& prod = t.ops[static_cast<std::size_t>(x.producer)];
+    if (prod.phase != Phase::kForward || prod.layer < 0) continue;  // loss/embedding/head skipped
+    OpIndex a = trace::kNoOp;
+    OpIndex b = trace::kNoOp;
+    for (OpIndex u : la.tensors[static_cast<std::size_t>(x.id)].uses) {
+      const auto ph = t.ops[static_cast<std::size_t>(u)].phase;
+      if (ph == Phase::kForward) a = u;
+      if (ph == Phase::kBackward && b == trace::kNoOp) b = u;
+    }
+    if (a == trace::kNoOp || b == trace::kNoOp || b - a < 2) continue;
+    cands.push_back({x.id, a, b, prod.layer});
+  }
+  // Adaptive keep (SSDTrain): scopes are blocks in forward order; backward takes 2x forward.
+  int keep_from = -1;
+  if (opt.adaptive_keep) {
+    std::map<int, double> bytes;
+    std::map<int, double> time;
+    std::vector<int> order;
+    double forward = 0;
+    for (const auto& op : t.ops) {
+      if (op.phase != Phase::kForward) continue;
+      forward += op.duration();
+      if (op.layer < 0) continue;
+      if (time.find(op.layer) == time.end()) order.push_back(op.layer);
+      time[op.layer] += op.duration();
+    }
+    for (const auto& c : cands)
+      bytes[c.layer] += static_cast<double>(t.tensors[static_cast<std::size_t>(c.id)].bytes);
+    const double bw = hw.ssd_write_total();
+    double before_b = 0;
+    double before_t = 0;
+    for (int l : order) {
+      const double denom = 3 * forward - 2 * before_t;
+      if (denom <= 0 || (before_b + 2 * bytes[l]) / denom > bw) {
+        keep_from = l;
+        break;
+      }
+      before_b += bytes[l];
+      before_t += time[l];
+    }
+  }
+  int kept_layers = 0;
+  std::map<int, bool> seen;
+  for (const auto& c : cands) {
+    const bool keep = keep_from >= 0 && c.layer >= keep_from;
+    if (keep) {
+      if (!seen[c.layer]) ++kept_layers;
+      seen[c.layer] = true;
+      continue;
+    }
+    const std::uint64_t bytes = t.tensors[static_cast<std::size_t>(c.id)].bytes;
+    PlanAction off;
+    set_action(off, c.id, bytes, ActionKind::kOffload, c.a, c.b, Target::kSsd);
+    PlanAction pre;
+    const OpIndex trig = std::max<OpIndex>(c.a + 1, c.b - 1 - opt.activation_lookahead_ops);
+    set_action(pre, c.id, bytes, ActionKind::kPrefetch, trig, c.b, Target::kSsd);
+    p.actions.push_back(off);
+    p.actions.push_back(pre);
+    p.summary.bytes_to_ssd += bytes;
+    ++p.summary.offloads_ssd;
+  }
+  sort_actions(p);
+  if (note != nullptr) {
+    std::ostringstream s;
+    s << p.summary.offloads_ssd << " activations offloaded";
+    if (keep_from >= 0) s << "; adaptive keep from block " << keep_from;
+    *note = s.str();
+  }
+  return p;
+}
+
+PolicyResult run_policy(Policy policy, const trace::Trace& tr, const Hardware& hw,
+                        const PolicyOptions& opt, double ideal_seconds) {
+  PolicyResult r;
+  r.policy = policy;
+  switch (policy) {
+    case Policy::kIdeal: {
+      r.sim = simulate(tr, nullptr, hw, opt.sim);
+      r.fits = true;
+      r.note = "unlimited device memory";
+      break;
+    }
+    case Policy::kKeepAll: {
+      r.sim = simulate(tr, nullptr, hw, opt.sim);
+      r.fits = r.sim.fits;
+      break;
+    }
+    case Policy::kRecompute: {
+      const trace::Trace rt = recompute_trace(tr);
+      r.sim = simulate(rt, nullptr, hw, opt.sim);
+      r.fits = r.sim.fits;
+      r.note = rt.ops.size() == tr.ops.size() ? "no layer information: nothing recomputed"
+                                              : "layer-wise activation checkpointing";
+      break;
+    }
+    case Policy::kActivations: {
+      Plan p = activation_plan(tr, hw, opt, &r.note);
+      SimOptions so = opt.sim;
+      ChannelRates rates;
+      rates.ssd_write = hw.ssd_write_total();
+      rates.ssd_read = hw.ssd_read_total();
+      so.channels = rates;
+      r.sim = simulate(tr, &p, hw, so);
+      r.fits = r.sim.fits;
+      r.plan = std::move(p);
+      break;
+    }
+    case Policy::kZeroOffload:
+    case Policy::kZeroInfinity:
+      r = run_zero(tr, hw, opt, policy == Policy::kZeroInfinity);
+      break;
+    case Policy::kTidal: {
+      try {
+        Plan p = make_plan(tr, hw, opt.planner);
+        r.planning_seconds = p.summary.planning_seconds;
+        r.sim = simulate(tr, &p, hw, opt.sim);
+        r.fits = r.sim.fits;
+        std::ostringstream s;
+        s << p.summary.offloads_ssd << " offloads to SSD, " << p.summary.offloads_host
+          << " to host";
+        if (p.summary.planned_stall_seconds > 0) {
+          s << "; planned stall " << format_seconds(p.summary.planned_stall_seconds);
+        }
+        r.note = s.str();
+        r.plan = std::move(p);
+      } catch (const InvalidArgument& e) {
+        r.sim = simulate(tr, nullptr, hw, opt.sim);
+        r.fits = false;
+        r.note = e.what();
+      }
+      break;
+    }
+  }
+  if (ideal_seconds > 0 && r.sim.iteration_seconds > 0) {
+    r.fraction_of_ideal = ideal_seconds / r.sim.iteration_seconds;
+  }
+  return r;
+}
+
+std::vector<PolicyResult> run_policies(const std::vector<Policy>& policies, const trace::Trace& tr,
+                                       const Hardware& hw, const PolicyOptions& opt) {
+  const PolicyResult ideal = run_policy(Policy::kIdeal, tr, hw, opt);
+  const double ideal_s = ideal.sim.iteration_seconds;
+  std::vector<PolicyResult> out;
+  for (Policy p : policies) {
+    if (p == Policy::kIdeal) {
+      PolicyResult r = ideal;
+      r.fraction_of_ideal = ideal_s > 0 ? 1.0 : 0;
+      out.push_back(std::move(r));
+    } else {
+      out.push_back(run_policy(p, tr, hw, opt, ideal_s));
+    }
+  }
+  return out;
+}
+
+}  // namespace tidal::plan
