@@ -102,48 +102,70 @@ std::vector<TensorId> get_ids(const json& obj, const char* key, const std::strin
   return ids;
 }
 
-json ids_to_json(const std::vector<TensorId>& ids) {
-  json arr = json::array();
+// Written in field order (format and version first), one op and one tensor per line: compact,
+// yet a person can read and diff it.
+using ordered_json = nlohmann::ordered_json;
+
+ordered_json ids_to_json(const std::vector<TensorId>& ids) {
+  ordered_json arr = ordered_json::array();
   for (TensorId id : ids) arr.push_back(id);
   return arr;
 }
 
-json to_json(const Trace& trace) {
-  json j;
-  j["format"] = kFormat;
-  j["version"] = kTraceVersion;
-  j["model"] = trace.model;
-  j["device"] = trace.device;
-  j["batch"] = trace.batch;
-  j["seq"] = trace.seq;
-  j["meta"] = json::object();
-  for (const auto& [k, v] : trace.meta) j["meta"][k] = v;
-  json ops = json::array();
-  for (const Op& op : trace.ops) {
-    ops.push_back(json{{"index", op.index},
-                       {"name", op.name},
-                       {"phase", to_string(op.phase)},
-                       {"start_s", op.start_s},
-                       {"end_s", op.end_s},
-                       {"inputs", ids_to_json(op.inputs)},
-                       {"outputs", ids_to_json(op.outputs)},
-                       {"layer", op.layer}});
+ordered_json op_to_json(const Op& op) {
+  return ordered_json{{"index", op.index},
+                      {"name", op.name},
+                      {"phase", to_string(op.phase)},
+                      {"start_s", op.start_s},
+                      {"end_s", op.end_s},
+                      {"inputs", ids_to_json(op.inputs)},
+                      {"outputs", ids_to_json(op.outputs)},
+                      {"layer", op.layer}};
+}
+
+ordered_json tensor_to_json(const Tensor& t) {
+  return ordered_json{{"id", t.id},
+                      {"name", t.name},
+                      {"bytes", t.bytes},
+                      {"device", t.device},
+                      {"class", to_string(t.cls)},
+                      {"persistent", t.persistent},
+                      {"producer", t.producer},
+                      {"output_slot", t.output_slot},
+                      {"freed_after", t.freed_after}};
+}
+
+// Invalid UTF-8 in a name becomes U+FFFD rather than failing the whole file.
+std::string dump_line(const ordered_json& j) {
+  return j.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
+}
+
+template <typename T, typename F>
+void write_array(std::string& out, const char* key, const std::vector<T>& items, F to_line) {
+  out += detail::concat(" \"", key, "\": [");
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    out += i == 0 ? "\n  " : ",\n  ";
+    out += dump_line(to_line(items[i]));
   }
-  j["ops"] = std::move(ops);
-  json tensors = json::array();
-  for (const Tensor& t : trace.tensors) {
-    tensors.push_back(json{{"id", t.id},
-                           {"name", t.name},
-                           {"bytes", t.bytes},
-                           {"device", t.device},
-                           {"class", to_string(t.cls)},
-                           {"persistent", t.persistent},
-                           {"producer", t.producer},
-                           {"output_slot", t.output_slot},
-                           {"freed_after", t.freed_after}});
-  }
-  j["tensors"] = std::move(tensors);
-  return j;
+  out += items.empty() ? "]" : "\n ]";
+}
+
+std::string to_json_text(const Trace& trace) {
+  ordered_json meta = ordered_json::object();
+  for (const auto& [k, v] : trace.meta) meta[k] = v;
+  std::string out = "{\n";
+  out += detail::concat(" \"format\": ", dump_line(ordered_json(kFormat)), ",\n");
+  out += detail::concat(" \"version\": ", kTraceVersion, ",\n");
+  out += detail::concat(" \"model\": ", dump_line(ordered_json(trace.model)), ",\n");
+  out += detail::concat(" \"device\": ", dump_line(ordered_json(trace.device)), ",\n");
+  out += detail::concat(" \"batch\": ", trace.batch, ",\n");
+  out += detail::concat(" \"seq\": ", trace.seq, ",\n");
+  out += detail::concat(" \"meta\": ", dump_line(meta), ",\n");
+  write_array(out, "ops", trace.ops, op_to_json);
+  out += ",\n";
+  write_array(out, "tensors", trace.tensors, tensor_to_json);
+  out += "\n}\n";
+  return out;
 }
 
 Trace from_json(const json& j) {
@@ -252,7 +274,7 @@ void write_file(const std::string& path, const std::string& text) {
 
 }  // namespace
 
-std::string trace_to_json(const Trace& trace) { return to_json(trace).dump(1) + "\n"; }
+std::string trace_to_json(const Trace& trace) { return to_json_text(trace); }
 
 Trace trace_from_json(const std::string& text) {
   json j;
@@ -343,7 +365,7 @@ void write_chrome_trace(const Trace& trace, const LifetimeAnalysis& lifetimes,
                           {"device", trace.device},
                           {"batch", trace.batch},
                           {"seq", trace.seq}};
-  write_file(path, doc.dump() + "\n");
+  write_file(path, doc.dump(-1, ' ', false, json::error_handler_t::replace) + "\n");
 }
 
 }  // namespace tidal::trace

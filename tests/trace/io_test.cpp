@@ -218,6 +218,14 @@ TEST(TraceJson, ReadErrorsNameTheFileAndTheProblem) {
   }
 }
 
+TEST(TraceJson, InvalidUtf8InANameIsReplacedNotFatal) {
+  Trace t = testutil::random_trace(4);
+  t.tensors[2].name = "bad\xff";
+  TempFile f("utf8");
+  write_trace(t, f.path());
+  EXPECT_EQ(read_trace(f.path()).tensors[2].name, "bad\xef\xbf\xbd");  // U+FFFD
+}
+
 TEST(TraceJson, WriteToUnwritablePathThrows) {
   EXPECT_THROW(write_trace(Trace{}, "/nonexistent-dir-for-tidal/x.json"), Error);
 }
