@@ -15,7 +15,8 @@ void write_trace(const Trace& trace, const std::string& path);
 /// (not JSON, wrong version, missing field, dangling reference).
 Trace read_trace(const std::string& path);
 
-/// JSON text of the trace (the same as the file) and its inverse.
+/// JSON text of the trace (the same as the file) and its inverse. trace_from_json validates like
+/// read_trace and throws tidal::InvalidArgument naming the problem (without a file name).
 std::string trace_to_json(const Trace& trace);
 Trace trace_from_json(const std::string& text);
 

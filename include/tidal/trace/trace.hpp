@@ -83,6 +83,12 @@ struct Trace {
 /// Checks the structural invariants (dense ids and indices, references in range, producer and
 /// freed_after consistent with uses, times non-decreasing). Throws tidal::Error naming the first
 /// violation.
+///
+/// In detail: ops[k].index == k and tensors[i].id == i; every input and output id names a
+/// tensor; times are finite, end_s >= start_s and start_s never decreases (ops may overlap); a
+/// producer, when set, is an op listing the tensor among its outputs, and no op uses a
+/// per-iteration tensor before it; freed_after, when set, is an op at or after the tensor's last
+/// use and its producer, and only per-iteration tensors have one.
 void validate(const Trace& trace);
 
 }  // namespace tidal::trace
