@@ -57,8 +57,9 @@ class BucketTree {
     if (l > r) return -1;
     return fb(1, 0, size_ - 1, l, r, need);
   }
-  void zero(int l, int r) {
-    if (l <= r) zero(1, 0, size_ - 1, l, r);
+  // Sets [l, r] to zero and appends the (index, value) of every nonzero leaf it cleared.
+  void zero(int l, int r, std::vector<std::pair<int, double>>& cleared) {
+    if (l <= r) zero(1, 0, size_ - 1, l, r, cleared);
   }
 
  private:
@@ -90,15 +91,16 @@ class BucketTree {
     const int j = fb(2 * x + 1, mid + 1, nr, l, r, need);
     return j >= 0 ? j : fb(2 * x, nl, mid, l, r, need);
   }
-  void zero(int x, int nl, int nr, int l, int r) {
+  void zero(int x, int nl, int nr, int l, int r, std::vector<std::pair<int, double>>& cleared) {
     if (nr < l || nl > r || t_[static_cast<std::size_t>(x)] <= 0) return;
     if (nl == nr) {
+      cleared.emplace_back(nl, t_[static_cast<std::size_t>(x)]);
       t_[static_cast<std::size_t>(x)] = 0;
       return;
     }
     const int mid = (nl + nr) / 2;
-    zero(2 * x, nl, mid, l, r);
-    zero(2 * x + 1, mid + 1, nr, l, r);
+    zero(2 * x, nl, mid, l, r, cleared);
+    zero(2 * x + 1, mid + 1, nr, l, r, cleared);
     pull(x);
   }
   int n_ = 0;
@@ -225,6 +227,14 @@ struct Candidate {
   OpIndex b = 0;  // next use
   int len = 0;    // ops strictly between, cyclically
   bool done = false;
+  // Once committed: where, the positions of its transfers' end buckets, the bandwidth it
+  // reserved per op (so that the least-stall fallback can move it), and its two actions.
+  Target target = Target::kSsd;
+  int pe = -1;
+  int pp = -1;
+  std::vector<std::pair<int, double>> wres;
+  std::vector<std::pair<int, double>> rres;
+  std::size_t off_action = 0;
 };
 
 struct Segment {
@@ -446,32 +456,41 @@ class Planner {
     return Choice{};
   }
 
-  void consume_forward(BucketTree& t, const Candidate& c, int pe, double need) {
-    const double before = bucket_sum(t, c, 0, pe - 1);
+  using Reservation = std::vector<std::pair<int, double>>;
+
+  // Takes `need` bytes from the buckets at positions 0..pe (all of 0..pe-1, the rest from pe).
+  void consume_forward(BucketTree& t, const Candidate& c, int pe, double need, Reservation& res) {
     Segment s[2];
     const int ns = segments(c, 0, pe - 1, s);
-    for (int i = 0; i < ns; ++i) t.zero(s[i].l, s[i].r);
+    const std::size_t first = res.size();
+    for (int i = 0; i < ns; ++i) t.zero(s[i].l, s[i].r, res);
+    double took = 0;
+    for (std::size_t i = first; i < res.size(); ++i) took += res[i].second;
     const int k = op_at(c, pe);
-    t.set(k, t.get(k) - (need - before));
+    const double part = std::min(t.get(k), std::max(0.0, need - took));
+    t.set(k, t.get(k) - part);
+    res.emplace_back(k, part);
   }
-  void consume_backward(BucketTree& t, const Candidate& c, int pp, double need) {
-    const double after = bucket_sum(t, c, pp + 1, c.len - 1);
+  // Takes `need` bytes from positions pp..len-1 (all of pp+1.., the rest from pp).
+  void consume_backward(BucketTree& t, const Candidate& c, int pp, int last, double need,
+                        Reservation& res) {
     Segment s[2];
-    const int ns = segments(c, pp + 1, c.len - 1, s);
-    for (int i = 0; i < ns; ++i) t.zero(s[i].l, s[i].r);
+    const int ns = segments(c, pp + 1, last, s);
+    const std::size_t first = res.size();
+    for (int i = 0; i < ns; ++i) t.zero(s[i].l, s[i].r, res);
+    double took = 0;
+    for (std::size_t i = first; i < res.size(); ++i) took += res[i].second;
     const int k = op_at(c, pp);
-    t.set(k, t.get(k) - (need - after));
+    const double part = std::min(t.get(k), std::max(0.0, need - took));
+    t.set(k, t.get(k) - part);
+    res.emplace_back(k, part);
   }
 
-  void commit(Plan& plan, Candidate& c, const Choice& ch) {
-    c.done = true;
-    const int w = ch.target == Target::kSsd ? 0 : 2;
-    const auto need = static_cast<double>(c.bytes);
-    consume_forward(buckets_[static_cast<std::size_t>(w)], c, ch.pe, need);
-    consume_backward(buckets_[static_cast<std::size_t>(w + 1)], c, ch.pp, need);
+  // Lowers M' by the candidate's bytes over positions [p0, p1] and retires ops that now fit.
+  void free_span(const Candidate& c, int p0, int p1) {
     const auto s = static_cast<std::int64_t>(c.bytes);
     Segment seg[2];
-    const int ns = segments(c, ch.pe + 1, ch.pp - 1, seg);
+    const int ns = segments(c, p0, p1, seg);
     for (int i = 0; i < ns; ++i) {
       over_->add(seg[i].l, seg[i].r, -s);
       for (int k = over_->first_at_most(seg[i].l, seg[i].r, target_); k >= 0;
@@ -482,11 +501,25 @@ class Planner {
       diff_[static_cast<std::size_t>(seg[i].l)] -= s;
       diff_[static_cast<std::size_t>(seg[i].r) + 1] += s;
     }
+  }
+
+  void commit(Plan& plan, Candidate& c, const Choice& ch) {
+    c.done = true;
+    c.target = ch.target;
+    c.pe = ch.pe;
+    c.pp = ch.pp;
+    const int w = ch.target == Target::kSsd ? 0 : 2;
+    const auto need = static_cast<double>(c.bytes);
+    consume_forward(buckets_[static_cast<std::size_t>(w)], c, ch.pe, need, c.wres);
+    consume_backward(buckets_[static_cast<std::size_t>(w + 1)], c, ch.pp, c.len - 1, need, c.rres);
+    free_span(c, ch.pe + 1, ch.pp - 1);
     PlanSummary& sum = plan.summary;
     if (ch.target == Target::kHost) {
       Segment all[2];
       const int na = segments(c, 0, c.len - 1, all);
-      for (int i = 0; i < na; ++i) host_->add(all[i].l, all[i].r, s);
+      for (int i = 0; i < na; ++i) {
+        host_->add(all[i].l, all[i].r, static_cast<std::int64_t>(c.bytes));
+      }
       ++sum.offloads_host;
       sum.bytes_to_host += c.bytes;
     } else {
@@ -496,21 +529,29 @@ class Planner {
     PlanAction off;
     off.tensor = c.tensor;
     off.kind = ActionKind::kOffload;
-    off.trigger = c.a;
-    off.deadline = op_at(c, ch.pe + 1);
     off.target = ch.target;
     off.bytes = c.bytes;
-    off.wraps = off.deadline <= off.trigger;
     PlanAction pre = off;
     pre.kind = ActionKind::kPrefetch;
-    pre.trigger = op_at(c, ch.pp - 1);
-    pre.deadline = c.b;
-    pre.wraps = pre.deadline <= pre.trigger;
+    c.off_action = plan.actions.size();
     plan.actions.push_back(off);
     plan.actions.push_back(pre);
+    set_times(plan, c);
     if (opt_.progress && (++commits_ & 255) == 0 && initial_over_ > 0) {
       opt_.progress(1.0 - fenwick_->sum(0, n_ - 1) / initial_over_);
     }
+  }
+
+  // The actions' trigger and deadline ops from the candidate's transfer positions.
+  void set_times(Plan& plan, const Candidate& c) const {
+    PlanAction& off = plan.actions[c.off_action];
+    PlanAction& pre = plan.actions[c.off_action + 1];
+    off.trigger = c.a;
+    off.deadline = op_at(c, c.pe + 1);
+    off.wraps = off.deadline <= off.trigger;
+    pre.trigger = op_at(c, c.pp - 1);
+    pre.deadline = c.b;
+    pre.wraps = pre.deadline <= pre.trigger;
   }
 
   void greedy(Plan& plan) {
@@ -550,59 +591,152 @@ class Planner {
     plan.stalls.emplace_back(waiting_op, seconds);
   }
 
+  // Bytes of a reservation at positions [p0, p1] of c's interior.
+  double reserved(const Candidate& c, const Reservation& res, int p0, int p1) const {
+    double v = 0;
+    for (const auto& [op, amount] : res) {
+      const int p = pos_of(c, op);
+      if (p >= p0 && p <= p1) v += amount;
+    }
+    return v;
+  }
+
+  // Gives back the part of a reservation at positions [p0, p1]; returns its bytes.
+  double release(BucketTree& t, const Candidate& c, Reservation& res, int p0, int p1) {
+    double v = 0;
+    Reservation kept;
+    for (const auto& [op, amount] : res) {
+      const int p = pos_of(c, op);
+      if (p >= p0 && p <= p1) {
+        t.set(op, t.get(op) + amount);
+        v += amount;
+      } else {
+        kept.emplace_back(op, amount);
+      }
+    }
+    res.swap(kept);
+    return v;
+  }
+
+  struct Option {
+    int cand = -1;
+    Target target = Target::kSsd;
+    double stall_w = 0;  // seconds before op k so that the offload is out
+    double stall_r = 0;  // seconds before op b so that the prefetch, started after k, is in
+    double cost = std::numeric_limits<double>::infinity();
+  };
+
+  // The stall that makes candidate c absent at op k (position pk): for a new candidate, both
+  // transfers squeezed around k; for a committed one, its offload finished before k or its
+  // prefetch started after k.
+  Option option_for(int i, int k, std::int64_t excess) {
+    Option best;
+    const Candidate& c = cands_[static_cast<std::size_t>(i)];
+    const int pk = pos_of(c, k);
+    if (pk < 1 || pk > c.len - 2) return best;
+    const auto s = static_cast<double>(c.bytes);
+    const double denom = std::min(s, static_cast<double>(std::max<std::int64_t>(excess, 1)));
+    for (Target target : {Target::kSsd, Target::kHost}) {
+      const int w = target == Target::kSsd ? 0 : 2;
+      if (c.done && target != c.target) continue;
+      if (rate_[w] <= 0 || rate_[w + 1] <= 0) continue;
+      if (!c.done && target == Target::kHost && !host_room(c)) continue;
+      const BucketTree& tw = buckets_[static_cast<std::size_t>(w)];
+      const BucketTree& tr = buckets_[static_cast<std::size_t>(w + 1)];
+      double dw = 0;
+      double dr = 0;
+      if (!c.done) {
+        dw = std::max(0.0, s - bucket_sum(tw, c, 0, pk - 1));
+        dr = std::max(0.0, s - bucket_sum(tr, c, pk + 1, c.len - 1));
+      } else if (pk <= c.pe) {
+        dw = std::max(0.0, reserved(c, c.wres, pk, c.len - 1) - bucket_sum(tw, c, 0, pk - 1));
+      } else if (pk >= c.pp) {
+        dr = std::max(0.0, reserved(c, c.rres, 0, pk) - bucket_sum(tr, c, pk + 1, c.len - 1));
+      } else {
+        continue;  // already absent at k
+      }
+      Option o;
+      o.cand = i;
+      o.target = target;
+      o.stall_w = dw / rate_[w];
+      o.stall_r = dr / rate_[w + 1];
+      o.cost = (o.stall_w + o.stall_r) / denom;
+      if (o.cost < best.cost) best = o;
+    }
+    return best;
+  }
+
   // Least-stall choice for each op still over the target, leftmost first.
   void fallback(Plan& plan) {
     for (;;) {
       const int k = over_->first_at_most(0, n_ - 1, RangeTree::kInf / 2);
       if (k < 0) break;
       const std::int64_t excess = over_->get(k) - target_;
-      int best = -1;
-      Target best_target = Target::kSsd;
-      double best_cost = std::numeric_limits<double>::infinity();
-      double best_w = 0;
-      double best_r = 0;
+      Option best;
       for (std::size_t i = 0; i < cands_.size(); ++i) {
-        const Candidate& c = cands_[i];
-        if (c.done) continue;
-        const int pk = pos_of(c, k);
-        if (pk < 1 || pk > c.len - 2) continue;
-        for (Target target : {Target::kSsd, Target::kHost}) {
-          const int w = target == Target::kSsd ? 0 : 2;
-          if (rate_[w] <= 0 || rate_[w + 1] <= 0) continue;
-          if (target == Target::kHost && !host_room(c)) continue;
-          const auto s = static_cast<double>(c.bytes);
-          const double dw =
-              std::max(0.0, s - bucket_sum(buckets_[static_cast<std::size_t>(w)], c, 0, pk - 1));
-          const double dr = std::max(
-              0.0, s - bucket_sum(buckets_[static_cast<std::size_t>(w + 1)], c, pk + 1, c.len - 1));
-          const double stall_w = dw / rate_[w];
-          const double stall_r = dr / rate_[w + 1];
-          const double cost = (stall_w + stall_r) /
-                              std::min(s, static_cast<double>(std::max<std::int64_t>(excess, 1)));
-          const bool better = cost < best_cost * (1 - 1e-12) ||
-                              (best >= 0 && cost <= best_cost * (1 + 1e-12) &&
-                               c.bytes > cands_[static_cast<std::size_t>(best)].bytes);
-          if (better) {
-            best = static_cast<int>(i);
-            best_target = target;
-            best_cost = cost;
-            best_w = stall_w;
-            best_r = stall_r;
-          }
-        }
+        const Option o = option_for(static_cast<int>(i), k, excess);
+        if (o.cand < 0) continue;
+        const bool better = o.cost < best.cost * (1 - 1e-12) ||
+                            (best.cand >= 0 && o.cost <= best.cost * (1 + 1e-12) &&
+                             cands_[i].bytes > cands_[static_cast<std::size_t>(best.cand)].bytes);
+        if (better) best = o;
       }
-      TIDAL_EXPECT(best >= 0, "planner: no migration can relieve op ", k, " (",
+      TIDAL_EXPECT(best.cand >= 0, "planner: no migration can relieve op ", k, " (",
                    tr_.ops[static_cast<std::size_t>(k)].name, "); this is a bug");
-      Candidate& c = cands_[static_cast<std::size_t>(best)];
+      Candidate& c = cands_[static_cast<std::size_t>(best.cand)];
       const int pk = pos_of(c, k);
       // A hair more than the deficit, so that rounding cannot leave it short.
-      if (best_w > 0) add_stall(plan, op_at(c, pk - 1), k, best_w * (1 + 1e-9) + 1e-12);
-      if (best_r > 0) add_stall(plan, op_at(c, c.len - 1), c.b, best_r * (1 + 1e-9) + 1e-12);
-      Choice ch = evaluate_target(c, best_target);
-      TIDAL_EXPECT(ch.ok && ch.pe < pk && ch.pp > pk, "planner: the stall for op ", k,
-                   " did not make room; this is a bug");
-      commit(plan, c, ch);
+      if (best.stall_w > 0) add_stall(plan, op_at(c, pk - 1), k, best.stall_w * (1 + 1e-9) + 1e-12);
+      if (best.stall_r > 0) {
+        add_stall(plan, op_at(c, c.len - 1), c.b, best.stall_r * (1 + 1e-9) + 1e-12);
+      }
+      const int w = best.target == Target::kSsd ? 0 : 2;
+      BucketTree& tw = buckets_[static_cast<std::size_t>(w)];
+      BucketTree& tr = buckets_[static_cast<std::size_t>(w + 1)];
+      if (!c.done) {
+        Choice ch = evaluate_target(c, best.target);
+        TIDAL_EXPECT(ch.ok && ch.pe < pk && ch.pp > pk, "planner: the stall for op ", k,
+                     " did not make room; this is a bug");
+        commit(plan, c, ch);
+      } else if (pk <= c.pe) {
+        // Finish the offload before k: the bytes it moved from k on move to the ops before.
+        const double moved = release(tw, c, c.wres, pk, c.len - 1);
+        const int from = fill_backward(tw, c, 0, pk - 1, moved);
+        TIDAL_EXPECT(from >= 0, "planner: the stall for op ", k, " did not make room; a bug");
+        consume_backward(tw, c, from, pk - 1, moved, c.wres);
+        const int old_pe = c.pe;
+        c.pe = pk - 1;
+        free_span(c, pk, old_pe);
+        set_times(plan, c);
+      } else {
+        // Start the prefetch after k.
+        const double moved = release(tr, c, c.rres, 0, pk);
+        const int to = fill_forward(tr, c, pk + 1, c.len - 1, moved);
+        TIDAL_EXPECT(to >= 0, "planner: the stall for op ", k, " did not make room; a bug");
+        Reservation extra;
+        consume_forward_range(tr, c, pk + 1, to, moved, extra);
+        c.rres.insert(c.rres.end(), extra.begin(), extra.end());
+        const int old_pp = c.pp;
+        c.pp = pk + 1;
+        free_span(c, old_pp, pk);
+        set_times(plan, c);
+      }
     }
+  }
+
+  // Takes `need` bytes from positions p0..pe of c (all of p0..pe-1, the rest from pe).
+  void consume_forward_range(BucketTree& t, const Candidate& c, int p0, int pe, double need,
+                             Reservation& res) {
+    Segment s[2];
+    const int ns = segments(c, p0, pe - 1, s);
+    const std::size_t first = res.size();
+    for (int i = 0; i < ns; ++i) t.zero(s[i].l, s[i].r, res);
+    double took = 0;
+    for (std::size_t i = first; i < res.size(); ++i) took += res[i].second;
+    const int k = op_at(c, pe);
+    const double part = std::min(t.get(k), std::max(0.0, need - took));
+    t.set(k, t.get(k) - part);
+    res.emplace_back(k, part);
   }
 
   void check_active_fit(const trace::LifetimeAnalysis& la) {
