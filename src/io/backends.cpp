@@ -1,8 +1,8 @@
 // Backend names, the fault-injection wrapper, and the cuFile backend for device memory.
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -40,8 +40,9 @@ BackendKind backend_kind_from_string(const std::string& name) {
 #ifndef TIDAL_WITH_IO_URING
 std::unique_ptr<Backend> make_uring_backend(std::vector<int> /*fds*/, unsigned /*entries*/,
                                             const std::vector<std::pair<void*, std::size_t>>&) {
-  TIDAL_FAIL_IO(ENOSYS, "this build of tidal has no io_uring backend (liburing-dev was missing at "
-                        "build time); use the posix backend");
+  TIDAL_FAIL_IO(ENOSYS,
+                "this build of tidal has no io_uring backend (liburing-dev was missing at "
+                "build time); use the posix backend");
 }
 bool uring_compiled() { return false; }
 #endif
@@ -57,8 +58,8 @@ class FaultBackend final : public Backend {
 
   void submit(IoOp* op) override {
     const std::uint64_t k = ++ops_;
-    const bool fail = plan_.fail_op != 0 &&
-                      (k == plan_.fail_op || (plan_.fail_every_after && k > plan_.fail_op));
+    const bool fail =
+        plan_.fail_op != 0 && (k == plan_.fail_op || (plan_.fail_every_after && k > plan_.fail_op));
     if (fail) {
       op->on_complete(op, -plan_.fail_errno);
       return;
@@ -115,8 +116,8 @@ class CuFileBackend final : public Backend {
  public:
   CuFileBackend(std::vector<int> fds, int threads) {
     driver_ = detail::cuda::CuFile::instance();
-    TIDAL_EXPECT(driver_ != nullptr, "cuFile is not available: ",
-                 detail::cuda::CuFile::unavailable_reason());
+    TIDAL_EXPECT(driver_ != nullptr,
+                 "cuFile is not available: ", detail::cuda::CuFile::unavailable_reason());
     for (int fd : fds) {
       void* h = driver_->register_file(fd);
       if (h == nullptr) {

@@ -46,8 +46,8 @@ void ExtentAllocator::free(Extent e) {
                "ExtentAllocator::free: extent at ", offset, " overlaps free space (double free?)");
   if (next != by_offset_.begin()) {
     auto prev = std::prev(next);
-    TIDAL_EXPECT(prev->first + prev->second <= offset, "ExtentAllocator::free: extent at ",
-                 offset, " overlaps free space (double free?)");
+    TIDAL_EXPECT(prev->first + prev->second <= offset, "ExtentAllocator::free: extent at ", offset,
+                 " overlaps free space (double free?)");
     if (prev->first + prev->second == offset) {
       offset = prev->first;
       length += prev->second;

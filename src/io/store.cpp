@@ -113,8 +113,8 @@ void open_store_file(StoreFile& f, std::uint64_t bytes, bool buffered) {
     } else {
       ::close(f.fd);
       f.fd = -1;
-      TIDAL_FAIL_IO(err, "cannot reserve ", format_bytes(static_cast<double>(bytes)), " in '", f.dir,
-                    "': ", std::strerror(err), " (",
+      TIDAL_FAIL_IO(err, "cannot reserve ", format_bytes(static_cast<double>(bytes)), " in '",
+                    f.dir, "': ", std::strerror(err), " (",
                     format_bytes(static_cast<double>(free_space(f.dir))),
                     " free there); lower the store capacity or free disk space");
     }
@@ -235,8 +235,8 @@ TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
                   "stripe unit ", opt.stripe_unit,
                   " must be a power of two from 4 KiB to 256 MiB (default 1 MiB)");
   if (opt.queue_depth == 0) opt.queue_depth = env.queue_depth.value_or(32);
-  TIDAL_EXPECT_AS(InvalidArgument, opt.queue_depth > 0 && opt.queue_depth <= 4096,
-                  "queue depth ", opt.queue_depth, " must be from 1 to 4096");
+  TIDAL_EXPECT_AS(InvalidArgument, opt.queue_depth > 0 && opt.queue_depth <= 4096, "queue depth ",
+                  opt.queue_depth, " must be from 1 to 4096");
   if (env.checksum) opt.checksum = *env.checksum;
   const auto nfiles = static_cast<int>(opt.dirs.size());
   if (opt.threads <= 0) opt.threads = std::min(32, opt.queue_depth * nfiles);
@@ -256,8 +256,8 @@ TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
   if (opt.capacity == 0) {
     opt.capacity = std::min<std::uint64_t>(64 * kGiB, free_space(opt.dirs[0]) / 4);
   }
-  const std::uint64_t per_file = opt.capacity / static_cast<std::uint64_t>(nfiles) / kBlockSize *
-                                 kBlockSize;
+  const std::uint64_t per_file =
+      opt.capacity / static_cast<std::uint64_t>(nfiles) / kBlockSize * kBlockSize;
   TIDAL_EXPECT_AS(InvalidArgument, per_file >= kBlockSize, "store capacity ",
                   format_bytes(static_cast<double>(opt.capacity)), " is too small for ", nfiles,
                   " director", nfiles == 1 ? "y" : "ies", "; give at least 4 KiB per directory");
@@ -288,8 +288,8 @@ TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
   if (detail::cuda::device_available()) {
     staging_pinned = true;
     for (auto& b : staging) {
-      staging_pinned = detail::cuda::pin_host_memory(b.get(), opt.stripe_unit) == 0 &&
-                       staging_pinned;
+      staging_pinned =
+          detail::cuda::pin_host_memory(b.get(), opt.stripe_unit) == 0 && staging_pinned;
     }
   }
 #endif
@@ -298,8 +298,8 @@ TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
                           (opt.backend == BackendKind::kAuto && uring_compiled());
   if (want_uring) {
     try {
-      host_backend = make_uring_backend(
-          fds, static_cast<unsigned>(opt.queue_depth * nfiles), regions);
+      host_backend =
+          make_uring_backend(fds, static_cast<unsigned>(opt.queue_depth * nfiles), regions);
     } catch (const IoError&) {
       if (opt.backend == BackendKind::kIoUring) throw;
     }
@@ -488,7 +488,7 @@ void TensorStore::Impl::dispatch_loop() {
 }
 
 // Runs on the dispatcher thread without the lock: the op's entry is busy, so nobody else
-// touches it. Checksums of writes are taken here, over the bytes as they are written.
+// touches it. Kept light (no hashing) so that dispatching never waits on the CPU.
 void TensorStore::Impl::prepare_and_submit(OpSlot* s) {
   Entry& e = *s->entry;
   Piece& p = e.pieces[s->piece];
@@ -497,7 +497,8 @@ void TensorStore::Impl::prepare_and_submit(OpSlot* s) {
   if (staged) {
     char* buf = staging[static_cast<std::size_t>(s->staging)].get();
     s->io.buffer = buf;
-    s->io.length = static_cast<std::uint32_t>(opt.buffered ? p.length : align_up(p.length, kBlockSize));
+    s->io.length =
+        static_cast<std::uint32_t>(opt.buffered ? p.length : align_up(p.length, kBlockSize));
     s->io.fixed_buffer = s->staging;
     if (e.writing) {
       if (copy_out(buf, user, p.length, e.device) != 0) {
@@ -505,13 +506,11 @@ void TensorStore::Impl::prepare_and_submit(OpSlot* s) {
         return;
       }
       std::memset(buf + p.length, 0, s->io.length - p.length);
-      if (e.checksummed) p.checksum = XXH3_64bits(buf, p.length);
     }
   } else {
     s->io.buffer = user;
     s->io.length = p.length;
     s->io.fixed_buffer = -1;
-    if (e.writing && e.checksummed) p.checksum = XXH3_64bits(user, p.length);
   }
   if (e.device && !staged) {
     device_backend->submit(&s->io);
@@ -532,22 +531,28 @@ void TensorStore::Impl::on_complete(IoOp* io, long result) {
   if (result < 0) {
     err = static_cast<int>(-result);
     msg = ::tidal::detail::concat(what, " of ", want, " bytes at offset ", p.file_offset, " in '",
-                         self->files[static_cast<std::size_t>(p.file)]->dir,
-                         "' failed: ", std::strerror(err));
+                                  self->files[static_cast<std::size_t>(p.file)]->dir,
+                                  "' failed: ", std::strerror(err));
   } else if (static_cast<std::uint64_t>(result) < want) {
     err = EIO;
     msg = ::tidal::detail::concat("short ", what, ": ", result, " of ", want, " bytes at offset ",
-                         p.file_offset, " in '", self->files[static_cast<std::size_t>(p.file)]->dir,
-                         "'");
-  } else if (!e.writing) {
+                                  p.file_offset, " in '",
+                                  self->files[static_cast<std::size_t>(p.file)]->dir, "'");
+  } else if (e.writing) {
+    // The source may not change until the request completes, so hashing it here, on the
+    // backend's thread and in parallel with other ops, sees the bytes that were written.
+    const char* data = s->staging >= 0 ? static_cast<const char*>(s->io.buffer)
+                                       : (e.device ? nullptr : e.user + p.tensor_offset);
+    if (e.checksummed && data != nullptr) p.checksum = XXH3_64bits(data, p.length);
+  } else {
     const char* data = s->staging >= 0 ? static_cast<const char*>(s->io.buffer)
                                        : (e.device ? nullptr : e.user + p.tensor_offset);
     if (e.checksummed && data != nullptr && XXH3_64bits(data, p.length) != p.checksum) {
       err = EIO;
-      msg = ::tidal::detail::concat("checksum mismatch in the stripe at tensor byte ", p.tensor_offset,
-                           " (file offset ", p.file_offset, " in '",
-                           self->files[static_cast<std::size_t>(p.file)]->dir,
-                           "'): the data read back is corrupt, so it was not used");
+      msg = ::tidal::detail::concat("checksum mismatch in the stripe at tensor byte ",
+                                    p.tensor_offset, " (file offset ", p.file_offset, " in '",
+                                    self->files[static_cast<std::size_t>(p.file)]->dir,
+                                    "'): the data read back is corrupt, so it was not used");
     } else if (s->staging >= 0 &&
                copy_in(e.user + p.tensor_offset, s->io.buffer, p.length, e.device) != 0) {
       err = EIO;
@@ -592,14 +597,15 @@ void TensorStore::Impl::throw_pending_error(Entry& e) {
   if (e.err == 0) return;
   const int err = e.err;
   std::string msg = ::tidal::detail::concat("tensor store ", e.writing ? "write" : "read", " of ",
-                                   format_bytes(static_cast<double>(e.bytes)), " (ticket ", e.id,
-                                   ") failed: ", e.err_msg);
+                                            format_bytes(static_cast<double>(e.bytes)), " (ticket ",
+                                            e.id, ") failed: ", e.err_msg);
   e.err = 0;
   e.err_msg.clear();
   throw IoError(msg, err);
 }
 
-TensorStore::TensorStore(StoreOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
+TensorStore::TensorStore(StoreOptions options)
+    : impl_(std::make_unique<Impl>(std::move(options))) {}
 
 TensorStore::~TensorStore() = default;
 

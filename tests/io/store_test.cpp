@@ -33,7 +33,8 @@ using testing::TestDir;
 // A buffer at a chosen misalignment from a 4 KiB boundary.
 struct Buffer {
   Buffer(std::size_t n, std::size_t misalign) : n_(n) {
-    raw_.reset(static_cast<unsigned char*>(std::aligned_alloc(4096, align_up(n + misalign + 1, 4096))));
+    raw_.reset(
+        static_cast<unsigned char*>(std::aligned_alloc(4096, align_up(n + misalign + 1, 4096))));
     p_ = raw_.get() + misalign;
   }
   unsigned char* data() { return p_; }
@@ -96,9 +97,9 @@ void round_trip(TensorStore& store, std::size_t n, std::size_t misalign_src,
 
 TEST_P(StoreTest, RoundTripsAtOddSizesAndAlignments) {
   TensorStore store(options());
-  const std::size_t sizes[] = {1,        511,      512,         1024,           1025,
-                               4095,     4096,     4097,        kMiB - 1,       kMiB,
-                               kMiB + 3, 3 * kMiB + 4097, 5 * kMiB / 2};
+  const std::size_t sizes[] = {1,           511,  512,      1024, 1025,     4095,
+                               4096,        4097, kMiB - 1, kMiB, kMiB + 3, 3 * kMiB + 4097,
+                               5 * kMiB / 2};
   std::uint64_t seed = 1;
   for (std::size_t n : sizes) {
     round_trip(store, n, 0, 0, seed++);

@@ -21,16 +21,16 @@ BackendKind backend_kind_from_string(const std::string& name);
 /// One contiguous transfer between a buffer and a store file. Offsets, lengths and (except for
 /// device buffers on the cuFile backend) buffer addresses are multiples of kBlockSize.
 struct IoOp {
-  int file = 0;               ///< index of the store file (the fd passed at construction)
-  std::uint64_t offset = 0;   ///< byte offset in the file
-  std::uint32_t length = 0;   ///< bytes to move
-  void* buffer = nullptr;     ///< source (write) or destination (read)
+  int file = 0;              ///< index of the store file (the fd passed at construction)
+  std::uint64_t offset = 0;  ///< byte offset in the file
+  std::uint32_t length = 0;  ///< bytes to move
+  void* buffer = nullptr;    ///< source (write) or destination (read)
   bool write = false;
-  int fixed_buffer = -1;      ///< io_uring registered-buffer index, or -1
+  int fixed_buffer = -1;  ///< io_uring registered-buffer index, or -1
   /// Called exactly once, from a backend thread, with the bytes moved or -errno.
   /// A backend never retries: short transfers are reported as they are.
   void (*on_complete)(IoOp* op, long result) = nullptr;
-  void* context = nullptr;    ///< owner's data for on_complete
+  void* context = nullptr;  ///< owner's data for on_complete
 };
 
 /// Asynchronous engine. submit() is called by one thread only (the store's dispatcher); the
@@ -51,8 +51,9 @@ std::unique_ptr<Backend> make_posix_backend(std::vector<int> fds, int threads);
 /// io_uring with registered files and, when given, registered buffers (the staging pool);
 /// `entries` bounds the ops in flight. Throws tidal::IoError when io_uring is unavailable
 /// (old kernel, disabled by sysctl or seccomp) so that kAuto can fall back.
-std::unique_ptr<Backend> make_uring_backend(std::vector<int> fds, unsigned entries,
-                                            const std::vector<std::pair<void*, std::size_t>>& buffers);
+std::unique_ptr<Backend> make_uring_backend(
+    std::vector<int> fds, unsigned entries,
+    const std::vector<std::pair<void*, std::size_t>>& buffers);
 /// True when this build has the io_uring backend.
 bool uring_compiled();
 
@@ -64,12 +65,12 @@ std::unique_ptr<Backend> make_cufile_backend(std::vector<int> fds, int threads);
 /// (0 = never). The matching op fails, comes back short, or (reads only) comes back with one
 /// byte flipped after a successful transfer.
 struct FaultPlan {
-  std::uint64_t fail_op = 0;        ///< fail the k-th op with fail_errno
-  int fail_errno = 5;               ///< EIO by default; ENOSPC (28) to mimic a full disk
-  bool fail_every_after = false;    ///< fail op k and every op after it (a dying disk)
-  std::uint64_t short_op = 0;       ///< report the k-th op as short by 512 bytes
-  std::uint64_t corrupt_read = 0;   ///< flip a byte of the k-th read after it completes
-  unsigned delay_us = 0;            ///< hold every completion this long (a slow disk)
+  std::uint64_t fail_op = 0;       ///< fail the k-th op with fail_errno
+  int fail_errno = 5;              ///< EIO by default; ENOSPC (28) to mimic a full disk
+  bool fail_every_after = false;   ///< fail op k and every op after it (a dying disk)
+  std::uint64_t short_op = 0;      ///< report the k-th op as short by 512 bytes
+  std::uint64_t corrupt_read = 0;  ///< flip a byte of the k-th read after it completes
+  unsigned delay_us = 0;           ///< hold every completion this long (a slow disk)
   [[nodiscard]] bool any() const {
     return fail_op != 0 || short_op != 0 || corrupt_read != 0 || delay_us != 0;
   }

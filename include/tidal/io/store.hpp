@@ -69,18 +69,18 @@ struct Ticket {
 /// Counters since the store was opened.
 struct StoreStats {
   std::uint64_t capacity = 0;
-  std::uint64_t used_bytes = 0;       ///< allocated extents (padded to 4 KiB per stripe run)
+  std::uint64_t used_bytes = 0;  ///< allocated extents (padded to 4 KiB per stripe run)
   std::vector<std::uint64_t> file_used_bytes;  ///< used_bytes of each file, in dirs order
-  std::uint64_t bytes_written = 0;    ///< tensor bytes of completed writes
-  std::uint64_t bytes_read = 0;       ///< tensor bytes of completed reads
-  std::uint64_t writes = 0;           ///< completed write requests
-  std::uint64_t reads = 0;            ///< completed read requests
+  std::uint64_t bytes_written = 0;             ///< tensor bytes of completed writes
+  std::uint64_t bytes_read = 0;                ///< tensor bytes of completed reads
+  std::uint64_t writes = 0;                    ///< completed write requests
+  std::uint64_t reads = 0;                     ///< completed read requests
   std::uint64_t failed_requests = 0;
-  std::uint64_t staged_ops = 0;       ///< ops that went through the staging pool
-  std::uint64_t tickets = 0;          ///< tickets alive
-  std::string backend;                ///< e.g. "io_uring", "posix", "+cufile"
+  std::uint64_t staged_ops = 0;  ///< ops that went through the staging pool
+  std::uint64_t tickets = 0;     ///< tickets alive
+  std::string backend;           ///< e.g. "io_uring", "posix", "+cufile"
   bool buffered = false;
-  bool tmpfile = false;               ///< every file is an O_TMPFILE (no name in the directory)
+  bool tmpfile = false;  ///< every file is an O_TMPFILE (no name in the directory)
 };
 
 /// The store. All member functions are thread-safe. Buffers passed to write() and read() are
