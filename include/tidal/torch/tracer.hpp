@@ -1,0 +1,144 @@
+// The tracer: records the ATen ops of training iterations and the tensors they read and write,
+// into tidal::trace::Trace (the torch-free model that the lifetime analysis and the planner use).
+//
+// It observes every op through one global at::RecordFunction callback (scope FUNCTION, with
+// inputs and outputs) plus one on autograd nodes (scope BACKWARD_FUNCTION, to label backward ops
+// with their phase and layer). Only top-level ops are recorded: an op called from inside another
+// op is part of the outer one. Tensors are identified by their storage: persistent ones
+// (parameters, gradients, optimizer state) are registered by the trainer; per-iteration ones are
+// named by (creating op, output slot). A storage created by an op nested in a recorded op and
+// still alive when that op returns (e.g. the statistics layer_norm saves for backward) counts as
+// an extra output of the recorded op. Frees are seen through weak references to the storages:
+// a per-iteration tensor is "freed after" the last op that started before its storage went away.
+#pragma once
+
+#include <ATen/record_function.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "tidal/torch/step.hpp"
+#include "tidal/trace/trace.hpp"
+
+namespace tidal::torch_layer {
+
+/// Several profiled iterations folded into one trace.
+struct ProfileResult {
+  trace::Trace trace;           ///< the last iteration, with per-op median durations
+  std::int64_t iterations = 0;  ///< iterations recorded
+  bool consistent = true;       ///< every iteration ran the same op sequence
+  std::string divergence;       ///< the first difference when !consistent, else empty
+};
+
+/// Records iterations as traces. Drive it as a StepObserver (Trainer::add_observer) or call the
+/// same methods by hand around a hand-written step.
+///
+/// Threads: begin_step/begin_phase/begin_layer/end_step and the registration calls come from the
+/// thread that runs the step; ops may arrive from any thread (autograd workers) and are
+/// serialised by an internal mutex. At most one Tracer records at a time in a process (start()
+/// throws otherwise). Not copyable or movable; stop() (or the destructor) removes the callbacks.
+class Tracer : public StepObserver {
+ public:
+  /// Labels for the traces: model name, batch and sequence length.
+  struct Options {
+    std::string model;
+    std::int64_t batch = 0;
+    std::int64_t seq = 0;
+  };
+
+  explicit Tracer(Options options);
+  ~Tracer() override;
+  Tracer(const Tracer&) = delete;
+  Tracer& operator=(const Tracer&) = delete;
+
+  /// Registers a tensor that lives across iterations, identified by its storage. Registering
+  /// the same storage twice keeps the first name. Takes a weak reference only.
+  void register_persistent(const torch::Tensor& tensor, const std::string& name,
+                           trace::TensorClass cls);
+
+  /// Installs the callbacks; ops are recorded between begin_step and end_step from now on.
+  /// Throws tidal::Error when another Tracer is recording.
+  void start();
+  /// Removes the callbacks. Idempotent.
+  void stop();
+  [[nodiscard]] bool started() const { return started_; }
+
+  void begin_step(std::int64_t step, const std::vector<torch::Tensor>& inputs) override;
+  void begin_phase(trace::Phase phase) override;
+  void begin_layer(std::int64_t layer) override;
+  void end_step(std::int64_t step) override;
+
+  /// The iterations recorded so far, in order (each one validated).
+  [[nodiscard]] const std::vector<trace::Trace>& iterations() const { return iterations_; }
+
+  /// Folds the recorded iterations: the last one, with each op's duration replaced by its median
+  /// over the iterations when they are consistent. Throws tidal::Error if none was recorded.
+  [[nodiscard]] ProfileResult result() const;
+
+  /// Internal: the RecordFunction callbacks (public so that the free functions can call them).
+  struct OpContext;
+  std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn);
+  void on_op_end(const at::RecordFunction& fn, at::ObserverContext* ctx);
+
+ private:
+  struct Persistent {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    std::string name;
+    trace::TensorClass cls;
+  };
+  struct PerTensor {  // bookkeeping beside trace::Tensor, same index
+    trace::Phase producer_phase = trace::Phase::kOther;
+    bool read_in_backward = false;
+    bool external = false;  // first seen as an input, origin unknown
+  };
+  struct Live {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    trace::TensorId id;
+  };
+
+  double now() const;
+  trace::TensorId add_tensor(const c10::Storage& storage, const c10::Device& device,
+                             std::string name, trace::TensorClass cls, bool persistent,
+                             trace::OpIndex producer, std::int32_t slot);
+  trace::TensorId lookup_or_add_input(const at::Tensor& t);
+  void collect_frees();
+  void finish_iteration();
+
+  Options options_;
+  bool started_ = false;
+  std::uint64_t function_handle_ = 0;
+  std::uint64_t backward_handle_ = 0;
+
+  std::vector<Persistent> persistent_;
+  std::unordered_map<const c10::StorageImpl*, std::size_t> persistent_index_;
+
+  // State of the iteration being recorded. Guarded by mutex_.
+  std::mutex mutex_;
+  std::atomic<bool> recording_{false};
+  std::atomic<bool> busy_{false};  // a recorded op is running
+  std::atomic<std::uint64_t> busy_thread_{0};
+  std::atomic<int> phase_{static_cast<int>(trace::Phase::kOther)};
+  std::atomic<std::int64_t> layer_{-1};
+  trace::Trace current_;
+  std::vector<PerTensor> extra_;
+  std::unordered_map<const c10::StorageImpl*, trace::TensorId> ids_;
+  std::vector<Live> live_;
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> nested_outputs_;
+  std::map<std::int64_t, std::int32_t> forward_seq_layer_;  // autograd seq at op start -> layer
+  std::chrono::steady_clock::time_point iteration_start_;
+  std::int32_t extern_count_ = 0;
+
+  std::vector<trace::Trace> iterations_;
+  std::vector<std::string> reference_names_;
+  std::string divergence_;
+};
+
+}  // namespace tidal::torch_layer

@@ -1,0 +1,408 @@
+#include "tidal/torch/tracer.hpp"
+
+#include <torch/version.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "tidal/common/error.hpp"
+
+namespace tidal::torch_layer {
+
+using trace::OpIndex;
+using trace::Phase;
+using trace::TensorClass;
+using trace::TensorId;
+
+struct Tracer::OpContext : at::ObserverContext {
+  OpIndex index = 0;
+};
+
+namespace {
+
+std::atomic<Tracer*> g_tracer{nullptr};
+std::atomic<std::uint64_t> g_next_thread_id{1};
+
+// Per thread: how deep in nested ATen calls we are, and the autograd nodes being run (their
+// sequence numbers), innermost last.
+thread_local int tl_depth = 0;
+thread_local std::vector<std::int64_t> tl_node_seq;
+thread_local const std::uint64_t tl_thread_id = g_next_thread_id.fetch_add(1);
+
+bool transparent(const at::RecordFunction& fn);
+
+std::unique_ptr<at::ObserverContext> function_start(const at::RecordFunction& fn) {
+  if (transparent(fn)) return nullptr;
+  Tracer* t = g_tracer.load(std::memory_order_acquire);
+  if (t == nullptr) {
+    ++tl_depth;
+    return nullptr;
+  }
+  return t->on_op_start(fn);
+}
+
+void function_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
+  if (transparent(fn)) return;
+  Tracer* t = g_tracer.load(std::memory_order_acquire);
+  if (t == nullptr) {
+    --tl_depth;
+    return;
+  }
+  t->on_op_end(fn, ctx);
+}
+
+std::unique_ptr<at::ObserverContext> node_start(const at::RecordFunction& fn) {
+  tl_node_seq.push_back(fn.seqNr());
+  return nullptr;
+}
+
+void node_end(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) {
+  if (!tl_node_seq.empty()) tl_node_seq.pop_back();
+}
+
+template <typename F>
+void for_each_tensor(const c10::IValue& v, F&& f) {
+  if (v.isTensor()) {
+    f(v.toTensor());
+  } else if (v.isTensorList()) {
+    const auto list = v.toTensorList();
+    for (std::size_t i = 0; i < list.size(); ++i) f(list.get(i));
+  } else if (v.isList()) {
+    const auto list = v.toList();
+    for (std::size_t i = 0; i < list.size(); ++i) for_each_tensor(list.get(i), f);
+  } else if (v.isTuple()) {
+    for (const auto& e : v.toTuple()->elements()) for_each_tensor(e, f);
+  }
+}
+
+// The autograd engine wraps each node it runs in a FUNCTION-scope record named
+// "autograd::engine::evaluate_function: <Node>". It is not an op: the ops inside it are.
+bool transparent(const at::RecordFunction& fn) {
+  static constexpr char kPrefix[] = "autograd::engine::evaluate_function";
+  return std::strncmp(fn.name(), kPrefix, sizeof(kPrefix) - 1) == 0;
+}
+
+// Factories such as aten::ones_like read only the shape of their input, not its bytes (autograd
+// seeds backward with ones_like(loss)): their inputs are not uses.
+bool reads_inputs(const char* name) {
+  const std::size_t n = std::strlen(name);
+  return !(n >= 5 && std::strcmp(name + n - 5, "_like") == 0);
+}
+
+bool usable(const at::Tensor& t) { return t.defined() && t.has_storage(); }
+
+// In-place ops (aten::add_) and out= overloads write into a tensor they were given.
+bool writes_in_place(const at::RecordFunction& fn, const char* name) {
+  const std::size_t n = std::strlen(name);
+  if (n >= 2 && name[n - 1] == '_' && name[n - 2] != '_') return true;
+  const auto op = fn.operator_name();
+  return op.has_value() && (op->overload_name == "out" || op->overload_name.rfind("out_", 0) == 0);
+}
+
+void push_unique(std::vector<TensorId>& ids, TensorId id) {
+  if (std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(id);
+}
+
+}  // namespace
+
+Tracer::Tracer(Options options) : options_(std::move(options)) {}
+
+Tracer::~Tracer() { stop(); }
+
+void Tracer::register_persistent(const torch::Tensor& tensor, const std::string& name,
+                                 TensorClass cls) {
+  TIDAL_EXPECT(usable(tensor), "register_persistent: '", name, "' is not a tensor with storage");
+  const auto* impl = tensor.storage().unsafeGetStorageImpl();
+  if (persistent_index_.count(impl) != 0) return;
+  persistent_index_.emplace(impl, persistent_.size());
+  persistent_.push_back(Persistent{tensor.storage().getWeakStorageImpl(), name, cls});
+}
+
+void Tracer::start() {
+  if (started_) return;
+  Tracer* expected = nullptr;
+  TIDAL_EXPECT(g_tracer.compare_exchange_strong(expected, this),
+               "another tidal Tracer is already recording in this process; stop it first");
+  function_handle_ =
+      at::addGlobalCallback(at::RecordFunctionCallback(&function_start, &function_end)
+                                .needsInputs(true)
+                                .needsOutputs(true)
+                                .scopes({at::RecordScope::FUNCTION}));
+  backward_handle_ = at::addGlobalCallback(at::RecordFunctionCallback(&node_start, &node_end)
+                                               .scopes({at::RecordScope::BACKWARD_FUNCTION}));
+  started_ = true;
+}
+
+void Tracer::stop() {
+  if (!started_) return;
+  recording_.store(false);
+  at::removeCallback(function_handle_);
+  at::removeCallback(backward_handle_);
+  g_tracer.store(nullptr, std::memory_order_release);
+  started_ = false;
+}
+
+double Tracer::now() const {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - iteration_start_).count();
+}
+
+TensorId Tracer::add_tensor(const c10::Storage& storage, const c10::Device& device,
+                            std::string name, TensorClass cls, bool persistent, OpIndex producer,
+                            std::int32_t slot) {
+  trace::Tensor t;
+  t.id = static_cast<TensorId>(current_.tensors.size());
+  t.name = std::move(name);
+  t.bytes = storage.nbytes();
+  t.device = device.str();
+  t.cls = cls;
+  t.persistent = persistent;
+  t.producer = producer;
+  t.output_slot = slot;
+  current_.tensors.push_back(std::move(t));
+  extra_.emplace_back();
+  const auto* impl = storage.unsafeGetStorageImpl();
+  ids_.emplace(impl, current_.tensors.back().id);
+  if (!persistent) live_.push_back(Live{storage.getWeakStorageImpl(), current_.tensors.back().id});
+  return current_.tensors.back().id;
+}
+
+TensorId Tracer::lookup_or_add_input(const at::Tensor& t) {
+  const auto* impl = t.storage().unsafeGetStorageImpl();
+  auto it = ids_.find(impl);
+  if (it != ids_.end()) return it->second;
+  // Not registered and not made by a recorded op: created before the iteration or outside the
+  // observed ops. Kept as an input; it becomes persistent if it outlives the iteration.
+  const auto id = add_tensor(t.storage(), t.device(), "extern:" + std::to_string(extern_count_++),
+                             TensorClass::kInput, false, trace::kNoOp, -1);
+  extra_[static_cast<std::size_t>(id)].external = true;
+  return id;
+}
+
+void Tracer::collect_frees() {
+  const auto last = static_cast<OpIndex>(current_.ops.size()) - 1;
+  std::size_t kept = 0;
+  for (auto& l : live_) {
+    if (l.storage.expired()) {
+      current_.tensors[static_cast<std::size_t>(l.id)].freed_after = last;
+      ids_.erase(l.storage._unsafe_get_target());
+    } else {
+      live_[kept++] = std::move(l);
+    }
+  }
+  live_.erase(live_.begin() + static_cast<std::ptrdiff_t>(kept), live_.end());
+}
+
+std::unique_ptr<at::ObserverContext> Tracer::on_op_start(const at::RecordFunction& fn) {
+  const int depth = tl_depth++;
+  if (!recording_.load(std::memory_order_acquire) || depth > 0) return nullptr;
+  bool expected = false;
+  // Another thread's op is running: this is work it spawned (intra-op parallelism), not a new op.
+  if (!busy_.compare_exchange_strong(expected, true)) return nullptr;
+  busy_thread_.store(tl_thread_id);
+
+  std::lock_guard<std::mutex> lock(mutex_);
+  collect_frees();
+  trace::Op op;
+  op.index = static_cast<OpIndex>(current_.ops.size());
+  op.name = fn.name();
+  const bool in_node = !tl_node_seq.empty();
+  op.phase = in_node ? Phase::kBackward : static_cast<Phase>(phase_.load());
+  if (in_node) {
+    // The autograd node was created by the forward op whose starting sequence number is the
+    // largest one not above the node's.
+    const auto seq = tl_node_seq.back();
+    auto it = forward_seq_layer_.upper_bound(seq);
+    if (seq >= 0 && it != forward_seq_layer_.begin()) op.layer = std::prev(it)->second;
+  } else if (op.phase == Phase::kForward) {
+    op.layer = static_cast<std::int32_t>(layer_.load());
+    if (fn.seqNr() >= 0) forward_seq_layer_[fn.seqNr()] = op.layer;
+  }
+  const auto& inputs = reads_inputs(fn.name()) ? fn.inputs() : c10::ArrayRef<const c10::IValue>();
+  for (const auto& v : inputs) {
+    for_each_tensor(v, [&](const at::Tensor& t) {
+      if (!usable(t)) return;
+      const auto id = lookup_or_add_input(t);
+      push_unique(op.inputs, id);
+      if (op.phase == Phase::kBackward)
+        extra_[static_cast<std::size_t>(id)].read_in_backward = true;
+    });
+  }
+  auto ctx = std::make_unique<OpContext>();
+  ctx->index = op.index;
+  current_.ops.push_back(std::move(op));
+  current_.ops.back().start_s = now();
+  return ctx;
+}
+
+void Tracer::on_op_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
+  --tl_depth;
+  if (ctx == nullptr) {
+    // A nested op of the recorded one: remember storages it creates, in case they outlive the
+    // recorded op (saved for backward) and so belong to it.
+    if (!busy_.load() || busy_thread_.load() != tl_thread_id) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& v : fn.outputs()) {
+      for_each_tensor(v, [&](const at::Tensor& t) {
+        if (usable(t) && ids_.count(t.storage().unsafeGetStorageImpl()) == 0) {
+          nested_outputs_.push_back(t.storage().getWeakStorageImpl());
+        }
+      });
+    }
+    return;
+  }
+  const double end = now();
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto index = static_cast<OpContext*>(ctx)->index;
+  auto& op = current_.ops[static_cast<std::size_t>(index)];
+  op.end_s = end;
+  const bool in_place = writes_in_place(fn, op.name.c_str());
+  std::int32_t slot = 0;
+  auto add_output = [&](const c10::Storage& storage, const c10::Device& device) {
+    const auto id =
+        add_tensor(storage, device, "op" + std::to_string(index) + ":" + std::to_string(slot),
+                   TensorClass::kTemporary, false, index, slot);
+    extra_[static_cast<std::size_t>(id)].producer_phase = op.phase;
+    op.outputs.push_back(id);
+  };
+  for (const auto& v : fn.outputs()) {
+    for_each_tensor(v, [&](const at::Tensor& t) {
+      if (usable(t)) {
+        auto it = ids_.find(t.storage().unsafeGetStorageImpl());
+        if (it == ids_.end()) {
+          add_output(t.storage(), t.device());
+        } else if (in_place) {
+          push_unique(op.outputs, it->second);
+        } else {
+          push_unique(op.inputs, it->second);  // a view or alias of a tensor it was given
+        }
+      }
+      ++slot;
+    });
+  }
+  for (auto& weak : nested_outputs_) {
+    if (weak.expired() || ids_.count(weak._unsafe_get_target()) != 0) continue;
+    auto strong = weak.lock();
+    if (!strong) continue;
+    c10::Storage storage(std::move(strong));
+    add_output(storage, storage.device());
+    ++slot;
+  }
+  nested_outputs_.clear();
+  busy_.store(false);
+}
+
+void Tracer::begin_step(std::int64_t step, const std::vector<torch::Tensor>& inputs) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  current_ = trace::Trace{};
+  current_.model = options_.model;
+  current_.batch = options_.batch;
+  current_.seq = options_.seq;
+  current_.meta["tracer"] = "tidal RecordFunction tracer";
+  current_.meta["torch_version"] = TORCH_VERSION;
+  current_.meta["step"] = std::to_string(step);
+  extra_.clear();
+  ids_.clear();
+  live_.clear();
+  nested_outputs_.clear();
+  forward_seq_layer_.clear();
+  extern_count_ = 0;
+  for (const auto& p : persistent_) {
+    auto strong = p.storage.lock();
+    if (!strong) continue;
+    c10::Storage storage(std::move(strong));
+    add_tensor(storage, storage.device(), p.name, p.cls, true, trace::kNoOp, -1);
+  }
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (!usable(inputs[i])) continue;
+    if (ids_.count(inputs[i].storage().unsafeGetStorageImpl()) != 0) continue;
+    add_tensor(inputs[i].storage(), inputs[i].device(), "input:" + std::to_string(i),
+               TensorClass::kInput, false, trace::kNoOp, -1);
+  }
+  if (!inputs.empty()) current_.device = inputs.front().device().str();
+  phase_.store(static_cast<int>(Phase::kOther));
+  layer_.store(-1);
+  busy_.store(false);
+  iteration_start_ = std::chrono::steady_clock::now();
+  recording_.store(started_, std::memory_order_release);
+}
+
+void Tracer::begin_phase(Phase phase) { phase_.store(static_cast<int>(phase)); }
+
+void Tracer::begin_layer(std::int64_t layer) { layer_.store(layer); }
+
+void Tracer::end_step(std::int64_t /*step*/) {
+  if (!recording_.exchange(false)) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  collect_frees();
+  finish_iteration();
+}
+
+void Tracer::finish_iteration() {
+  std::vector<bool> alive(current_.tensors.size(), false);
+  for (const auto& l : live_) alive[static_cast<std::size_t>(l.id)] = true;
+  for (auto& t : current_.tensors) {
+    const auto& x = extra_[static_cast<std::size_t>(t.id)];
+    if (t.persistent) continue;
+    if (x.external) {
+      t.persistent = alive[static_cast<std::size_t>(t.id)];
+    } else if (t.producer != trace::kNoOp) {
+      t.cls = x.producer_phase == Phase::kForward && x.read_in_backward ? TensorClass::kActivation
+                                                                        : TensorClass::kTemporary;
+    }
+  }
+  current_.meta["iterations_recorded_before"] = std::to_string(iterations_.size());
+  trace::validate(current_);
+
+  std::vector<std::string> names;
+  names.reserve(current_.ops.size());
+  for (const auto& op : current_.ops) names.push_back(op.name);
+  if (iterations_.empty()) {
+    reference_names_ = std::move(names);
+  } else if (divergence_.empty() && names != reference_names_) {
+    std::size_t k = 0;
+    while (k < names.size() && k < reference_names_.size() && names[k] == reference_names_[k]) ++k;
+    const auto at = [](const std::vector<std::string>& v, std::size_t i) {
+      return i < v.size() ? "'" + v[i] + "'" : std::string("the end of the iteration");
+    };
+    divergence_ = "profiled iteration " + std::to_string(iterations_.size()) +
+                  " diverges from iteration 0 at op " + std::to_string(k) + ": " + at(names, k) +
+                  " instead of " + at(reference_names_, k) + " (" + std::to_string(names.size()) +
+                  " ops vs " + std::to_string(reference_names_.size()) + ")";
+  }
+  iterations_.push_back(std::move(current_));
+  current_ = trace::Trace{};
+}
+
+ProfileResult Tracer::result() const {
+  TIDAL_EXPECT(!iterations_.empty(),
+               "the tracer recorded no iteration; run at least one step "
+               "between start() and the call to result()");
+  ProfileResult r;
+  r.iterations = static_cast<std::int64_t>(iterations_.size());
+  r.consistent = divergence_.empty();
+  r.divergence = divergence_;
+  r.trace = iterations_.back();
+  r.trace.meta["iterations"] = std::to_string(r.iterations);
+  r.trace.meta["consistent"] = r.consistent ? "true" : "false";
+  if (r.consistent && iterations_.size() > 1) {
+    // Median duration per op; the gaps between ops (host overhead) are the last iteration's.
+    auto& ops = r.trace.ops;
+    std::vector<double> durations(iterations_.size());
+    double shift = 0;
+    for (std::size_t k = 0; k < ops.size(); ++k) {
+      for (std::size_t i = 0; i < iterations_.size(); ++i) {
+        durations[i] = iterations_[i].ops[k].duration();
+      }
+      const auto mid = durations.begin() + static_cast<std::ptrdiff_t>(durations.size() / 2);
+      std::nth_element(durations.begin(), mid, durations.end());
+      const double old_duration = ops[k].duration();
+      ops[k].start_s += shift;
+      ops[k].end_s = ops[k].start_s + *mid;
+      shift += *mid - old_duration;
+    }
+    r.trace.meta["op_durations"] = "median over iterations";
+  }
+  return r;
+}
+
+}  // namespace tidal::torch_layer
