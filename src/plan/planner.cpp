@@ -666,61 +666,77 @@ class Planner {
     return best;
   }
 
-  // Least-stall choice for each op still over the target, leftmost first.
+  // Least-stall choice for each op still over the target, leftmost first: the options that
+  // free the op are ranked by stall per byte once, then taken in that order (each re-evaluated
+  // just before it is applied) until the op fits. Migrations not yet planned are preferred;
+  // moving committed ones is the last resort.
   void fallback(Plan& plan) {
+    std::vector<std::pair<double, int>> ranked;
     for (;;) {
       const int k = over_->first_at_most(0, n_ - 1, RangeTree::kInf / 2);
       if (k < 0) break;
-      const std::int64_t excess = over_->get(k) - target_;
-      Option best;
-      for (std::size_t i = 0; i < cands_.size(); ++i) {
-        const Option o = option_for(static_cast<int>(i), k, excess);
-        if (o.cand < 0) continue;
-        const bool better = o.cost < best.cost * (1 - 1e-12) ||
-                            (best.cand >= 0 && o.cost <= best.cost * (1 + 1e-12) &&
-                             cands_[i].bytes > cands_[static_cast<std::size_t>(best.cand)].bytes);
-        if (better) best = o;
+      for (int pass = 0; pass < 2 && over_->get(k) < RangeTree::kInf / 2; ++pass) {
+        ranked.clear();
+        const std::int64_t excess = over_->get(k) - target_;
+        for (std::size_t i = 0; i < cands_.size(); ++i) {
+          if (cands_[i].done != (pass == 1)) continue;
+          const Option o = option_for(static_cast<int>(i), k, excess);
+          if (o.cand >= 0) ranked.emplace_back(o.cost, o.cand);
+        }
+        std::sort(ranked.begin(), ranked.end(), [&](const auto& x, const auto& y) {
+          if (x.first != y.first) return x.first < y.first;
+          return cands_[static_cast<std::size_t>(x.second)].bytes >
+                 cands_[static_cast<std::size_t>(y.second)].bytes;
+        });
+        for (const auto& [cost, i] : ranked) {
+          if (over_->get(k) >= RangeTree::kInf / 2) break;
+          const Option o = option_for(i, k, over_->get(k) - target_);
+          if (o.cand >= 0) apply(plan, o, k);
+        }
       }
-      TIDAL_EXPECT(best.cand >= 0, "planner: no migration can relieve op ", k, " (",
-                   tr_.ops[static_cast<std::size_t>(k)].name, "); this is a bug");
-      Candidate& c = cands_[static_cast<std::size_t>(best.cand)];
-      const int pk = pos_of(c, k);
-      // A hair more than the deficit, so that rounding cannot leave it short.
-      if (best.stall_w > 0) add_stall(plan, op_at(c, pk - 1), k, best.stall_w * (1 + 1e-9) + 1e-12);
-      if (best.stall_r > 0) {
-        add_stall(plan, op_at(c, c.len - 1), c.b, best.stall_r * (1 + 1e-9) + 1e-12);
-      }
-      const int w = best.target == Target::kSsd ? 0 : 2;
-      BucketTree& tw = buckets_[static_cast<std::size_t>(w)];
-      BucketTree& tr = buckets_[static_cast<std::size_t>(w + 1)];
-      if (!c.done) {
-        Choice ch = evaluate_target(c, best.target);
-        TIDAL_EXPECT(ch.ok && ch.pe < pk && ch.pp > pk, "planner: the stall for op ", k,
-                     " did not make room; this is a bug");
-        commit(plan, c, ch);
-      } else if (pk <= c.pe) {
-        // Finish the offload before k: the bytes it moved from k on move to the ops before.
-        const double moved = release(tw, c, c.wres, pk, c.len - 1);
-        const int from = fill_backward(tw, c, 0, pk - 1, moved);
-        TIDAL_EXPECT(from >= 0, "planner: the stall for op ", k, " did not make room; a bug");
-        consume_backward(tw, c, from, pk - 1, moved, c.wres);
-        const int old_pe = c.pe;
-        c.pe = pk - 1;
-        free_span(c, pk, old_pe);
-        set_times(plan, c);
-      } else {
-        // Start the prefetch after k.
-        const double moved = release(tr, c, c.rres, 0, pk);
-        const int to = fill_forward(tr, c, pk + 1, c.len - 1, moved);
-        TIDAL_EXPECT(to >= 0, "planner: the stall for op ", k, " did not make room; a bug");
-        Reservation extra;
-        consume_forward_range(tr, c, pk + 1, to, moved, extra);
-        c.rres.insert(c.rres.end(), extra.begin(), extra.end());
-        const int old_pp = c.pp;
-        c.pp = pk + 1;
-        free_span(c, old_pp, pk);
-        set_times(plan, c);
-      }
+      TIDAL_EXPECT(over_->get(k) >= RangeTree::kInf / 2, "planner: no migration can relieve op ", k,
+                   " (", tr_.ops[static_cast<std::size_t>(k)].name, "); this is a bug");
+    }
+  }
+
+  void apply(Plan& plan, const Option& best, int k) {
+    Candidate& c = cands_[static_cast<std::size_t>(best.cand)];
+    const int pk = pos_of(c, k);
+    // A hair more than the deficit, so that rounding cannot leave it short.
+    if (best.stall_w > 0) add_stall(plan, op_at(c, pk - 1), k, best.stall_w * (1 + 1e-9) + 1e-12);
+    if (best.stall_r > 0) {
+      add_stall(plan, op_at(c, c.len - 1), c.b, best.stall_r * (1 + 1e-9) + 1e-12);
+    }
+    const int w = best.target == Target::kSsd ? 0 : 2;
+    BucketTree& tw = buckets_[static_cast<std::size_t>(w)];
+    BucketTree& tr = buckets_[static_cast<std::size_t>(w + 1)];
+    if (!c.done) {
+      Choice ch = evaluate_target(c, best.target);
+      TIDAL_EXPECT(ch.ok && ch.pe < pk && ch.pp > pk, "planner: the stall for op ", k,
+                   " did not make room; this is a bug");
+      commit(plan, c, ch);
+    } else if (pk <= c.pe) {
+      // Finish the offload before k: the bytes it moved from k on move to the ops before.
+      const double moved = release(tw, c, c.wres, pk, c.len - 1);
+      const int from = fill_backward(tw, c, 0, pk - 1, moved);
+      TIDAL_EXPECT(from >= 0, "planner: the stall for op ", k, " did not make room; a bug");
+      consume_backward(tw, c, from, pk - 1, moved, c.wres);
+      const int old_pe = c.pe;
+      c.pe = pk - 1;
+      free_span(c, pk, old_pe);
+      set_times(plan, c);
+    } else {
+      // Start the prefetch after k.
+      const double moved = release(tr, c, c.rres, 0, pk);
+      const int to = fill_forward(tr, c, pk + 1, c.len - 1, moved);
+      TIDAL_EXPECT(to >= 0, "planner: the stall for op ", k, " did not make room; a bug");
+      Reservation extra;
+      consume_forward_range(tr, c, pk + 1, to, moved, extra);
+      c.rres.insert(c.rres.end(), extra.begin(), extra.end());
+      const int old_pp = c.pp;
+      c.pp = pk + 1;
+      free_span(c, old_pp, pk);
+      set_times(plan, c);
     }
   }
 
