@@ -1,0 +1,466 @@
+// Tests of the plan layer: hardware model, analytic traces, planner, simulator, policies.
+#include "tidal/plan/plan.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+#include <string>
+
+#include "tidal/common/error.hpp"
+#include "tidal/plan/hardware.hpp"
+#include "tidal/plan/model_trace.hpp"
+#include "tidal/plan/planner.hpp"
+#include "tidal/plan/policies.hpp"
+#include "tidal/plan/simulator.hpp"
+#include "tidal/trace/lifetime.hpp"
+#include "trace/random_trace.hpp"
+
+namespace tidal::plan {
+namespace {
+
+using trace::OpIndex;
+using trace::Phase;
+using trace::TensorClass;
+using trace::TensorId;
+
+// ---- helpers -------------------------------------------------------------------------------
+
+// A hand-made trace: ops of 1 s each; tensors given as (bytes, persistent, uses).
+struct HandTensor {
+  std::uint64_t bytes;
+  bool persistent;
+  std::vector<OpIndex> uses;
+};
+
+trace::Trace hand_trace(int ops, const std::vector<HandTensor>& tensors) {
+  trace::Trace t;
+  t.model = "hand";
+  for (int k = 0; k < ops; ++k) {
+    trace::Op op;
+    op.index = k;
+    op.name = "op" + std::to_string(k);
+    op.phase = Phase::kForward;
+    op.start_s = k;
+    op.end_s = k + 1;
+    t.ops.push_back(op);
+  }
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    trace::Tensor x;
+    x.id = static_cast<TensorId>(i);
+    x.name = "t" + std::to_string(i);
+    x.bytes = tensors[i].bytes;
+    x.persistent = tensors[i].persistent;
+    x.cls = x.persistent ? TensorClass::kParameter : TensorClass::kActivation;
+    const auto& uses = tensors[i].uses;
+    for (std::size_t u = 0; u < uses.size(); ++u) {
+      auto& op = t.ops[static_cast<std::size_t>(uses[u])];
+      if (u == 0 && !x.persistent) {
+        x.producer = uses[u];
+        x.output_slot = static_cast<std::int32_t>(op.outputs.size());
+        op.outputs.push_back(x.id);
+      } else {
+        op.inputs.push_back(x.id);
+      }
+    }
+    t.tensors.push_back(x);
+  }
+  trace::validate(t);
+  return t;
+}
+
+Hardware simple_hw(std::uint64_t capacity, double bw) {
+  Hardware hw;
+  hw.name = "test";
+  hw.device_memory = capacity;
+  hw.ssd_count = 1;
+  hw.ssd_write_bw = bw;
+  hw.ssd_read_bw = bw;
+  hw.host_link_bw = bw;
+  hw.host_memory = 0;
+  hw.gpu_flops = 1e12;
+  hw.gpu_mem_bw = 1e11;
+  hw.memory_margin = 0;
+  return hw;
+}
+
+// Cyclic "strictly after x, at or before y" on an iteration of n ops, with wrap.
+int cyc(int from, int to, int n) { return ((to - from) % n + n) % n; }
+
+// Every offload of the plan is answered by a prefetch of the same tensor whose deadline is the
+// tensor's next use after the offload, issued after the offload's deadline window opens.
+void expect_paired(const Plan& p, const trace::Trace& t) {
+  const auto la = trace::analyze_lifetimes(t);
+  const int n = static_cast<int>(t.ops.size());
+  for (const PlanAction& off : p.actions) {
+    if (off.kind != ActionKind::kOffload) continue;
+    const auto& uses = la.tensors[static_cast<std::size_t>(off.tensor)].uses;
+    ASSERT_FALSE(uses.empty());
+    const auto it = std::upper_bound(uses.begin(), uses.end(), off.trigger);
+    const OpIndex next = it != uses.end() ? *it : uses.front();
+    EXPECT_TRUE(std::binary_search(uses.begin(), uses.end(), off.trigger))
+        << "offload of tensor " << off.tensor << " is not triggered at a use";
+    bool found = false;
+    for (const PlanAction& pre : p.actions) {
+      if (pre.kind != ActionKind::kPrefetch || pre.tensor != off.tensor || pre.deadline != next) {
+        continue;
+      }
+      if (pre.target != off.target) continue;
+      // The prefetch is issued after the offload completed (its deadline) and before the use.
+      const int span = next == off.trigger ? n : cyc(off.trigger, next, n);
+      const int off_done = cyc(off.trigger, off.deadline, n);
+      const int pre_issue = cyc(off.trigger, pre.trigger, n);
+      EXPECT_GE(pre_issue, off_done) << "tensor " << off.tensor;
+      EXPECT_LT(pre_issue, span) << "tensor " << off.tensor;
+      found = true;
+    }
+    EXPECT_TRUE(found) << "offload of tensor " << off.tensor << " after op " << off.trigger
+                       << " has no prefetch before its next use " << next;
+  }
+}
+
+// ---- hardware ------------------------------------------------------------------------------
+
+TEST(Hardware, PresetsAndOverrides) {
+  for (const auto& name : hardware_preset_names()) {
+    const Hardware hw = hardware_preset(name);
+    EXPECT_EQ(hw.name, name);
+    EXPECT_GT(hw.ssd_count, 0);
+  }
+  Hardware h = hardware_preset("h100-4ssd");
+  EXPECT_EQ(h.device_memory, 94'000'000'000ull);
+  EXPECT_DOUBLE_EQ(h.ssd_write_total(), 26e9);
+  EXPECT_DOUBLE_EQ(h.ssd_read_total(), 26.8e9);
+  HardwareOverrides o;
+  o.gpu_mem = "80GiB";
+  o.ssd = "2x3.0/3.5GB/s";
+  o.host_mem = "0";
+  apply_overrides(h, o);
+  EXPECT_EQ(h.device_memory, 80ull << 30);
+  EXPECT_EQ(h.ssd_count, 2);
+  EXPECT_DOUBLE_EQ(h.ssd_write_bw, 3.0e9);
+  EXPECT_DOUBLE_EQ(h.ssd_read_bw, 3.5e9);
+  EXPECT_EQ(h.channels().host_write, 0);
+  EXPECT_THROW(hardware_preset("tpu"), InvalidArgument);
+  Hardware here = hardware_preset("cpu-here");
+  EXPECT_THROW(apply_overrides(here, HardwareOverrides{}), InvalidArgument);  // no --gpu-mem
+}
+
+TEST(Hardware, ParseSsdAndRates) {
+  const SsdSpec a = parse_ssd_spec("4x6.5/6.7GB/s");
+  EXPECT_EQ(a.count, 4);
+  EXPECT_DOUBLE_EQ(a.write_bw, 6.5e9);
+  EXPECT_DOUBLE_EQ(a.read_bw, 6.7e9);
+  const SsdSpec b = parse_ssd_spec("1x800MiB/s");
+  EXPECT_DOUBLE_EQ(b.write_bw, 800.0 * 1024 * 1024);
+  EXPECT_DOUBLE_EQ(b.read_bw, b.write_bw);
+  EXPECT_THROW(parse_ssd_spec("fast"), InvalidArgument);
+  EXPECT_THROW(parse_ssd_spec("0x1GB/s"), InvalidArgument);
+  EXPECT_DOUBLE_EQ(parse_rate("60T"), 60e12);
+  EXPECT_DOUBLE_EQ(parse_rate("60TFLOPS"), 60e12);
+  EXPECT_DOUBLE_EQ(parse_rate("2e9"), 2e9);
+  EXPECT_THROW(parse_rate("lots"), InvalidArgument);
+}
+
+// ---- analytic traces -----------------------------------------------------------------------
+
+TEST(ModelTrace, ParameterCountsMatchTheModels) {
+  // Published sizes: GPT-2 small 124M (with the 1024-position table), Llama 3 8B 8.03B,
+  // Llama 3 70B 70.6B.
+  EXPECT_EQ(model_preset("gpt2-small").parameters(), 124'439'808);
+  EXPECT_NEAR(static_cast<double>(model_preset("llama3-8b").parameters()), 8.03e9, 0.01e9);
+  EXPECT_NEAR(static_cast<double>(model_preset("llama3-70b").parameters()), 70.55e9, 0.1e9);
+  EXPECT_THROW(model_preset("bert"), InvalidArgument);
+}
+
+TEST(ModelTrace, TensorBytesAreExactFp32) {
+  const Hardware hw = hardware_preset("h100-4ssd");
+  for (const char* name : {"gpt2-small", "llama3.2-1b"}) {
+    TransformerConfig cfg = model_preset(name);
+    ModelOverrides o;
+    o.layers = 3;
+    apply_overrides(cfg, o);
+    const trace::Trace t = transformer_trace(cfg, 2, 128, hw);
+    std::uint64_t params = 0;
+    std::uint64_t grads = 0;
+    std::uint64_t states = 0;
+    for (const auto& x : t.tensors) {
+      if (x.cls == TensorClass::kParameter) params += x.bytes;
+      if (x.cls == TensorClass::kGradient) grads += x.bytes;
+      if (x.cls == TensorClass::kOptimizerState) states += x.bytes;
+    }
+    EXPECT_EQ(params, static_cast<std::uint64_t>(cfg.parameters()) * 4) << name;
+    EXPECT_EQ(grads, params) << name;
+    EXPECT_EQ(states, 2 * params) << name;
+    int layered = 0;
+    for (const auto& op : t.ops) layered += op.layer >= 0 ? 1 : 0;
+    EXPECT_GT(layered, 0);
+    EXPECT_GT(t.compute_seconds(), 0);
+  }
+}
+
+// ---- plan JSON -----------------------------------------------------------------------------
+
+TEST(PlanFormat, RoundTripAndErrors) {
+  trace::Trace t;
+  Plan p;
+  for (std::uint64_t seed = 0; p.actions.empty() && seed < 50; ++seed) {
+    t = trace::testutil::random_trace(seed);
+    const auto la = trace::analyze_lifetimes(t);
+    Hardware hw = simple_hw(la.summary.peak_live_bytes * 9 / 10, 1e12);
+    hw.host_memory = 1ull << 40;
+    hw.host_link_bw = 3e12;
+    try {
+      p = make_plan(t, hw);
+    } catch (const InvalidArgument&) {
+      continue;
+    }
+  }
+  ASSERT_FALSE(p.actions.empty());
+  const Plan q = plan_from_json(plan_to_json(p));
+  ASSERT_EQ(q.actions.size(), p.actions.size());
+  for (std::size_t i = 0; i < p.actions.size(); ++i) {
+    EXPECT_EQ(q.actions[i].tensor, p.actions[i].tensor);
+    EXPECT_EQ(q.actions[i].kind, p.actions[i].kind);
+    EXPECT_EQ(q.actions[i].trigger, p.actions[i].trigger);
+    EXPECT_EQ(q.actions[i].deadline, p.actions[i].deadline);
+    EXPECT_EQ(q.actions[i].target, p.actions[i].target);
+    EXPECT_EQ(q.actions[i].wraps, p.actions[i].wraps);
+  }
+  EXPECT_EQ(q.summary.peak_after_bytes, p.summary.peak_after_bytes);
+  EXPECT_NO_THROW(validate_plan(q, t));
+  EXPECT_THROW(plan_from_json("{\"version\": 99}"), InvalidArgument);
+  EXPECT_THROW(plan_from_json("not json"), InvalidArgument);
+  Plan bad = p;
+  if (!bad.actions.empty()) {
+    bad.actions[0].bytes += 1;
+    EXPECT_THROW(validate_plan(bad, t), InvalidArgument);
+  }
+}
+
+// ---- planner on hand-made traces -----------------------------------------------------------
+
+TEST(Planner, OneLongIdleTensorIsTheOptimum) {
+  // P is used everywhere; A idles from op 0 to op 8, B is used at 0, 5, 8, and C lives at ops
+  // 3..5 only. Capacity lacks 80 bytes at ops 3..5: A alone covers them with one migration; B
+  // (busy at op 5) cannot.
+  const trace::Trace t = hand_trace(9, {{50, true, {0, 1, 2, 3, 4, 5, 6, 7, 8}},
+                                        {100, false, {0, 8}},
+                                        {60, false, {0, 5, 8}},
+                                        {80, false, {3, 5}}});
+  const Hardware hw = simple_hw(210, 1e6);
+  const Plan p = make_plan(t, hw);
+  ASSERT_EQ(p.actions.size(), 2u);
+  EXPECT_EQ(p.actions[0].tensor, 1);
+  // Bandwidth is ample: out in op 1, back in op 7; gone for ops 2..6.
+  EXPECT_EQ(p.actions[0].kind, ActionKind::kOffload);
+  EXPECT_EQ(p.actions[0].trigger, 0);
+  EXPECT_EQ(p.actions[0].deadline, 2);
+  EXPECT_EQ(p.actions[1].kind, ActionKind::kPrefetch);
+  EXPECT_EQ(p.actions[1].trigger, 6);
+  EXPECT_EQ(p.actions[1].deadline, 8);
+  EXPECT_EQ(p.summary.peak_after_bytes, 210u);  // ops 0, 1, 7, 8 keep P, A, B
+  const SimResult sim = simulate(t, &p, hw);
+  const std::vector<std::uint64_t> expected = {210, 210, 110, 190, 190, 190, 110, 210, 210};
+  EXPECT_EQ(sim.memory_per_op, expected);
+  EXPECT_EQ(p.stalls.size(), 0u);
+  expect_paired(p, t);
+}
+
+TEST(Planner, BandwidthBucketsSetTheDeadlines) {
+  // 100 bytes at 50 B/s over 1 s ops: the write fills ops 1 and 2, the read ops 6 and 7.
+  const trace::Trace t = hand_trace(
+      9, {{10, true, {0, 1, 2, 3, 4, 5, 6, 7, 8}}, {100, false, {0, 8}}, {50, false, {4}}});
+  const Hardware hw = simple_hw(110, 50);
+  const Plan p = make_plan(t, hw);
+  ASSERT_EQ(p.actions.size(), 2u);
+  EXPECT_EQ(p.actions[0].deadline, 3);  // out before op 3
+  EXPECT_EQ(p.actions[1].trigger, 5);   // read issued when op 5 ends
+  const SimResult sim = simulate(t, &p, hw);
+  // The memory the planner promised is what the simulator sees, op by op.
+  const std::vector<std::uint64_t> expected = {110, 110, 110, 10, 60, 10, 110, 110, 110};
+  EXPECT_EQ(sim.memory_per_op, expected);
+  EXPECT_EQ(sim.misses, 0);
+  EXPECT_NEAR(sim.stall_seconds, 0, 1e-9);
+}
+
+TEST(Planner, WrapAroundPeriodOfPersistentTensor) {
+  // W is used at op 1 only; its idle period wraps around the iteration.
+  const trace::Trace t =
+      hand_trace(8, {{100, true, {1}}, {10, true, {0, 1, 2, 3, 4, 5, 6, 7}}, {50, false, {5}}});
+  const Hardware hw = simple_hw(110, 1e6);
+  const Plan p = make_plan(t, hw);
+  ASSERT_EQ(p.actions.size(), 2u);
+  EXPECT_TRUE(p.actions[0].wraps || p.actions[1].wraps);
+  const SimResult sim = simulate(t, &p, hw);
+  EXPECT_LE(sim.peak_bytes, hw.device_memory);
+  EXPECT_EQ(sim.misses, 0);
+  expect_paired(p, t);
+}
+
+TEST(Planner, NamesTheOpWhenActiveTensorsDoNotFit) {
+  const trace::Trace t = hand_trace(6, {{10, true, {0, 1, 2, 3, 4, 5}}, {100, false, {3, 4}}});
+  const Hardware hw = simple_hw(100, 1e6);
+  try {
+    make_plan(t, hw);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("op 3"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("short"), std::string::npos) << msg;
+  }
+}
+
+TEST(Planner, LeastStallWhenBandwidthIsShort) {
+  // 1000 bytes must leave for ops 2..4 but the channel moves 10 B/s: no migration fits the
+  // compute time, so the planner accepts a stall, and the simulation then fits.
+  const trace::Trace t =
+      hand_trace(7, {{10, true, {0, 1, 2, 3, 4, 5, 6}}, {1000, false, {0, 6}}, {500, false, {3}}});
+  const Hardware hw = simple_hw(1010, 10);
+  const Plan p = make_plan(t, hw);
+  EXPECT_GT(p.summary.planned_stall_seconds, 0);
+  EXPECT_FALSE(p.stalls.empty());
+  const SimResult sim = simulate(t, &p, hw);
+  EXPECT_LE(sim.peak_bytes, hw.device_memory);
+  // Out before op 3 and back after it: 980 bytes each way beyond what two ops of compute
+  // carry at 10 B/s, so at least 2 x 98 s of stall, and the plan accounts for them.
+  EXPECT_GT(sim.stall_seconds, 195);
+  EXPECT_NEAR(p.summary.planned_stall_seconds, 196, 1);
+  EXPECT_EQ(sim.misses, 0);
+  PlannerOptions no;
+  no.allow_stalls = false;
+  EXPECT_FALSE(make_plan(t, hw, no).summary.fits);
+}
+
+// ---- simulator invariants ------------------------------------------------------------------
+
+TEST(Simulator, KeepAllPeakIsTheTracePeak) {
+  for (std::uint64_t seed = 0; seed < 30; ++seed) {
+    const trace::Trace t = trace::testutil::random_trace(seed);
+    const auto la = trace::analyze_lifetimes(t);
+    const SimResult sim = simulate(t, nullptr, simple_hw(1, 1e9));
+    EXPECT_EQ(sim.peak_bytes, la.summary.peak_live_bytes) << "seed " << seed;
+    EXPECT_EQ(sim.memory_per_op, la.live_bytes) << "seed " << seed;
+    EXPECT_NEAR(sim.iteration_seconds, t.compute_seconds(), 1e-9);
+  }
+}
+
+TEST(Simulator, IdealIsNeverSlower) {
+  const Hardware base = hardware_preset("cpu-here");
+  for (const char* model : {"gpt2-small", "llama3.2-1b"}) {
+    TransformerConfig cfg = model_preset(model);
+    ModelOverrides o;
+    o.layers = 4;
+    apply_overrides(cfg, o);
+    Hardware hw = base;
+    hw.host_memory = 1ull << 30;
+    const trace::Trace t = transformer_trace(cfg, 2, 256, hw);
+    const auto la = trace::analyze_lifetimes(t);
+    hw.device_memory = la.summary.peak_live_bytes * 7 / 10;
+    const auto results = run_policies(all_policies(), t, hw);
+    ASSERT_EQ(results.size(), all_policies().size());
+    const double ideal = results[0].sim.iteration_seconds;
+    EXPECT_NEAR(ideal, t.compute_seconds(), 1e-9);
+    for (const auto& r : results) {
+      EXPECT_GE(r.sim.iteration_seconds, ideal * (1 - 1e-12)) << to_string(r.policy);
+      EXPECT_LE(r.fraction_of_ideal, 1 + 1e-12) << to_string(r.policy);
+      if (r.policy == Policy::kKeepAll) EXPECT_EQ(r.sim.peak_bytes, la.summary.peak_live_bytes);
+      if (r.policy == Policy::kRecompute) {
+        EXPECT_LE(r.sim.peak_bytes, la.summary.peak_live_bytes);
+        EXPECT_GT(r.sim.iteration_seconds, ideal);
+      }
+      if (r.policy == Policy::kTidal) {
+        EXPECT_TRUE(r.fits) << r.note;
+        EXPECT_LE(r.sim.peak_bytes, hw.device_memory);
+        EXPECT_EQ(r.sim.misses, 0);
+      }
+    }
+  }
+}
+
+TEST(Policies, RecomputeTraceDropsAndRemakesActivations) {
+  TransformerConfig cfg = model_preset("gpt2-small");
+  ModelOverrides o;
+  o.layers = 2;
+  apply_overrides(cfg, o);
+  const trace::Trace t = transformer_trace(cfg, 1, 64, hardware_preset("h100-4ssd"));
+  const trace::Trace r = recompute_trace(t);
+  EXPECT_NO_THROW(trace::validate(r));
+  int fwd_ops = 0;
+  for (const auto& op : t.ops) fwd_ops += op.phase == Phase::kForward && op.layer >= 0 ? 1 : 0;
+  EXPECT_EQ(r.ops.size(), t.ops.size() + static_cast<std::size_t>(fwd_ops));
+  EXPECT_NEAR(
+      r.compute_seconds() - t.compute_seconds(),
+      [&] {
+        double s = 0;
+        for (const auto& op : t.ops)
+          s += op.phase == Phase::kForward && op.layer >= 0 ? op.duration() : 0;
+        return s;
+      }(),
+      1e-9);
+  // Between forward and backward only the block inputs (checkpoints) remain.
+  auto at_backward = [](const trace::Trace& x) {
+    const auto l = trace::analyze_lifetimes(x);
+    for (const auto& op : x.ops) {
+      if (op.phase == Phase::kBackward) return l.live_bytes[static_cast<std::size_t>(op.index)];
+    }
+    return std::uint64_t{0};
+  };
+  EXPECT_LT(at_backward(r), at_backward(t));
+  EXPECT_LE(trace::analyze_lifetimes(r).summary.peak_live_bytes,
+            trace::analyze_lifetimes(t).summary.peak_live_bytes);
+}
+
+// ---- fuzzing -------------------------------------------------------------------------------
+
+TEST(PlannerFuzz, RandomTracesFitAndPair) {
+  std::mt19937_64 rng(12345);
+  int planned = 0;
+  int infeasible = 0;
+  for (std::uint64_t seed = 0; seed < 150; ++seed) {
+    trace::testutil::RandomTraceOptions ro;
+    ro.layers = 1 + static_cast<int>(seed % 5);
+    ro.forward_ops_per_layer = 2 + static_cast<int>(seed % 4);
+    ro.backward_ops_per_layer = 2 + static_cast<int>((seed / 3) % 4);
+    ro.max_bytes = 1ull << 30;
+    const trace::Trace t = trace::testutil::random_trace(seed, ro);
+    const auto la = trace::analyze_lifetimes(t);
+    std::uniform_real_distribution<double> frac(0.3, 1.1);
+    std::uniform_real_distribution<double> lbw(7, 12.5);
+    Hardware hw = simple_hw(
+        static_cast<std::uint64_t>(static_cast<double>(la.summary.peak_live_bytes) * frac(rng)),
+        std::pow(10.0, lbw(rng)));
+    hw.ssd_count = 1 + static_cast<int>(seed % 3);
+    hw.host_link_bw = hw.ssd_write_bw * (seed % 2 == 0 ? 1.0 : 2.5);
+    hw.host_memory = seed % 2 == 0 ? 0 : la.summary.peak_live_bytes / 3;
+    hw.memory_margin = (seed % 3) * 0.01;
+    Plan p;
+    try {
+      p = make_plan(t, hw);
+    } catch (const InvalidArgument& e) {
+      // The claim must be true: some op's own tensors plus what cannot move exceed capacity,
+      // so at least the op's active bytes are positive and the trace does not fit as is.
+      EXPECT_GT(la.summary.peak_live_bytes, hw.device_memory * (1 - hw.memory_margin));
+      EXPECT_NE(std::string(e.what()).find("short"), std::string::npos);
+      ++infeasible;
+      continue;
+    }
+    ++planned;
+    ASSERT_NO_THROW(validate_plan(p, t)) << "seed " << seed;
+    expect_paired(p, t);
+    const SimResult sim = simulate(t, &p, hw);
+    EXPECT_LE(sim.peak_bytes, hw.device_memory) << "seed " << seed;
+    EXPECT_TRUE(p.summary.fits) << "seed " << seed;
+    EXPECT_LE(p.summary.peak_after_bytes, hw.device_memory) << "seed " << seed;
+    EXPECT_EQ(sim.misses, 0) << "seed " << seed;
+    EXPECT_GE(sim.iteration_seconds, t.compute_seconds() * (1 - 1e-12));
+    if (hw.host_memory == 0) EXPECT_EQ(p.summary.offloads_host, 0);
+    EXPECT_LE(sim.peak_host_bytes, std::max<std::uint64_t>(hw.host_memory, 0));
+  }
+  EXPECT_GT(planned, 50);
+  RecordProperty("planned", planned);
+  RecordProperty("infeasible", infeasible);
+}
+
+}  // namespace
+}  // namespace tidal::plan
