@@ -57,6 +57,10 @@ class FaultBackend final : public Backend {
   [[nodiscard]] const char* name() const override { return inner_->name(); }
 
   void submit(IoOp* op) override {
+    if (plan_.only_writes && !op->write) {
+      inner_->submit(op);
+      return;
+    }
     const std::uint64_t k = ++ops_;
     const bool fail =
         plan_.fail_op != 0 && (k == plan_.fail_op || (plan_.fail_every_after && k > plan_.fail_op));

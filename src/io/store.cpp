@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -194,6 +195,8 @@ struct TensorStore::Impl {
   std::uint64_t next_seq = 0;
   std::uint64_t rotate = 0;
   int busy_entries = 0;
+  int ops_in_flight = 0;  // over all files, for busy_seconds
+  std::chrono::steady_clock::time_point busy_start;
   bool stop = false;
   StoreStats counters;
   std::thread dispatcher;
@@ -468,6 +471,7 @@ void TensorStore::Impl::dispatch_loop() {
         lane.erase(lane.begin());
         s->queued = false;
         ++in_flight[f];
+        if (ops_in_flight++ == 0) busy_start = std::chrono::steady_clock::now();
         batch.push_back(s);
       }
     }
@@ -566,6 +570,10 @@ void TensorStore::Impl::complete(OpSlot* s, int err, std::string msg) {
   Entry& e = *s->entry;
   std::lock_guard<std::mutex> lock(mu);
   --in_flight[static_cast<std::size_t>(e.pieces[s->piece].file)];
+  if (--ops_in_flight == 0) {
+    counters.busy_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - busy_start).count();
+  }
   if (s->staging >= 0) {
     staging_free.push_back(s->staging);
     s->staging = -1;
@@ -695,6 +703,10 @@ std::uint64_t TensorStore::size(Ticket ticket) const {
 StoreStats TensorStore::stats() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   StoreStats s = impl_->counters;
+  if (impl_->ops_in_flight > 0) {
+    s.busy_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - impl_->busy_start).count();
+  }
   s.used_bytes = 0;
   for (const auto& f : impl_->files) {
     s.file_used_bytes.push_back(f->extents->used_bytes());

@@ -77,6 +77,7 @@ struct StoreStats {
   std::uint64_t reads = 0;                     ///< completed read requests
   std::uint64_t failed_requests = 0;
   std::uint64_t staged_ops = 0;  ///< ops that went through the staging pool
+  double busy_seconds = 0;       ///< time with at least one op in flight (device busy)
   std::uint64_t tickets = 0;     ///< tickets alive
   std::string backend;           ///< e.g. "io_uring", "posix", "+cufile"
   bool buffered = false;

@@ -1,0 +1,459 @@
+#include "tidal/torch/activations.hpp"
+
+#include <ATen/SavedTensorHooks.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/saved_variable_hooks.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "tidal/common/error.hpp"
+
+namespace tidal::torch_layer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+}  // namespace
+
+// One storage whose bytes a saved tensor needs: shared by every saved view of that storage
+// (deduplication), written once, read back once.
+struct Record {
+  enum class State { kKept, kWriting, kOffloaded, kReading, kRestored };
+  State state = State::kKept;
+  c10::Storage storage;  // holds the memory while kept, writing, or restored
+  c10::weak_intrusive_ptr<c10::StorageImpl> identity{c10::intrusive_ptr<c10::StorageImpl>()};
+  std::uint64_t nbytes = 0;
+  c10::Device device{c10::kCPU};
+  io::Ticket ticket;
+  std::uint32_t version = 0;
+  std::size_t index = 0;  // position in pack order
+  int users = 0;          // saved variables referring to it
+  int unpacked = 0;
+  double packed_at = 0;  // seconds from the first pack of the step
+};
+
+struct ActivationOffloader::Impl : std::enable_shared_from_this<Impl> {
+  std::shared_ptr<io::TensorStore> store;
+  ActivationOptions opt;
+
+  std::mutex mu;
+  std::vector<std::shared_ptr<Record>> order;  // this step, pack order
+  std::unordered_map<const c10::StorageImpl*, std::shared_ptr<Record>> by_storage;
+  // Storages of parameters and other persistent tensors, with a weak reference each so that a
+  // freed parameter's address cannot be mistaken for a new tensor's.
+  std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> persistent;
+  std::deque<std::shared_ptr<Record>> writing;  // write in flight
+  std::atomic<bool> in_backward{false};
+  bool first_pack = true;
+  Clock::time_point step_start;
+  double busy_at_start = 0;          // store busy seconds at begin_step
+  std::uint64_t moved_at_start = 0;  // store bytes written + read at begin_step
+  double bandwidth = 0;              // measured store bandwidth (bytes/s), smoothed over steps
+  double forward_seconds = 0;
+  std::int64_t prefetch_cursor = -1;  // next record (downwards) to prefetch
+  std::uint64_t prefetch_in_flight = 0;
+  std::int64_t keep_from = -1;  // adaptive decision for this step
+  ActivationStats stats;
+  ActivationStats last;
+
+  std::shared_ptr<Record> pack(const at::Tensor& t, at::Tensor* kept);
+  void poll_writes_locked(bool block);
+  void finish_write_locked(Record& r);
+  void prefetch_locked(std::size_t below);
+  void start_read_locked(Record& r, io::Priority p);
+  void note_backward();
+  void begin_backward_locked();
+  at::Tensor unpack(Record& r, const c10::TensorOptions& options, std::int64_t offset,
+                    const std::vector<std::int64_t>& sizes,
+                    const std::vector<std::int64_t>& strides, at::ScalarType dtype);
+  void calibrate_locked();
+};
+
+namespace {
+
+// The offloader whose step is running, if any: read by the engine on every saved tensor.
+// An atomic (not thread_local) because autograd's worker threads must see it too.
+std::atomic<ActivationOffloader::Impl*> g_active{nullptr};
+std::mutex g_active_mu;  // keeps the active Impl alive while a hook is being created
+std::shared_ptr<ActivationOffloader::Impl> g_active_owner;
+
+class OffloadHooks final : public torch::autograd::SavedVariableHooks {
+ public:
+  explicit OffloadHooks(std::shared_ptr<ActivationOffloader::Impl> impl) : impl_(std::move(impl)) {}
+
+  void call_pack_hook(const at::Tensor& t) override {
+    version_ = t._version();
+    version_counter_ = t.unsafeGetTensorImpl()->version_counter();
+    record_ = impl_->pack(t, &kept_);
+    if (record_) {
+      offset_ = t.storage_offset();
+      sizes_ = t.sizes().vec();
+      strides_ = t.strides().vec();
+      dtype_ = t.scalar_type();
+      options_ = t.options();
+    }
+  }
+
+  at::Tensor call_unpack_hook() override {
+    // With hooks installed autograd no longer checks saved tensors for in-place changes.
+    TIDAL_EXPECT(version_counter_.current_version() == version_,
+                 "one of the variables needed for gradient computation has been modified by an "
+                 "inplace operation (saved at version ",
+                 version_, ", now ", version_counter_.current_version(),
+                 "); tidal's activation offloading keeps autograd's rule");
+    if (!record_) {
+      impl_->note_backward();
+      return kept_;
+    }
+    return impl_->unpack(*record_, options_, offset_, sizes_, strides_, dtype_);
+  }
+
+  ~OffloadHooks() override = default;
+
+ private:
+  std::shared_ptr<ActivationOffloader::Impl> impl_;
+  std::shared_ptr<Record> record_;
+  at::Tensor kept_;
+  c10::TensorOptions options_;  // the original device and dtype
+  std::uint32_t version_ = 0;
+  c10::VariableVersion version_counter_{c10::VariableVersion::DISABLED};
+  std::int64_t offset_ = 0;
+  std::vector<std::int64_t> sizes_;
+  std::vector<std::int64_t> strides_;
+  at::ScalarType dtype_ = at::kFloat;
+};
+
+class TidalEngine final : public torch::autograd::Engine {
+ public:
+  TidalEngine() = default;
+  ~TidalEngine() override { stop(); }
+
+  std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks() override {
+    if (g_active.load(std::memory_order_acquire) == nullptr) return nullptr;
+    if (!at::SavedTensorDefaultHooks::is_enabled()) return nullptr;
+    std::shared_ptr<ActivationOffloader::Impl> impl;
+    {
+      std::lock_guard<std::mutex> lock(g_active_mu);
+      impl = g_active_owner;
+    }
+    if (!impl || impl->in_backward.load()) return nullptr;  // recompute in backward: keep
+    return std::make_unique<OffloadHooks>(std::move(impl));
+  }
+};
+
+torch::autograd::Engine& tidal_engine() {
+  static TidalEngine engine;
+  return engine;
+}
+
+}  // namespace
+
+void install_autograd_engine() {
+  static std::once_flag once;
+  std::call_once(once, [] { torch::autograd::set_default_engine_stub(&tidal_engine); });
+}
+
+std::shared_ptr<Record> ActivationOffloader::Impl::pack(const at::Tensor& t, at::Tensor* kept) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (first_pack) {
+    first_pack = false;
+    step_start = Clock::now();
+  }
+  ++stats.packed;
+  poll_writes_locked(false);
+  const auto keep = [&](std::uint64_t& counter) {
+    ++counter;
+    *kept = t.detach();  // never the tensor itself: that would close a cycle through grad_fn
+    return std::shared_ptr<Record>();
+  };
+  // Weights, and the views of them that ops save (linear saves weight.t()), stay: they live
+  // anyway, so writing them would free nothing. Leaves arrive detached, hence the storage map.
+  if (t.is_leaf() && t.requires_grad()) return keep(stats.kept_parameter);
+  if (t.has_storage()) {
+    auto p = persistent.find(t.storage().unsafeGetStorageImpl());
+    if (p != persistent.end() && p->second.lock().get() == p->first) {
+      return keep(stats.kept_parameter);
+    }
+  }
+  if (!t.has_storage() || t.storage().nbytes() < opt.min_bytes) return keep(stats.kept_small);
+
+  const c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
+  auto it = by_storage.find(key);
+  if (it != by_storage.end()) {
+    Record& r = *it->second;
+    // The same live storage at the same version holds the same bytes: share the record. (The
+    // weak reference keeps the StorageImpl's address from being reused while we map it.)
+    if (r.identity.lock().get() == key && r.version == t._version()) {
+      ++r.users;
+      ++stats.deduplicated;
+      return it->second;
+    }
+  }
+  const std::size_t index = order.size();
+  auto r = std::make_shared<Record>();
+  r->nbytes = t.storage().nbytes();
+  r->index = index;
+  r->packed_at = since(step_start);
+  if (keep_from >= 0 && static_cast<std::int64_t>(index) >= keep_from) {
+    // Adaptive keep: needed first in backward, and their I/O could not be hidden. They stay in
+    // the pack order (as kept records) so that the rule sees the whole timeline next step.
+    order.push_back(r);
+    return keep(stats.kept_adaptive);
+  }
+  r->storage = t.storage();
+  r->identity = t.storage().getWeakStorageImpl();
+  r->device = t.device();
+  r->version = t._version();
+  r->users = 1;
+  r->ticket = store->write(r->storage.data(), r->nbytes, io::Priority::kOffload);
+  r->state = Record::State::kWriting;
+  ++stats.offloaded;
+  writing.push_back(r);
+  by_storage[key] = r;
+  order.push_back(r);
+  return r;
+}
+
+// Retires finished writes in order: their memory goes back as soon as the bytes are safe.
+void ActivationOffloader::Impl::poll_writes_locked(bool block) {
+  while (!writing.empty()) {
+    Record& r = *writing.front();
+    if (r.state == Record::State::kWriting) {
+      if (!block && !store->ready(r.ticket)) return;
+      finish_write_locked(r);
+    }
+    writing.pop_front();
+  }
+}
+
+void ActivationOffloader::Impl::finish_write_locked(Record& r) {
+  try {
+    store->wait(r.ticket);
+    r.state = Record::State::kOffloaded;
+    stats.bytes_written += r.nbytes;
+    r.storage = c10::Storage();  // drop our reference: the memory is freed if nobody else holds it
+  } catch (const IoError&) {
+    // A full or failing store never changes a result: the tensor simply stays in memory.
+    ++stats.write_failures;
+    store->free(r.ticket);
+    r.ticket = io::Ticket{};
+    r.state = Record::State::kKept;
+  }
+}
+
+void ActivationOffloader::Impl::start_read_locked(Record& r, io::Priority p) {
+  at::Tensor bytes = at::empty({static_cast<std::int64_t>(r.nbytes)},
+                               at::TensorOptions().dtype(at::kByte).device(r.device));
+  r.storage = bytes.storage();
+  store->read(r.ticket, r.storage.data(), p);
+  r.state = Record::State::kReading;
+  stats.bytes_read += r.nbytes;
+}
+
+// Starts reads for the records that backward will need next (reverse pack order), up to the
+// lookahead in bytes.
+void ActivationOffloader::Impl::prefetch_locked(std::size_t below) {
+  if (prefetch_cursor < 0 || static_cast<std::size_t>(prefetch_cursor) >= below) {
+    prefetch_cursor = static_cast<std::int64_t>(below) - 1;
+  }
+  while (prefetch_cursor >= 0 && prefetch_in_flight < opt.lookahead_bytes) {
+    auto& r = order[static_cast<std::size_t>(prefetch_cursor)];
+    --prefetch_cursor;
+    if (!r || r->state != Record::State::kOffloaded) continue;
+    start_read_locked(*r, io::Priority::kPrefetch);
+    prefetch_in_flight += r->nbytes;
+    ++stats.prefetched;
+  }
+}
+
+// Backward has begun: remember how long forward took and start reading back the last tensors.
+void ActivationOffloader::Impl::begin_backward_locked() {
+  if (in_backward.exchange(true)) return;
+  forward_seconds = since(step_start);
+  prefetch_locked(order.size());
+}
+
+void ActivationOffloader::Impl::note_backward() {
+  if (in_backward.load()) return;
+  std::lock_guard<std::mutex> lock(mu);
+  begin_backward_locked();
+}
+
+at::Tensor ActivationOffloader::Impl::unpack(Record& r, const c10::TensorOptions& options,
+                                             std::int64_t offset,
+                                             const std::vector<std::int64_t>& sizes,
+                                             const std::vector<std::int64_t>& strides,
+                                             at::ScalarType dtype) {
+  std::unique_lock<std::mutex> lock(mu);
+  begin_backward_locked();
+  poll_writes_locked(false);
+  if (r.state == Record::State::kRestored && !r.storage) {
+    // Unpacked more often than it was saved (retain_graph): read it again.
+    TIDAL_EXPECT(r.ticket.valid(),
+                 "a saved activation was unpacked after its step ended; call "
+                 "backward before end_step()");
+    r.state = Record::State::kOffloaded;
+  }
+  switch (r.state) {
+    case Record::State::kKept:
+    case Record::State::kWriting:
+    case Record::State::kRestored:
+      if (r.state != Record::State::kRestored) ++stats.forwarded;
+      break;
+    case Record::State::kOffloaded:
+      ++stats.misses;
+      start_read_locked(r, io::Priority::kUrgent);
+      [[fallthrough]];
+    case Record::State::kReading: {
+      store->prioritize(r.ticket, io::Priority::kUrgent);
+      const io::Ticket t = r.ticket;
+      const auto t0 = Clock::now();
+      lock.unlock();
+      store->wait(t);  // a failed or corrupt read throws: never a wrong gradient
+      lock.lock();
+      stats.stall_seconds += since(t0);
+      if (r.state == Record::State::kReading) {
+        r.state = Record::State::kRestored;
+        prefetch_in_flight -= std::min(prefetch_in_flight, r.nbytes);
+      }
+      break;
+    }
+  }
+  prefetch_locked(r.index);
+  c10::Storage storage = r.storage;
+  if (++r.unpacked >= r.users && r.state == Record::State::kRestored) {
+    r.storage = c10::Storage();  // autograd now holds what it needs
+  }
+  lock.unlock();
+  return at::empty({0}, options.dtype(dtype)).set_(storage, offset, sizes, strides);
+}
+
+// TBA's adaptive rule on this step's timeline: walking saved tensors in pack order, the first n
+// with (bytes before n + 2 x bytes of n) / (3 x forward time - 2 x time before n) > write
+// bandwidth, and everything after it, stay in memory next step (backward ~ 2x forward).
+void ActivationOffloader::Impl::calibrate_locked() {
+  const io::StoreStats st = store->stats();
+  const double busy = st.busy_seconds - busy_at_start;
+  const auto moved = static_cast<double>(st.bytes_written + st.bytes_read - moved_at_start);
+  // Only a step that kept the store busy says something about its bandwidth.
+  if (busy > 1e-3 && moved > 0) {
+    const double measured = moved / busy;
+    bandwidth = bandwidth > 0 ? 0.5 * bandwidth + 0.5 * measured : measured;
+  }
+  if (!opt.adaptive || bandwidth <= 0 || forward_seconds <= 0) return;  // keep the last decision
+  const double bw = bandwidth;
+  keep_from = -1;
+  double before = 0;
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    if (!order[i]) continue;
+    const double bytes = static_cast<double>(order[i]->nbytes);
+    const double window = 3 * forward_seconds - 2 * order[i]->packed_at;
+    if (window <= 0 || (before + 2 * bytes) / window > bw) {
+      keep_from = static_cast<std::int64_t>(i);
+      return;
+    }
+    before += bytes;
+  }
+}
+
+ActivationOffloader::ActivationOffloader(std::shared_ptr<io::TensorStore> store,
+                                         ActivationOptions options)
+    : impl_(std::make_shared<Impl>()) {
+  TIDAL_EXPECT(store != nullptr, "ActivationOffloader needs a TensorStore");
+  impl_->store = std::move(store);
+  impl_->opt = options;
+  install_autograd_engine();
+}
+
+ActivationOffloader::~ActivationOffloader() {
+  if (g_active.load() == impl_.get()) end_step(0);
+}
+
+void ActivationOffloader::begin_step(std::int64_t /*step*/,
+                                     const std::vector<torch::Tensor>& /*inputs*/) {
+  {
+    std::lock_guard<std::mutex> lock(g_active_mu);
+    TIDAL_EXPECT(g_active_owner == nullptr || g_active_owner == impl_,
+                 "another ActivationOffloader is active; end its step first");
+    g_active_owner = impl_;
+    g_active.store(impl_.get(), std::memory_order_release);
+  }
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->stats = ActivationStats{};
+  impl_->stats.keep_from = impl_->keep_from;
+  impl_->first_pack = true;
+  impl_->step_start = Clock::now();
+  impl_->in_backward = false;
+  impl_->prefetch_cursor = -1;
+  impl_->prefetch_in_flight = 0;
+  impl_->forward_seconds = 0;
+  const io::StoreStats st = impl_->store->stats();
+  impl_->busy_at_start = st.busy_seconds;
+  impl_->moved_at_start = st.bytes_written + st.bytes_read;
+}
+
+void ActivationOffloader::begin_phase(trace::Phase phase) {
+  if (phase == trace::Phase::kBackward) {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->begin_backward_locked();
+  }
+}
+
+void ActivationOffloader::end_step(std::int64_t /*step*/) {
+  {
+    std::lock_guard<std::mutex> lock(g_active_mu);
+    if (g_active_owner == impl_) {
+      g_active.store(nullptr, std::memory_order_release);
+      g_active_owner.reset();
+    }
+  }
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& m = *impl_;
+  m.poll_writes_locked(true);
+  // Records of this step may still be referenced by a graph the caller kept; their tickets are
+  // freed here, and such a graph's offloaded tensors can no longer be unpacked.
+  for (auto& r : m.order) {
+    if (!r || !r->ticket.valid()) continue;
+    if (r->state == Record::State::kReading) {
+      try {
+        m.store->wait(r->ticket);
+      } catch (const IoError&) {
+      }
+    }
+    m.store->free(r->ticket);
+    r->ticket = io::Ticket{};
+  }
+  m.stats.forward_seconds = m.forward_seconds;
+  m.calibrate_locked();
+  m.last = m.stats;
+  m.order.clear();
+  m.by_storage.clear();
+  m.writing.clear();
+}
+
+void ActivationOffloader::keep_storages_of(const std::vector<torch::Tensor>& tensors) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  for (const auto& t : tensors) {
+    if (t.defined() && t.has_storage()) {
+      impl_->persistent.emplace(t.storage().unsafeGetStorageImpl(),
+                                t.storage().getWeakStorageImpl());
+    }
+  }
+}
+
+ActivationStats ActivationOffloader::last_step() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->last;
+}
+
+}  // namespace tidal::torch_layer

@@ -1,0 +1,181 @@
+#include "tidal/torch/activations.hpp"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <iostream>
+#include <memory>
+#include <thread>
+
+#include "io/test_dir.hpp"
+#include "tidal/common/units.hpp"
+
+namespace tidal::torch_layer {
+namespace {
+
+// Linear, GELU, Linear, with a residual and a reused hidden tensor: enough for saved
+// activations of several shapes, views, and a storage saved twice.
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(64, 256));
+    fc2 = register_module("fc2", torch::nn::Linear(256, 64));
+    fc3 = register_module("fc3", torch::nn::Linear(256, 64));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    auto h = torch::gelu(fc1->forward(x));
+    auto y = fc2->forward(h) + fc3->forward(h);  // h saved by two ops: deduplicated
+    return (y * torch::sigmoid(y)).sum();
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+};
+TORCH_MODULE(Net);
+
+struct RunResult {
+  std::vector<double> losses;
+  std::vector<torch::Tensor> params;
+};
+
+RunResult train(ActivationOffloader* off, int steps) {
+  torch::manual_seed(123);
+  Net net;
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+  if (off != nullptr) off->keep_storages_of(net->parameters());
+  RunResult r;
+  for (int s = 0; s < steps; ++s) {
+    auto x = torch::randn({512, 64});
+    if (off != nullptr) off->begin_step();
+    opt.zero_grad();
+    auto loss = net->forward(x);
+    loss.backward();
+    opt.step();
+    if (off != nullptr) off->end_step();
+    r.losses.push_back(loss.item<double>());
+  }
+  for (auto& p : net->parameters()) r.params.push_back(p.detach().clone());
+  return r;
+}
+
+std::shared_ptr<io::TensorStore> make_store(const testing::TestDir& dir, io::FaultPlan faults = {},
+                                            int queue_depth = 0) {
+  io::StoreOptions o;
+  o.dirs = {dir.path()};
+  o.capacity = 256 * kMiB;
+  o.faults = faults;
+  o.queue_depth = queue_depth;
+  o.threads = queue_depth;
+  return std::make_shared<io::TensorStore>(o);
+}
+
+void expect_identical(const RunResult& a, const RunResult& b) {
+  ASSERT_EQ(a.losses.size(), b.losses.size());
+  for (std::size_t i = 0; i < a.losses.size(); ++i) EXPECT_EQ(a.losses[i], b.losses[i]) << i;
+  ASSERT_EQ(a.params.size(), b.params.size());
+  for (std::size_t i = 0; i < a.params.size(); ++i) {
+    EXPECT_TRUE(torch::equal(a.params[i], b.params[i])) << "parameter " << i;
+  }
+}
+
+TEST(Activations, BitIdenticalTrainingWithEveryActivationThroughTheStore) {
+  testing::TestDir dir;
+  const RunResult plain = train(nullptr, 5);
+  ActivationOptions opt;
+  opt.min_bytes = 4096;
+  opt.adaptive = false;
+  ActivationOffloader off(make_store(dir), opt);
+  const RunResult offloaded = train(&off, 5);
+  expect_identical(plain, offloaded);
+  const ActivationStats s = off.last_step();
+  EXPECT_GT(s.offloaded, 0u);
+  EXPECT_GT(s.kept_parameter, 0u) << "weights reach the pack hook and must be skipped";
+  EXPECT_GT(s.deduplicated, 0u) << "h is saved by fc2 and fc3";
+  EXPECT_GT(s.bytes_written, 0u);
+  EXPECT_GT(s.bytes_read + s.forwarded, 0u);
+  EXPECT_EQ(s.write_failures, 0u);
+}
+
+TEST(Activations, AFailingStoreNeverChangesALoss) {
+  testing::TestDir dir;
+  const RunResult plain = train(nullptr, 4);
+  io::FaultPlan faults;
+  faults.fail_op = 3;
+  faults.fail_every_after = true;  // the disk stops taking writes after two ops
+  faults.only_writes = true;       // (a read failure would fail the step, by design)
+  ActivationOptions opt;
+  opt.min_bytes = 4096;
+  ActivationOffloader off(make_store(dir, faults), opt);
+  const RunResult offloaded = train(&off, 4);
+  expect_identical(plain, offloaded);
+  EXPECT_GT(off.last_step().write_failures, 0u);
+}
+
+TEST(Activations, AFullStoreKeepsTensorsInMemory) {
+  testing::TestDir dir;
+  const RunResult plain = train(nullptr, 3);
+  io::StoreOptions o;
+  o.dirs = {dir.path()};
+  o.capacity = 600 * kKiB;  // room for one or two activations only
+  ActivationOptions opt;
+  opt.min_bytes = 4096;
+  opt.adaptive = false;
+  ActivationOffloader off(std::make_shared<io::TensorStore>(o), opt);
+  const RunResult offloaded = train(&off, 3);
+  expect_identical(plain, offloaded);
+  const ActivationStats s = off.last_step();
+  EXPECT_GT(off.last_step().write_failures, 0u);
+}
+
+TEST(Activations, CorruptReadFailsBackwardInsteadOfAWrongGradient) {
+  testing::TestDir dir;
+  io::FaultPlan faults;
+  faults.corrupt_read = 1;
+  ActivationOptions opt;
+  opt.min_bytes = 4096;
+  opt.adaptive = false;
+  opt.lookahead_bytes = 0;  // reads happen at unpack time
+  ActivationOffloader off(make_store(dir, faults), opt);
+  torch::manual_seed(1);
+  Net net;
+  auto x = torch::randn({512, 64});
+  off.begin_step();
+  auto loss = net->forward(x);
+  // Let every write land so that backward has to read.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_THROW(loss.backward(), std::exception);
+  off.end_step();
+}
+
+TEST(Activations, InPlaceChangeOfASavedTensorIsStillAnError) {
+  testing::TestDir dir;
+  ActivationOptions opt;
+  opt.min_bytes = 0;
+  ActivationOffloader off(make_store(dir), opt);
+  for (bool with_tidal : {false, true}) {
+    auto w = torch::randn({256, 256}, torch::requires_grad());
+    auto a = torch::mm(w, w);
+    if (with_tidal) off.begin_step();
+    auto b = torch::sigmoid(a);  // saves its result
+    b.add_(1);                   // ... which is then changed in place
+    EXPECT_THROW(b.sum().backward(), std::exception) << (with_tidal ? "tidal" : "stock autograd");
+    if (with_tidal) off.end_step();
+  }
+}
+
+TEST(Activations, AdaptiveKeepKeepsTheLastTensorsWhenTheDiskIsSlow) {
+  testing::TestDir dir;
+  const RunResult plain = train(nullptr, 4);
+  io::FaultPlan slow;
+  slow.delay_us = 20000;  // 20 ms per op, one at a time: far slower than this model's forward
+  ActivationOptions opt;
+  opt.min_bytes = 4096;
+  opt.adaptive = true;
+  ActivationOffloader off(make_store(dir, slow, 1), opt);
+  const RunResult offloaded = train(&off, 4);
+  expect_identical(plain, offloaded);
+  const ActivationStats s = off.last_step();
+  EXPECT_GE(s.keep_from, 0) << "the rule must keep some tensors";
+  EXPECT_GT(s.kept_adaptive, 0u);
+}
+
+}  // namespace
+}  // namespace tidal::torch_layer
