@@ -175,6 +175,7 @@ TensorId Tracer::lookup_or_add_input(const at::Tensor& t) {
   const auto id = add_tensor(t.storage(), t.device(), "extern:" + std::to_string(extern_count_++),
                              TensorClass::kInput, false, trace::kNoOp, -1);
   extra_[static_cast<std::size_t>(id)].external = true;
+  extra_[static_cast<std::size_t>(id)].first_use = static_cast<OpIndex>(current_.ops.size());
   return id;
 }
 
@@ -340,11 +341,24 @@ void Tracer::end_step(std::int64_t /*step*/) {
 void Tracer::finish_iteration() {
   std::vector<bool> alive(current_.tensors.size(), false);
   for (const auto& l : live_) alive[static_cast<std::size_t>(l.id)] = true;
+  std::unordered_map<OpIndex, int> made_before;
   for (auto& t : current_.tensors) {
     const auto& x = extra_[static_cast<std::size_t>(t.id)];
     if (t.persistent) continue;
-    if (x.external) {
-      t.persistent = alive[static_cast<std::size_t>(t.id)];
+    if (x.external && alive[static_cast<std::size_t>(t.id)]) {
+      t.persistent = true;  // made before the iteration and kept: e.g. an unregistered buffer
+    } else if (x.external && x.first_use != trace::kNoOp) {
+      // Made during the iteration by code that is not a dispatched op (a scalar wrapped into a
+      // tensor inside a backward formula, say) and dead before the end: it belongs to the op
+      // that first used it. Slots from 100 up keep these names apart from real outputs.
+      auto& op = current_.ops[static_cast<std::size_t>(x.first_use)];
+      const int j = made_before[x.first_use]++;
+      t.producer = x.first_use;
+      t.output_slot = 100 + j;
+      t.name = "op" + std::to_string(x.first_use) + ":" + std::to_string(t.output_slot);
+      push_unique(op.outputs, t.id);
+      t.cls = op.phase == Phase::kForward && x.read_in_backward ? TensorClass::kActivation
+                                                                : TensorClass::kTemporary;
     } else if (t.producer != trace::kNoOp) {
       t.cls = x.producer_phase == Phase::kForward && x.read_in_backward ? TensorClass::kActivation
                                                                         : TensorClass::kTemporary;

@@ -98,6 +98,7 @@ class Tracer : public StepObserver {
     trace::Phase producer_phase = trace::Phase::kOther;
     bool read_in_backward = false;
     bool external = false;  // first seen as an input, origin unknown
+    trace::OpIndex first_use = trace::kNoOp;
   };
   struct Live {
     c10::weak_intrusive_ptr<c10::StorageImpl> storage;

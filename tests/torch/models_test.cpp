@@ -1,0 +1,151 @@
+// Reference trainer and memory meter: determinism, data, configs, 4 KiB-aligned tracking
+// allocator, peak memory growing with batch size.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "tidal/common/error.hpp"
+#include "tidal/common/units.hpp"
+#include "tidal/models/gpt.hpp"
+#include "tidal/models/trainer.hpp"
+#include "tidal/torch/memory.hpp"
+
+namespace {
+
+using tidal::models::Trainer;
+using tidal::models::TrainerOptions;
+using tidal::torch_layer::MemoryMeter;
+
+TrainerOptions tiny(const std::string& model, std::int64_t batch, std::int64_t seq,
+                    std::uint64_t seed) {
+  TrainerOptions o;
+  o.config = tidal::models::model_config(model);
+  o.batch = batch;
+  o.seq = seq;
+  o.seed = seed;
+  return o;
+}
+
+std::vector<double> losses(TrainerOptions o, int steps) {
+  Trainer t(std::move(o));
+  std::vector<double> out;
+  for (int i = 0; i < steps; ++i) out.push_back(t.step().loss);
+  return out;
+}
+
+TEST(Models, SameSeedSameLossesDifferentSeedDifferent) {
+  const auto a = losses(tiny("gpt-tiny", 2, 32, 7), 3);
+  const auto b = losses(tiny("gpt-tiny", 2, 32, 7), 3);
+  const auto c = losses(tiny("gpt-tiny", 2, 32, 8), 3);
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, c);
+  const auto la = losses(tiny("llama-tiny", 2, 32, 7), 3);
+  const auto lb = losses(tiny("llama-tiny", 2, 32, 7), 3);
+  EXPECT_EQ(la, lb);
+}
+
+TEST(Models, LossFallsOnTheSyntheticStream) {
+  for (const char* name : {"gpt-tiny", "llama-tiny"}) {
+    auto o = tiny(name, 4, 32, 1);
+    o.adamw.lr = 3e-3;
+    const auto l = losses(o, 30);
+    EXPECT_NEAR(l.front(), std::log(256.0), 0.3) << name;  // starts near uniform
+    EXPECT_LT(l.back(), l.front() - 0.5) << name;
+  }
+}
+
+TEST(Models, ParameterCountMatchesTheModule) {
+  for (const char* name : {"gpt-tiny", "llama-tiny"}) {
+    const auto c = tidal::models::model_config(name);
+    auto m = tidal::models::make_model(c, torch::kCPU);
+    std::int64_t n = 0;
+    for (const auto& p : m->parameters()) n += p.numel();
+    EXPECT_EQ(n, c.parameter_count()) << name;
+  }
+  // GPT-2 small is the 124M model (tied head).
+  EXPECT_NEAR(tidal::models::model_config("gpt2-small").parameter_count() / 1e6, 124.4, 0.1);
+  EXPECT_NEAR(tidal::models::model_config("llama3-8b").parameter_count() / 1e9, 8.03, 0.01);
+}
+
+TEST(Models, OverridesAndErrors) {
+  auto c = tidal::models::with_overrides(tidal::models::model_config("gpt2-small"), 2, 128, 4);
+  EXPECT_EQ(c.layers, 2);
+  EXPECT_EQ(c.hidden, 128);
+  EXPECT_EQ(c.ffn_hidden, 512);
+  EXPECT_THROW(tidal::models::model_config("gpt5"), tidal::InvalidArgument);
+  EXPECT_THROW(tidal::models::with_overrides(c, 0, 100, 3), tidal::InvalidArgument);
+  auto o = tiny("gpt-tiny", 1, 10000, 1);
+  EXPECT_THROW(Trainer{o}, tidal::InvalidArgument);
+}
+
+TEST(Models, ByteLevelDataFile) {
+  const std::string path = ::testing::TempDir() + "tidal_models_data.txt";
+  std::string text;
+  for (int i = 0; i < 50; ++i) text += "the quick brown fox jumps over the lazy dog. ";
+  std::ofstream(path, std::ios::binary) << text;
+  tidal::models::TokenSource src(path, 256, 3);
+  auto [x, y] = src.next_batch(3, 17);
+  ASSERT_EQ(x.sizes(), (std::vector<std::int64_t>{3, 17}));
+  // Each row is a window of the file and targets are the inputs shifted by one byte.
+  for (int b = 0; b < 3; ++b) {
+    std::string row;
+    for (int i = 0; i < 17; ++i) row += static_cast<char>(x[b][i].item<std::int64_t>());
+    EXPECT_NE(text.find(row), std::string::npos);
+    EXPECT_TRUE(torch::equal(x[b].narrow(0, 1, 16), y[b].narrow(0, 0, 16)));
+  }
+  auto o = tiny("gpt-tiny", 2, 16, 1);
+  o.data_path = path;
+  EXPECT_GT(losses(o, 1).front(), 0);
+  EXPECT_THROW(tidal::models::TokenSource("/nonexistent/file", 256, 1), tidal::InvalidArgument);
+  std::remove(path.c_str());
+}
+
+TEST(MemoryMeter, AllocationsAre4KiBAlignedAndPadded) {
+  MemoryMeter meter;
+  ASSERT_TRUE(tidal::torch_layer::tracking_cpu_allocator_active());
+  const auto before = meter.stats();
+  std::vector<torch::Tensor> keep;
+  std::uint64_t padded = 0;
+  for (std::int64_t n : {1, 513, 1024, 1025, 4096, 4097, 1 << 20}) {
+    auto t = torch::empty({n}, torch::kUInt8);
+    const auto addr = reinterpret_cast<std::uintptr_t>(t.data_ptr());
+    EXPECT_EQ(addr % tidal::torch_layer::kHostAllocationAlignment, 0u) << n;
+    const auto bytes = tidal::torch_layer::tracked_allocation_bytes(t.data_ptr());
+    EXPECT_EQ(bytes, tidal::align_up(static_cast<std::uint64_t>(n), 4096)) << n;
+    padded += bytes;
+    keep.push_back(t);
+  }
+  const auto during = meter.stats();
+  EXPECT_EQ(during.current_bytes - before.current_bytes, padded);
+  EXPECT_GE(during.peak_bytes, during.current_bytes);
+  EXPECT_EQ(during.allocations - before.allocations, keep.size());
+  keep.clear();
+  const auto after = meter.stats();
+  EXPECT_EQ(after.current_bytes, before.current_bytes);
+  EXPECT_EQ(after.frees - before.frees, 7u);
+  meter.reset_peak();
+  EXPECT_EQ(meter.peak_bytes(), meter.current_bytes());
+}
+
+TEST(MemoryMeter, PeakGrowsWithBatchSize) {
+  MemoryMeter meter;
+  std::vector<std::uint64_t> peaks;
+  for (std::int64_t batch : {1, 4, 16}) {
+    Trainer t(tiny("gpt-tiny", batch, 64, 1));
+    t.step();
+    meter.reset_peak();
+    t.step();
+    peaks.push_back(meter.peak_bytes() - meter.current_bytes());
+  }
+  EXPECT_LT(peaks[0], peaks[1]);
+  EXPECT_LT(peaks[1], peaks[2]);
+  // Activations scale with the batch: 16x the batch needs several times the extra memory.
+  EXPECT_GT(static_cast<double>(peaks[2]), 4.0 * static_cast<double>(peaks[0]));
+}
+
+}  // namespace
