@@ -22,6 +22,7 @@ struct PlanArgs {
   std::int64_t batch = 0;
   std::int64_t seq = 0;
   plan::ModelOverrides shape;
+  bool optimizer_in_backward = false;
   std::string hardware = "h100-4ssd";
   plan::HardwareOverrides hw;
   std::string out;
@@ -37,13 +38,18 @@ void run_plan(const PlanArgs& a) {
   trace::Trace tr;
   if (!a.trace_path.empty()) {
     TIDAL_EXPECT_AS(InvalidArgument, a.model.empty(), "give either --trace or --model, not both");
+    TIDAL_EXPECT_AS(InvalidArgument, !a.optimizer_in_backward,
+                    "--optimizer-in-backward builds an analytic trace (--model); a profiled trace "
+                    "has the schedule its training loop ran");
     tr = trace::read_trace(a.trace_path);
   } else {
     TIDAL_EXPECT_AS(InvalidArgument, !a.model.empty() && a.batch > 0 && a.seq > 0,
                     "give a trace (--trace T.json) or a model with --batch and --seq");
     plan::TransformerConfig cfg = plan::model_preset(a.model);
     plan::apply_overrides(cfg, a.shape);
-    tr = plan::transformer_trace(cfg, a.batch, a.seq, hw);
+    plan::AnalyticTraceOptions topt;
+    topt.optimizer_in_backward = a.optimizer_in_backward;
+    tr = plan::transformer_trace(cfg, a.batch, a.seq, hw, topt);
   }
   plan::PlannerOptions opt;
   opt.use_host = !a.no_host;
@@ -63,6 +69,8 @@ void run_plan(const PlanArgs& a) {
   std::printf("plan for %s (batch %lld, seq %lld): %zu ops, %zu tensors\n", tr.model.c_str(),
               static_cast<long long>(tr.batch), static_cast<long long>(tr.seq), tr.ops.size(),
               tr.tensors.size());
+  if (const auto it = tr.meta.find("optimizer_schedule"); it != tr.meta.end())
+    std::printf("optimizer step: %s\n", it->second.c_str());
   std::printf("hardware %s: %s\n", hw.name.c_str(), hw.describe().c_str());
   std::printf("  peak with everything kept  %s (%.0f%% of device memory)\n",
               gb(s.peak_before_bytes).c_str(),
@@ -91,6 +99,8 @@ void run_plan(const PlanArgs& a) {
   if (a.json) {
     nlohmann::json j = nlohmann::json::parse(plan::plan_to_json(p))["summary"];
     j["model"] = tr.model;
+    if (const auto it = tr.meta.find("optimizer_schedule"); it != tr.meta.end())
+      j["optimizer_schedule"] = it->second;
     j["actions"] = p.actions.size();
     j["simulated_iteration_seconds"] = sim.iteration_seconds;
     j["simulated_peak_bytes"] = sim.peak_bytes;
@@ -108,6 +118,9 @@ void add_plan_command(CLI::App& app) {
   cmd->add_option("--model", args->model, "or an analytic trace: llama3-8b, gpt2-xl, ...");
   cmd->add_option("--batch", args->batch, "batch size (with --model)");
   cmd->add_option("--seq", args->seq, "sequence length (with --model)");
+  cmd->add_flag("--optimizer-in-backward", args->optimizer_in_backward,
+                "with --model: run each parameter's AdamW update right after its gradient is "
+                "complete in backward (PyTorch's optimizer-in-backward) instead of after backward");
   cmd->add_option("--layers", args->shape.layers, "override the number of blocks");
   cmd->add_option("--hidden", args->shape.hidden, "override the hidden size");
   cmd->add_option("--heads", args->shape.heads, "override the attention heads");

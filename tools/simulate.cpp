@@ -26,6 +26,7 @@ struct SimulateArgs {
   std::int64_t batch = 0;
   std::int64_t seq = 0;
   plan::ModelOverrides shape;
+  bool optimizer_in_backward = false;
   std::string hardware = "h100-4ssd";
   plan::HardwareOverrides hw;
   std::string policy = "all";
@@ -106,6 +107,9 @@ void run_simulate(const SimulateArgs& a) {
   trace::Trace tr;
   if (!a.trace_path.empty()) {
     TIDAL_EXPECT_AS(InvalidArgument, a.model.empty(), "give either --trace or --model, not both");
+    TIDAL_EXPECT_AS(InvalidArgument, !a.optimizer_in_backward,
+                    "--optimizer-in-backward builds an analytic trace (--model); a profiled trace "
+                    "has the schedule its training loop ran");
     tr = trace::read_trace(a.trace_path);
   } else {
     TIDAL_EXPECT_AS(InvalidArgument, !a.model.empty(),
@@ -115,7 +119,9 @@ void run_simulate(const SimulateArgs& a) {
                     "--model needs --batch and --seq (positive)");
     plan::TransformerConfig cfg = plan::model_preset(a.model);
     plan::apply_overrides(cfg, a.shape);
-    tr = plan::transformer_trace(cfg, a.batch, a.seq, hw);
+    plan::AnalyticTraceOptions topt;
+    topt.optimizer_in_backward = a.optimizer_in_backward;
+    tr = plan::transformer_trace(cfg, a.batch, a.seq, hw, topt);
   }
   std::vector<plan::Policy> policies;
   if (a.policy == "all") {
@@ -145,6 +151,8 @@ void run_simulate(const SimulateArgs& a) {
   std::printf("%s (batch %lld, seq %lld): %zu ops, %zu tensors, compute %s\n", tr.model.c_str(),
               static_cast<long long>(tr.batch), static_cast<long long>(tr.seq), tr.ops.size(),
               tr.tensors.size(), format_seconds(tr.compute_seconds()).c_str());
+  if (const auto it = tr.meta.find("optimizer_schedule"); it != tr.meta.end())
+    std::printf("optimizer step: %s\n", it->second.c_str());
   std::printf("hardware %s: %s\n", hw.name.c_str(), hw.describe().c_str());
   if (trace_peak > 0) {
     std::printf("keep-all peak %s = %s of device memory\n",
@@ -183,6 +191,8 @@ void run_simulate(const SimulateArgs& a) {
   if (a.json) {
     nlohmann::json j;
     j["model"] = tr.model;
+    if (const auto it = tr.meta.find("optimizer_schedule"); it != tr.meta.end())
+      j["optimizer_schedule"] = it->second;
     j["batch"] = tr.batch;
     j["seq"] = tr.seq;
     j["ops"] = tr.ops.size();
@@ -230,6 +240,9 @@ void add_simulate_command(CLI::App& app) {
                   "llama3.2-1b|llama3-8b|llama3-70b");
   cmd->add_option("--batch", args->batch, "batch size (with --model)");
   cmd->add_option("--seq", args->seq, "sequence length (with --model)");
+  cmd->add_flag("--optimizer-in-backward", args->optimizer_in_backward,
+                "with --model: run each parameter's AdamW update right after its gradient is "
+                "complete in backward (PyTorch's optimizer-in-backward) instead of after backward");
   cmd->add_option("--layers", args->shape.layers, "override the number of blocks");
   cmd->add_option("--hidden", args->shape.hidden, "override the hidden size");
   cmd->add_option("--heads", args->shape.heads, "override the attention heads");

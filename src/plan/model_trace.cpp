@@ -257,8 +257,78 @@ struct LayerParams {
 
 }  // namespace
 
+trace::Trace optimizer_in_backward(const trace::Trace& in) {
+  trace::validate(in);
+  const auto n = in.ops.size();
+  // For each op, the optimizer ops that run right after it (kNoOp slot: those that stay put).
+  std::vector<std::vector<OpIndex>> after(n);
+  std::vector<char> moved(n, 0);
+  std::vector<OpIndex> last_use(in.tensors.size(), trace::kNoOp);
+  for (const auto& op : in.ops) {
+    if (op.phase == Phase::kOptimizer) continue;
+    for (const auto* ids : {&op.inputs, &op.outputs}) {
+      for (TensorId id : *ids) last_use[static_cast<std::size_t>(id)] = op.index;
+    }
+  }
+  for (const auto& op : in.ops) {
+    if (op.phase != Phase::kOptimizer) continue;
+    // After the last op that uses any of its tensors (the gradient's last accumulation, and
+    // any later read of the weight), and only if it reads a gradient at all.
+    OpIndex at = trace::kNoOp;
+    bool reads_grad = false;
+    for (const auto* ids : {&op.inputs, &op.outputs}) {
+      for (TensorId id : *ids) {
+        if (in.tensors[static_cast<std::size_t>(id)].cls == TensorClass::kGradient)
+          reads_grad = true;
+        const OpIndex u = last_use[static_cast<std::size_t>(id)];
+        if (u != trace::kNoOp && (at == trace::kNoOp || u > at)) at = u;
+      }
+    }
+    if (!reads_grad || at == trace::kNoOp || at > op.index) continue;
+    after[static_cast<std::size_t>(at)].push_back(op.index);
+    moved[static_cast<std::size_t>(op.index)] = 1;
+  }
+  std::vector<OpIndex> order;
+  order.reserve(n);
+  for (std::size_t k = 0; k < n; ++k) {
+    if (!moved[k]) order.push_back(static_cast<OpIndex>(k));
+    for (OpIndex o : after[k]) order.push_back(o);
+  }
+  std::vector<OpIndex> remap(n, trace::kNoOp);
+  trace::Trace out = in;
+  out.ops.clear();
+  double now = 0;
+  for (OpIndex k : order) {
+    trace::Op o = in.ops[static_cast<std::size_t>(k)];
+    const double d = o.duration();
+    o.index = static_cast<OpIndex>(out.ops.size());
+    remap[static_cast<std::size_t>(k)] = o.index;
+    o.start_s = now;
+    now += d;
+    o.end_s = now;
+    out.ops.push_back(std::move(o));
+  }
+  // A free point that an update moved before a use of the tensor moves to that use.
+  std::vector<OpIndex> new_last(out.tensors.size(), trace::kNoOp);
+  for (const auto& op : out.ops) {
+    for (const auto* ids : {&op.inputs, &op.outputs}) {
+      for (TensorId id : *ids) new_last[static_cast<std::size_t>(id)] = op.index;
+    }
+  }
+  for (auto& t : out.tensors) {
+    if (t.producer != trace::kNoOp) t.producer = remap[static_cast<std::size_t>(t.producer)];
+    if (t.freed_after != trace::kNoOp) {
+      t.freed_after = std::max(remap[static_cast<std::size_t>(t.freed_after)],
+                               new_last[static_cast<std::size_t>(t.id)]);
+    }
+  }
+  out.meta["optimizer_schedule"] = "in-backward";
+  trace::validate(out);
+  return out;
+}
+
 trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch, std::int64_t seq,
-                               const Hardware& hw) {
+                               const Hardware& hw, const AnalyticTraceOptions& options) {
   TIDAL_EXPECT_AS(InvalidArgument, batch > 0 && seq > 0, "batch and seq must be positive, got ",
                   batch, " and ", seq);
   TIDAL_EXPECT_AS(InvalidArgument, hw.gpu_flops > 0 && hw.gpu_mem_bw > 0,
@@ -518,8 +588,9 @@ trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch,
   t.meta["optimizer"] = "AdamW";
   t.meta["hardware"] = hw.name;
   t.meta["parameters"] = std::to_string(cfg.parameters());
+  t.meta["optimizer_schedule"] = "after-backward";
   trace::validate(t);
-  return t;
+  return options.optimizer_in_backward ? optimizer_in_backward(t) : t;
 }
 
 }  // namespace tidal::plan

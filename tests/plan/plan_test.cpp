@@ -199,6 +199,83 @@ TEST(ModelTrace, TensorBytesAreExactFp32) {
   }
 }
 
+TEST(ModelTrace, OptimizerInBackwardMovesEachUpdateAfterItsGradient) {
+  const Hardware hw = hardware_preset("h100-4ssd");
+  for (const char* name : {"gpt2-small", "llama3.2-1b"}) {
+    TransformerConfig cfg = model_preset(name);
+    ModelOverrides o;
+    o.layers = 3;
+    apply_overrides(cfg, o);
+    const trace::Trace std_t = transformer_trace(cfg, 2, 128, hw);
+    AnalyticTraceOptions opt;
+    opt.optimizer_in_backward = true;
+    const trace::Trace t = transformer_trace(cfg, 2, 128, hw, opt);
+    ASSERT_NO_THROW(trace::validate(t));
+    EXPECT_EQ(t.meta.at("optimizer_schedule"), "in-backward");
+    EXPECT_EQ(std_t.meta.at("optimizer_schedule"), "after-backward");
+    // Same ops, same compute: only the order differs.
+    ASSERT_EQ(t.ops.size(), std_t.ops.size());
+    EXPECT_NEAR(t.compute_seconds(), std_t.compute_seconds(), 1e-12);
+    std::vector<std::string> a;
+    std::vector<std::string> b;
+    for (const auto& op : t.ops) a.push_back(op.name);
+    for (const auto& op : std_t.ops) b.push_back(op.name);
+    std::sort(a.begin(), a.end());
+    std::sort(b.begin(), b.end());
+    EXPECT_EQ(a, b) << name;
+    // Every update follows (past other updates only) the last op that touches its tensors,
+    // and no optimizer op is left after the last backward op.
+    const auto la = trace::analyze_lifetimes(t);
+    int last_backward = -1;
+    for (const auto& op : t.ops)
+      if (op.phase == Phase::kBackward) last_backward = op.index;
+    for (const auto& op : t.ops) {
+      if (op.phase != Phase::kOptimizer) continue;
+      int prev = op.index - 1;
+      while (prev >= 0 && t.ops[static_cast<std::size_t>(prev)].phase == Phase::kOptimizer) --prev;
+      ASSERT_GE(prev, 0);
+      bool touches = false;
+      for (const auto* ids : {&op.inputs, &op.outputs}) {
+        for (trace::TensorId id : *ids) {
+          for (trace::OpIndex u : la.tensors[static_cast<std::size_t>(id)].uses) {
+            if (t.ops[static_cast<std::size_t>(u)].phase == Phase::kOptimizer) continue;
+            EXPECT_LE(u, prev) << op.name;
+            touches = touches || u == prev;
+          }
+        }
+      }
+      EXPECT_TRUE(touches) << op.name << " does not follow the op that completes its gradient";
+      EXPECT_LT(op.index, last_backward + 1 + 3) << op.name;  // only the embedding's own
+    }
+    // Gradients live for one op, so the peak cannot grow.
+    EXPECT_LE(la.summary.peak_live_bytes, trace::analyze_lifetimes(std_t).summary.peak_live_bytes);
+  }
+}
+
+TEST(ModelTrace, OptimizerInBackwardOnRandomTracesPlansAndFits) {
+  for (std::uint64_t seed = 0; seed < 60; ++seed) {
+    trace::testutil::RandomTraceOptions ro;
+    ro.layers = 1 + static_cast<int>(seed % 4);
+    ro.max_bytes = 1ull << 30;
+    const trace::Trace base = trace::testutil::random_trace(seed, ro);
+    const trace::Trace t = optimizer_in_backward(base);
+    ASSERT_NO_THROW(trace::validate(t)) << "seed " << seed;
+    EXPECT_NEAR(t.compute_seconds(), base.compute_seconds(), 1e-9);
+    const auto la = trace::analyze_lifetimes(t);
+    const Hardware hw = simple_hw(la.summary.peak_live_bytes * 8 / 10, 1e10);
+    Plan p;
+    try {
+      p = make_plan(t, hw);
+    } catch (const InvalidArgument&) {
+      continue;
+    }
+    expect_paired(p, t);
+    const SimResult sim = simulate(t, &p, hw);
+    EXPECT_LE(sim.peak_bytes, hw.device_memory) << "seed " << seed;
+    EXPECT_EQ(sim.misses, 0) << "seed " << seed;
+  }
+}
+
 // ---- plan JSON -----------------------------------------------------------------------------
 
 TEST(PlanFormat, RoundTripAndErrors) {

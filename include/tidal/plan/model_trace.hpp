@@ -56,13 +56,33 @@ struct ModelOverrides {
 /// Throws tidal::InvalidArgument on an inconsistent shape.
 void apply_overrides(TransformerConfig& cfg, const ModelOverrides& o);
 
+/// How the analytic trace is built, beyond the model's shape.
+struct AnalyticTraceOptions {
+  /// Optimizer-in-backward schedule (PyTorch's register_post_accumulate_grad_hook, torchtune's
+  /// optimizer_in_bwd): each parameter's AdamW op runs right after the backward op that
+  /// completes its gradient, instead of all of them after the backward pass. AdamW is per
+  /// parameter, so the math and the total compute are the same; only the order differs, and a
+  /// gradient lives for one op instead of until the end of backward.
+  bool optimizer_in_backward = false;
+};
+
 /// The trace of one training iteration with fp32 weights, gradients (created in backward,
 /// freed by the optimizer step: zero_grad(set_to_none=True)), AdamW states and activations.
 /// Attention is the memory-efficient kind (saves its output and log-sum-exp, not the score
 /// matrix). Op times: max(flops / (gpu_flops x matmul_efficiency), bytes / gpu_mem_bw) plus the
 /// per-op overhead. Op::layer is the transformer block (-1 for embedding, head, loss, optimizer).
+/// With options.optimizer_in_backward the AdamW ops are interleaved with backward
+/// (optimizer_in_backward()); Trace::meta["optimizer_schedule"] says which schedule it is.
 /// Throws tidal::InvalidArgument when batch or seq is not positive.
 trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch, std::int64_t seq,
-                               const Hardware& hw);
+                               const Hardware& hw, const AnalyticTraceOptions& options = {});
+
+/// Reorders a trace into the optimizer-in-backward schedule: every optimizer-phase op that reads
+/// a gradient moves to right after the last non-optimizer op that uses one of its gradients
+/// (the op that completes it); optimizer ops that read no gradient stay where they are, and
+/// several moved after one op keep their order. Op times keep their durations, back to back;
+/// producers and free points are renumbered. A trace without optimizer ops comes back unchanged
+/// in content. Throws tidal::Error on an invalid trace.
+trace::Trace optimizer_in_backward(const trace::Trace& trace);
 
 }  // namespace tidal::plan
