@@ -320,12 +320,15 @@ class Planner {
     over_ = std::make_unique<RangeTree>(m);
     host_ = std::make_unique<RangeTree>(std::vector<std::int64_t>(static_cast<std::size_t>(n_), 0));
     diff_.assign(static_cast<std::size_t>(n_) + 1, 0);
+    stall_at_.assign(static_cast<std::size_t>(n_), 0.0);
     initial_over_ = fenwick_->sum(0, n_ - 1);
 
     greedy(plan);
     if (over_->first_at_most(0, n_ - 1, RangeTree::kInf / 2) >= 0 && opt_.allow_stalls) {
       fallback(plan);
     }
+
+    stall_summary(plan);
 
     // The planned memory per op, and the summary.
     std::int64_t run = 0;
@@ -583,12 +586,34 @@ class Planner {
     }
   }
 
-  void add_stall(Plan& plan, int bucket, int waiting_op, double seconds) {
+  // A stall of `seconds` in bucket `bucket` gives every channel that much more time there.
+  // The op that waits is the next one; the stalls are merged per bucket in stall_summary().
+  void add_stall(int bucket, double seconds) {
     for (int c = 0; c < 4; ++c) {
       BucketTree& t = buckets_[static_cast<std::size_t>(c)];
       t.set(bucket, t.get(bucket) + rate_[c] * seconds);
     }
-    plan.stalls.emplace_back(waiting_op, seconds);
+    stall_at_[static_cast<std::size_t>(bucket)] += seconds;
+  }
+
+  // The stalls the plan needs: the channels run at once, so a stall in bucket k serves all of
+  // them and only has to be as long as the channel that uses most of it needs (its reservations
+  // there beyond the op's own time, over its rate), not the sum of the stalls that were added
+  // there one channel at a time. The reservations stay feasible with these stalls.
+  void stall_summary(Plan& plan) const {
+    for (int k = 0; k < n_; ++k) {
+      const double added = stall_at_[static_cast<std::size_t>(k)];
+      if (added <= 0) continue;
+      double need = 0;
+      for (int c = 0; c < 4; ++c) {
+        if (rate_[c] <= 0) continue;
+        const double own = rate_[c] * tau_[static_cast<std::size_t>(k)];
+        const double used = own + rate_[c] * added - buckets_[static_cast<std::size_t>(c)].get(k);
+        need = std::max(need, (used - own) / rate_[c]);
+      }
+      need = std::min(added, need);
+      if (need > 0) plan.stalls.emplace_back((k + 1) % n_, need);
+    }
   }
 
   // Bytes of a reservation at positions [p0, p1] of c's interior.
@@ -670,10 +695,17 @@ class Planner {
   // free the op are ranked by stall per byte once, then taken in that order (each re-evaluated
   // just before it is applied) until the op fits. Migrations not yet planned are preferred;
   // moving committed ones is the last resort.
+  //
+  // The sweep is cyclic and starts at the first op over the target after the longest run of
+  // ops that fit: the iteration wraps around, and a sweep from op 0 would price the stalls of
+  // the first ops (waiting for offloads issued at the end of the previous iteration) before
+  // the stalls just before them in time, which give the same channels their capacity.
   void fallback(Plan& plan) {
     std::vector<std::pair<double, int>> ranked;
+    const int start = sweep_start();
     for (;;) {
-      const int k = over_->first_at_most(0, n_ - 1, RangeTree::kInf / 2);
+      int k = over_->first_at_most(start, n_ - 1, RangeTree::kInf / 2);
+      if (k < 0) k = over_->first_at_most(0, n_ - 1, RangeTree::kInf / 2);
       if (k < 0) break;
       for (int pass = 0; pass < 2 && over_->get(k) < RangeTree::kInf / 2; ++pass) {
         ranked.clear();
@@ -699,14 +731,30 @@ class Planner {
     }
   }
 
+  int sweep_start() {
+    int first = -1;
+    int prev = -1;
+    int best_gap = -1;
+    int start = 0;
+    for (int k = over_->first_at_most(0, n_ - 1, RangeTree::kInf / 2); k >= 0;
+         k = k + 1 < n_ ? over_->first_at_most(k + 1, n_ - 1, RangeTree::kInf / 2) : -1) {
+      if (first < 0) first = k;
+      if (prev >= 0 && k - prev > best_gap) {
+        best_gap = k - prev;
+        start = k;
+      }
+      prev = k;
+    }
+    if (first >= 0 && n_ - prev + first > best_gap) start = first;  // the gap across the wrap
+    return start;
+  }
+
   void apply(Plan& plan, const Option& best, int k) {
     Candidate& c = cands_[static_cast<std::size_t>(best.cand)];
     const int pk = pos_of(c, k);
     // A hair more than the deficit, so that rounding cannot leave it short.
-    if (best.stall_w > 0) add_stall(plan, op_at(c, pk - 1), k, best.stall_w * (1 + 1e-9) + 1e-12);
-    if (best.stall_r > 0) {
-      add_stall(plan, op_at(c, c.len - 1), c.b, best.stall_r * (1 + 1e-9) + 1e-12);
-    }
+    if (best.stall_w > 0) add_stall(op_at(c, pk - 1), best.stall_w * (1 + 1e-9) + 1e-12);
+    if (best.stall_r > 0) add_stall(op_at(c, c.len - 1), best.stall_r * (1 + 1e-9) + 1e-12);
     const int w = best.target == Target::kSsd ? 0 : 2;
     BucketTree& tw = buckets_[static_cast<std::size_t>(w)];
     BucketTree& tr = buckets_[static_cast<std::size_t>(w + 1)];
@@ -806,6 +854,7 @@ class Planner {
   std::unique_ptr<RangeTree> over_;
   std::unique_ptr<RangeTree> host_;
   std::vector<std::int64_t> diff_;
+  std::vector<double> stall_at_;  // seconds of stall added per bucket
   double initial_over_ = 0;
   std::int64_t commits_ = 0;
 };

@@ -80,6 +80,7 @@ class Simulator {
     SimResult res;
     res.capacity_bytes = hw_.device_memory;
     res.memory_per_op.assign(static_cast<std::size_t>(n), 0);
+    res.stall_per_op.assign(static_cast<std::size_t>(n), 0.0);
     const int iterations = std::max(1, opt_.iterations);
     double t = 0;
     double iter_start = 0;
@@ -118,6 +119,7 @@ class Simulator {
         for (int c : {0, 2}) start = std::max(start, run_until_key(c, g));
         for (int j : waits) start = std::max(start, run_until_done(j));
         advance_all(start);
+        if (last) res.stall_per_op[kk] = start - t;
         t = start;
         for (TensorId id : tr_.ops[kk].outputs) ++tensors_[static_cast<std::size_t>(id)].version;
         if (last) res.memory_per_op[kk] = resident_;

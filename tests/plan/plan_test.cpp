@@ -539,5 +539,45 @@ TEST(PlannerFuzz, RandomTracesFitAndPair) {
   RecordProperty("infeasible", infeasible);
 }
 
+// The planned stall is the planner's own estimate of what the plan costs: with EDF channels the
+// simulator never needs more (the reservations fit the planned stalls), and it should not be
+// far below either (stalls on different channels overlap in time; the planner merges them).
+TEST(PlannerFuzz, PlannedStallBoundsTheSimulatedStall) {
+  std::mt19937_64 rng(777);
+  int compared = 0;
+  for (std::uint64_t seed = 0; seed < 400; ++seed) {
+    trace::testutil::RandomTraceOptions ro;
+    ro.layers = 1 + static_cast<int>(seed % 5);
+    ro.forward_ops_per_layer = 2 + static_cast<int>(seed % 4);
+    ro.backward_ops_per_layer = 2 + static_cast<int>((seed / 3) % 4);
+    ro.max_bytes = 1ull << 30;
+    const trace::Trace t = trace::testutil::random_trace(seed, ro);
+    const auto la = trace::analyze_lifetimes(t);
+    std::uniform_real_distribution<double> frac(0.3, 1.1);
+    std::uniform_real_distribution<double> lbw(7, 12.5);
+    Hardware hw = simple_hw(
+        static_cast<std::uint64_t>(static_cast<double>(la.summary.peak_live_bytes) * frac(rng)),
+        std::pow(10.0, lbw(rng)));
+    hw.ssd_count = 1 + static_cast<int>(seed % 3);
+    hw.host_link_bw = hw.ssd_write_bw * hw.ssd_count * (seed % 2 == 0 ? 1.0 : 2.5);
+    hw.host_memory = seed % 2 == 0 ? 0 : la.summary.peak_live_bytes / 3;
+    Plan p;
+    try {
+      p = make_plan(t, hw);
+    } catch (const InvalidArgument&) {
+      continue;
+    }
+    const SimResult sim = simulate(t, &p, hw);
+    const double planned = p.summary.planned_stall_seconds;
+    const double slack = 1e-6 * t.compute_seconds() + 1e-9;
+    EXPECT_LE(sim.stall_seconds, planned * (1 + 1e-6) + slack) << "seed " << seed;
+    EXPECT_LE(planned, 2.5 * sim.stall_seconds + 0.01 * t.compute_seconds() + slack)
+        << "seed " << seed;
+    if (planned > 0.01 * t.compute_seconds()) ++compared;
+  }
+  EXPECT_GT(compared, 20);
+  RecordProperty("compared", compared);
+}
+
 }  // namespace
 }  // namespace tidal::plan

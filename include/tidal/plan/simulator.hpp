@@ -30,6 +30,7 @@ struct SimResult {
   double compute_seconds = 0;                ///< sum of op times
   double stall_seconds = 0;                  ///< iteration_seconds - compute_seconds
   std::vector<std::uint64_t> memory_per_op;  ///< device bytes while op k runs
+  std::vector<double> stall_per_op;          ///< seconds op k waited for transfers to start
   std::uint64_t peak_bytes = 0;
   trace::OpIndex peak_op = 0;
   std::uint64_t capacity_bytes = 0;
