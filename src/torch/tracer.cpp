@@ -201,7 +201,8 @@ std::unique_ptr<at::ObserverContext> Tracer::on_op_start(const at::RecordFunctio
   if (!busy_.compare_exchange_strong(expected, true)) return nullptr;
   busy_thread_.store(tl_thread_id);
 
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<TensorRef> refs;
+  std::unique_lock<std::mutex> lock(mutex_);
   collect_frees();
   trace::Op op;
   op.index = static_cast<OpIndex>(current_.ops.size());
@@ -224,14 +225,19 @@ std::unique_ptr<at::ObserverContext> Tracer::on_op_start(const at::RecordFunctio
       if (!usable(t)) return;
       const auto id = lookup_or_add_input(t);
       push_unique(op.inputs, id);
+      if (listener_ != nullptr) refs.push_back({id, t.storage().unsafeGetStorageImpl()});
       if (op.phase == Phase::kBackward)
         extra_[static_cast<std::size_t>(id)].read_in_backward = true;
     });
   }
   auto ctx = std::make_unique<OpContext>();
   ctx->index = op.index;
+  const std::string name = listener_ != nullptr ? op.name : std::string();
   current_.ops.push_back(std::move(op));
-  current_.ops.back().start_s = now();
+  lock.unlock();
+  // Outside the lock: the listener may wait for a read before the op can run.
+  if (listener_ != nullptr) listener_->before_op(ctx->index, name, refs);
+  current_.ops[static_cast<std::size_t>(ctx->index)].start_s = now();
   return ctx;
 }
 
@@ -252,7 +258,7 @@ void Tracer::on_op_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
     return;
   }
   const double end = now();
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
   const auto index = static_cast<OpContext*>(ctx)->index;
   auto& op = current_.ops[static_cast<std::size_t>(index)];
   op.end_s = end;
@@ -289,6 +295,18 @@ void Tracer::on_op_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
     ++slot;
   }
   nested_outputs_.clear();
+  if (listener_ != nullptr) {
+    std::vector<TensorRef> refs;
+    for (const auto& v : fn.outputs()) {
+      for_each_tensor(v, [&](const at::Tensor& t) {
+        if (!usable(t)) return;
+        auto it = ids_.find(t.storage().unsafeGetStorageImpl());
+        if (it != ids_.end()) refs.push_back({it->second, t.storage().unsafeGetStorageImpl()});
+      });
+    }
+    lock.unlock();
+    listener_->after_op(index, refs);
+  }
   busy_.store(false);
 }
 
@@ -383,7 +401,7 @@ void Tracer::finish_iteration() {
                   " instead of " + at(reference_names_, k) + " (" + std::to_string(names.size()) +
                   " ops vs " + std::to_string(reference_names_.size()) + ")";
   }
-  iterations_.push_back(std::move(current_));
+  if (keep_iterations_ || iterations_.empty()) iterations_.push_back(std::move(current_));
   current_ = trace::Trace{};
 }
 
@@ -407,12 +425,14 @@ ProfileResult Tracer::result() const {
       for (std::size_t i = 0; i < iterations_.size(); ++i) {
         durations[i] = iterations_[i].ops[k].duration();
       }
-      const auto mid = durations.begin() + static_cast<std::ptrdiff_t>(durations.size() / 2);
-      std::nth_element(durations.begin(), mid, durations.end());
+      std::sort(durations.begin(), durations.end());
+      const std::size_t n = durations.size();
+      const double med =
+          n % 2 == 1 ? durations[n / 2] : 0.5 * (durations[n / 2 - 1] + durations[n / 2]);
       const double old_duration = ops[k].duration();
       ops[k].start_s += shift;
-      ops[k].end_s = ops[k].start_s + *mid;
-      shift += *mid - old_duration;
+      ops[k].end_s = ops[k].start_s + med;
+      shift += med - old_duration;
     }
     r.trace.meta["op_durations"] = "median over iterations";
   }

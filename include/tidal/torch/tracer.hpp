@@ -25,6 +25,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "tidal/torch/executor.hpp"
 #include "tidal/torch/step.hpp"
 #include "tidal/trace/trace.hpp"
 
@@ -76,6 +77,14 @@ class Tracer : public StepObserver {
   void begin_layer(std::int64_t layer) override;
   void end_step(std::int64_t step) override;
 
+  /// Reports every recorded op, with the trace's tensor ids and their storages, to `listener`
+  /// (the plan executor), or to nobody when nullptr. Not owned. Set it between steps.
+  void set_listener(OpListener* listener) { listener_ = listener; }
+
+  /// Keep each recorded iteration (the default, for profiling) or only check it against the
+  /// first and drop it (while executing a plan for many steps).
+  void set_keep_iterations(bool keep) { keep_iterations_ = keep; }
+
   /// The iterations recorded so far, in order (each one validated).
   [[nodiscard]] const std::vector<trace::Trace>& iterations() const { return iterations_; }
 
@@ -115,6 +124,8 @@ class Tracer : public StepObserver {
 
   Options options_;
   bool started_ = false;
+  OpListener* listener_ = nullptr;
+  bool keep_iterations_ = true;
   std::uint64_t function_handle_ = 0;
   std::uint64_t backward_handle_ = 0;
 

@@ -1,0 +1,127 @@
+#include "tidal/torch/session.hpp"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "io/test_dir.hpp"
+#include "tidal/common/error.hpp"
+#include "tidal/common/units.hpp"
+#include "tidal/models/trainer.hpp"
+#include "tidal/torch/memory.hpp"
+
+namespace tidal::torch_layer {
+namespace {
+
+struct RunResult {
+  std::vector<double> losses;
+  std::vector<torch::Tensor> params;
+  SessionStats stats;
+  ExecutorStats executor;
+};
+
+void register_all(Session& s, models::Trainer& t) {
+  auto named = t.persistent_tensors();
+  for (auto* group :
+       {&named.parameters, &named.gradients, &named.optimizer_state, &named.buffers}) {
+    for (auto& [name, tensor] : *group) {
+      const auto cls = group == &named.parameters        ? trace::TensorClass::kParameter
+                       : group == &named.gradients       ? trace::TensorClass::kGradient
+                       : group == &named.optimizer_state ? trace::TensorClass::kOptimizerState
+                                                         : trace::TensorClass::kParameter;
+      s.register_persistent(tensor, name, cls);
+    }
+  }
+}
+
+RunResult train(const std::string& model, OffloadMode mode, const std::string& dir, int steps,
+                io::FaultPlan faults = {}) {
+  MemoryMeter meter(torch::kCPU);
+  models::TrainerOptions o;
+  o.config = models::model_config(model);
+  o.batch = 4;
+  o.seq = 32;
+  o.seed = 77;
+  models::Trainer trainer(o);
+  SessionOptions so;
+  so.mode = mode;
+  so.store.dirs = {dir};
+  so.store.capacity = 512 * kMiB;
+  so.store.faults = faults;
+  so.activations.min_bytes = 16 * 1024;
+  so.executor.min_bytes = 16 * 1024;
+  so.budget_fraction = 0.5;
+  so.peak_bytes = [&meter] { return meter.peak_bytes(); };
+  so.reset_peak = [&meter] { meter.reset_peak(); };
+  so.model_name = model;
+  Session session(so);
+  trainer.add_observer(&session);
+  RunResult r;
+  for (int i = 0; i < steps; ++i) {
+    r.losses.push_back(trainer.step().loss);
+    if (i == 0) register_all(session, trainer);  // gradients exist after the first step
+  }
+  trainer.remove_observer(&session);
+  r.stats = session.stats();
+  for (auto& p : trainer.model()->parameters()) r.params.push_back(p.detach().clone());
+  return r;
+}
+
+void expect_same(const RunResult& a, const RunResult& b, const char* what) {
+  ASSERT_EQ(a.losses.size(), b.losses.size());
+  for (std::size_t i = 0; i < a.losses.size(); ++i) {
+    EXPECT_EQ(a.losses[i], b.losses[i]) << what << " step " << i;
+  }
+  ASSERT_EQ(a.params.size(), b.params.size());
+  for (std::size_t i = 0; i < a.params.size(); ++i) {
+    EXPECT_TRUE(torch::equal(a.params[i], b.params[i])) << what << " parameter " << i;
+  }
+}
+
+class SessionModes : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(SessionModes, AllModesGiveBitIdenticalLossesAndParameters) {
+  testing::TestDir dir;
+  const int steps = 20;
+  const RunResult none = train(GetParam(), OffloadMode::kNone, dir.path(), steps);
+  const RunResult act = train(GetParam(), OffloadMode::kActivations, dir.path(), steps);
+  const RunResult plan = train(GetParam(), OffloadMode::kPlan, dir.path(), steps);
+  expect_same(none, act, "activations");
+  expect_same(none, plan, "plan");
+  EXPECT_GT(act.stats.bytes_written, 0u) << "activation mode moved nothing";
+  EXPECT_EQ(plan.stats.state, "executing") << plan.stats.plan_summary;
+  EXPECT_GT(plan.stats.bytes_written, 0u) << "the plan moved nothing: " << plan.stats.plan_summary;
+  EXPECT_EQ(plan.stats.replans, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, SessionModes, ::testing::Values("gpt-tiny", "llama-tiny"),
+                         [](const auto& info) {
+                           std::string n = info.param;
+                           for (auto& c : n) c = c == '-' ? '_' : c;
+                           return n;
+                         });
+
+TEST(Session, AFailingStoreNeverChangesALoss) {
+  testing::TestDir dir;
+  const RunResult none = train("gpt-tiny", OffloadMode::kNone, dir.path(), 8);
+  io::FaultPlan faults;
+  faults.fail_op = 5;
+  faults.fail_every_after = true;
+  faults.only_writes = true;
+  const RunResult act = train("gpt-tiny", OffloadMode::kActivations, dir.path(), 8, faults);
+  const RunResult plan = train("gpt-tiny", OffloadMode::kPlan, dir.path(), 8, faults);
+  expect_same(none, act, "activations with a failing store");
+  expect_same(none, plan, "plan with a failing store");
+  EXPECT_GT(act.stats.write_failures + plan.stats.write_failures, 0u);
+}
+
+TEST(Session, BadModeNameSaysWhatToUse) {
+  try {
+    offload_mode_from_string("ssd");
+    FAIL();
+  } catch (const tidal::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("none, activations or plan"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace tidal::torch_layer
