@@ -1,16 +1,23 @@
-// `tidal train`: trains a reference model and reports losses, step times and peak memory.
+// `tidal train`: trains a reference model, optionally offloading tensors to SSDs, and reports
+// losses, step times, peak memory and what moved.
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <sstream>
 
 #include "commands.hpp"
 #include "model_options.hpp"
+#include "tidal/common/env.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/models/trainer.hpp"
 #include "tidal/torch/memory.hpp"
+#include "tidal/torch/session.hpp"
 
 namespace tidal::cli {
 namespace {
@@ -18,37 +25,172 @@ namespace {
 struct TrainArgs {
   ModelArgs model;
   bool json = false;
+  std::string offload = "none";
+  std::string mem_budget = "50%";
+  std::string dirs;
+  std::string capacity = "0";
+  std::string min_offload = "1MiB";
+  int warmup_steps = 1;
+  int profile_steps = 2;
+  std::string ssd;  // planner's SSD figures, e.g. "1x2.0/1.5GB/s"
 };
+
+std::vector<std::string> split_dirs(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream ss(text);
+  for (std::string d; std::getline(ss, d, ',');) {
+    if (!d.empty()) out.push_back(d);
+  }
+  return out;
+}
+
+void register_persistent(torch_layer::Session& session, models::Trainer& trainer, bool grads) {
+  auto named = trainer.persistent_tensors();
+  for (auto& [name, t] : named.parameters) {
+    session.register_persistent(t, name, trace::TensorClass::kParameter);
+  }
+  for (auto& [name, t] : named.optimizer_state) {
+    session.register_persistent(t, name, trace::TensorClass::kOptimizerState);
+  }
+  for (auto& [name, t] : named.buffers) {
+    session.register_persistent(t, name, trace::TensorClass::kParameter);
+  }
+  if (grads) {
+    for (auto& [name, t] : named.gradients) {
+      session.register_persistent(t, name, trace::TensorClass::kGradient);
+    }
+  }
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
 
 void run_train(const TrainArgs& args) {
   TIDAL_EXPECT_AS(InvalidArgument, args.model.steps >= 1, "--steps must be at least 1");
   auto options = to_trainer_options(args.model);
   torch_layer::MemoryMeter meter(options.device);  // installs the CPU meter before any tensor
   meter.reset_peak();
+
+  torch_layer::SessionOptions so;
+  so.mode = torch_layer::offload_mode_from_string(args.offload);
+  if (so.mode != torch_layer::OffloadMode::kNone) {
+    so.store.dirs = split_dirs(args.dirs);
+    if (so.store.dirs.empty() && !env().dirs) {
+      so.store.dirs = {"/var/tmp/tidal"};  // the default: created if missing
+      std::filesystem::create_directories(so.store.dirs[0]);
+    }
+    so.store.capacity = parse_bytes(args.capacity);
+  }
+  so.activations.min_bytes = parse_bytes(args.min_offload);
+  so.executor.min_bytes = parse_bytes(args.min_offload);
+  so.warmup_steps = args.warmup_steps;
+  so.profile_steps = args.profile_steps;
+  if (!args.mem_budget.empty() && args.mem_budget.back() == '%') {
+    const double pct = std::atof(args.mem_budget.c_str());
+    TIDAL_EXPECT_AS(InvalidArgument, pct > 0 && pct <= 100, "--mem-budget ", args.mem_budget,
+                    " must be a percentage in (0, 100] or a size such as 2GiB");
+    so.budget_fraction = pct / 100;
+  } else {
+    so.memory_budget = parse_bytes(args.mem_budget);
+  }
+  if (!args.ssd.empty()) so.hardware_overrides.ssd = args.ssd;
+  so.peak_bytes = [&meter] { return meter.peak_bytes(); };
+  so.reset_peak = [&meter] { meter.reset_peak(); };
+  so.model_name = args.model.model;
+  so.batch = args.model.batch;
+  so.seq = args.model.seq;
+  if (so.mode == torch_layer::OffloadMode::kPlan) {
+    TIDAL_EXPECT_AS(InvalidArgument, args.model.steps > args.warmup_steps + args.profile_steps,
+                    "--offload plan needs more --steps than --warmup-steps + --profile-steps (",
+                    args.warmup_steps + args.profile_steps,
+                    "): those steps run without offloading");
+  }
+
   models::Trainer trainer(options);
+  torch_layer::Session session(so);
+  register_persistent(session, trainer, false);
+  trainer.add_observer(&session);
   const auto& c = options.config;
-  std::fprintf(stderr, "tidal train: %s (%.1fM parameters) batch %lld seq %lld on %s\n",
+  std::fprintf(stderr, "tidal train: %s (%.1fM parameters) batch %lld seq %lld on %s, offload %s\n",
                c.name.c_str(), static_cast<double>(c.parameter_count()) / 1e6,
                static_cast<long long>(options.batch), static_cast<long long>(options.seq),
-               options.device.str().c_str());
+               options.device.str().c_str(), args.offload.c_str());
+  if (session.store()) {
+    const auto st = session.store()->stats();
+    std::fprintf(
+        stderr, "store: %s on %s, backend %s, %s\n",
+        format_bytes(static_cast<double>(st.capacity)).c_str(),
+        [&] {
+          std::string s;
+          for (const auto& d : session.store()->options().dirs) s += (s.empty() ? "" : ",") + d;
+          return s;
+        }()
+            .c_str(),
+        st.backend.c_str(), st.buffered ? "BUFFERED (frees no memory)" : "O_DIRECT");
+  }
 
   ProgressBar bar(args.model.steps);
   std::vector<double> losses;
   std::vector<double> seconds;
+  std::vector<double> offload_seconds;  // steps that ran with offloading on
+  std::uint64_t bytes_written = 0;
+  std::uint64_t bytes_read = 0;
+  std::uint64_t misses = 0;
+  std::uint64_t failures = 0;
+  double stall = 0;
+  std::uint64_t offload_peak = 0;
+  bool executing_before = false;
   const double tokens_per_step = static_cast<double>(options.batch * options.seq);
   for (std::int64_t i = 0; i < args.model.steps; ++i) {
+    const bool executing = session.stats().state == "executing";
+    if (executing && !executing_before && so.mode == torch_layer::OffloadMode::kPlan) {
+      meter.reset_peak();  // the plan's peak: from the first executed step on
+    }
+    executing_before = executing;
     const auto r = trainer.step();
+    if (i == 0) register_persistent(session, trainer, true);  // gradients exist now
+    const auto s = session.stats();
     losses.push_back(r.loss);
     seconds.push_back(r.seconds);
-    char text[128];
-    std::snprintf(text, sizeof(text), "loss %.4f  %.0f tok/s", r.loss, tokens_per_step / r.seconds);
+    if (executing) {
+      offload_seconds.push_back(r.seconds);
+      bytes_written += s.bytes_written;
+      bytes_read += s.bytes_read;
+      misses += s.misses;
+      failures += s.write_failures;
+      stall += s.stall_seconds;
+    }
+    char text[160];
+    std::snprintf(text, sizeof(text), "loss %.4f  %.0f tok/s  %s", r.loss,
+                  tokens_per_step / r.seconds, s.state.c_str());
     bar.update(i + 1, text);
   }
+  trainer.remove_observer(&session);
   const double total = std::accumulate(seconds.begin(), seconds.end(), 0.0);
   const auto mem = meter.stats();
+  offload_peak = mem.peak_bytes;
   const double tps = tokens_per_step * static_cast<double>(seconds.size()) / total;
+  const auto st = session.stats();
   std::fprintf(stderr, "final loss %.4f, %.0f tokens/s, peak tensor memory %s\n", losses.back(),
-               tps, format_bytes(static_cast<double>(mem.peak_bytes)).c_str());
+               tps, format_bytes(static_cast<double>(offload_peak)).c_str());
+  if (so.mode != torch_layer::OffloadMode::kNone) {
+    std::fprintf(stderr,
+                 "offload %s: %s written, %s read, %llu misses, %.3f s stalled, %llu failed "
+                 "writes\n",
+                 args.offload.c_str(), format_bytes(static_cast<double>(bytes_written)).c_str(),
+                 format_bytes(static_cast<double>(bytes_read)).c_str(),
+                 static_cast<unsigned long long>(misses), stall,
+                 static_cast<unsigned long long>(failures));
+  }
+  if (so.mode == torch_layer::OffloadMode::kPlan) {
+    std::fprintf(stderr, "budget %s (of a profiled peak of %s); %s\n",
+                 format_bytes(static_cast<double>(st.memory_budget)).c_str(),
+                 format_bytes(static_cast<double>(st.profiled_peak)).c_str(),
+                 st.plan_summary.c_str());
+  }
   if (args.json) {
     nlohmann::json j;
     j["model"] = c.name;
@@ -59,8 +201,22 @@ void run_train(const TrainArgs& args) {
     j["seed"] = options.seed;
     j["losses"] = losses;
     j["step_seconds"] = seconds;
-    j["peak_bytes"] = mem.peak_bytes;
+    j["peak_bytes"] = offload_peak;
     j["tokens_per_second"] = tps;
+    j["offload_mode"] = args.offload;
+    j["bytes_written"] = bytes_written;
+    j["bytes_read"] = bytes_read;
+    j["stall_seconds"] = stall;
+    j["misses"] = misses;
+    j["write_failures"] = failures;
+    j["offload_step_seconds_median"] = median(offload_seconds);
+    j["all_steps_median_seconds"] = median(seconds);
+    if (so.mode == torch_layer::OffloadMode::kPlan) {
+      j["memory_budget"] = st.memory_budget;
+      j["profiled_peak_bytes"] = st.profiled_peak;
+      j["plan_summary"] = st.plan_summary;
+      j["replans"] = st.replans;
+    }
     std::cout << j.dump() << std::endl;
   }
 }
@@ -71,6 +227,27 @@ void add_train_command(CLI::App& app) {
   auto args = std::make_shared<TrainArgs>();
   auto* cmd = app.add_subcommand("train", "train a reference GPT-2 / Llama model");
   add_model_options(cmd, args->model);
+  cmd->add_option("--offload", args->offload,
+                  "none, activations (saved tensors to SSD) or plan (profile, plan, execute)")
+      ->capture_default_str();
+  cmd->add_option("--mem-budget", args->mem_budget,
+                  "plan mode: memory to stay under, bytes (2GiB) or a percentage of the peak "
+                  "measured while profiling (50%)")
+      ->capture_default_str();
+  cmd->add_option("--dir", args->dirs,
+                  "store directories, comma-separated, one per SSD (default TIDAL_DIRS, else "
+                  "/var/tmp/tidal)");
+  cmd->add_option("--store-capacity", args->capacity,
+                  "bytes the store reserves over its directories (0: 25% of the free space, at "
+                  "most 64GiB)")
+      ->capture_default_str();
+  cmd->add_option("--min-offload", args->min_offload, "tensors smaller than this stay in memory")
+      ->capture_default_str();
+  cmd->add_option("--warmup-steps", args->warmup_steps, "plan mode: steps before profiling")
+      ->capture_default_str();
+  cmd->add_option("--profile-steps", args->profile_steps, "plan mode: steps profiled")
+      ->capture_default_str();
+  cmd->add_option("--ssd", args->ssd, "plan mode: SSD figures for the planner, e.g. 1x2.0/1.5GB/s");
   cmd->add_flag("--json", args->json, "print one JSON object with the results as the last line");
   cmd->callback([args] { run_train(*args); });
 }
