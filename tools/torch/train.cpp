@@ -16,6 +16,7 @@
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/models/trainer.hpp"
+#include "tidal/torch/checkpoint.hpp"
 #include "tidal/torch/memory.hpp"
 #include "tidal/torch/session.hpp"
 
@@ -25,6 +26,7 @@ namespace {
 struct TrainArgs {
   ModelArgs model;
   bool json = false;
+  bool recompute = false;
   std::string offload = "none";
   std::string mem_budget = "50%";
   std::string dirs;
@@ -110,6 +112,12 @@ void run_train(const TrainArgs& args) {
   }
 
   models::Trainer trainer(options);
+  if (args.recompute) {
+    trainer.model()->set_block_wrapper(
+        [](std::int64_t, const models::BlockFn& block, const torch::Tensor& x) {
+          return torch_layer::checkpoint(block, x);
+        });
+  }
   torch_layer::Session session(so);
   register_persistent(session, trainer, false);
   trainer.add_observer(&session);
@@ -204,6 +212,7 @@ void run_train(const TrainArgs& args) {
     j["peak_bytes"] = offload_peak;
     j["tokens_per_second"] = tps;
     j["offload_mode"] = args.offload;
+    j["recompute"] = args.recompute;
     j["bytes_written"] = bytes_written;
     j["bytes_read"] = bytes_read;
     j["stall_seconds"] = stall;
@@ -248,6 +257,9 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--profile-steps", args->profile_steps, "plan mode: steps profiled")
       ->capture_default_str();
   cmd->add_option("--ssd", args->ssd, "plan mode: SSD figures for the planner, e.g. 1x2.0/1.5GB/s");
+  cmd->add_flag("--recompute", args->recompute,
+                "activation checkpointing: recompute each block in backward instead of keeping "
+                "its activations");
   cmd->add_flag("--json", args->json, "print one JSON object with the results as the last line");
   cmd->callback([args] { run_train(*args); });
 }
