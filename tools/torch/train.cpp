@@ -19,6 +19,7 @@
 #include "tidal/torch/checkpoint.hpp"
 #include "tidal/torch/memory.hpp"
 #include "tidal/torch/session.hpp"
+#include "tidal/trace/io.hpp"
 
 namespace tidal::cli {
 namespace {
@@ -35,6 +36,8 @@ struct TrainArgs {
   int warmup_steps = 1;
   int profile_steps = 2;
   std::string ssd;  // planner's SSD figures, e.g. "1x2.0/1.5GB/s"
+  std::string save_trace;
+  std::string save_plan;
 };
 
 std::vector<std::string> split_dirs(const std::string& text) {
@@ -199,6 +202,10 @@ void run_train(const TrainArgs& args) {
                  format_bytes(static_cast<double>(st.profiled_peak)).c_str(),
                  st.plan_summary.c_str());
   }
+  if (!args.save_trace.empty() && session.trace()) {
+    trace::write_trace(*session.trace(), args.save_trace);
+  }
+  if (!args.save_plan.empty() && session.plan()) plan::write_plan(*session.plan(), args.save_plan);
   if (args.json) {
     nlohmann::json j;
     j["model"] = c.name;
@@ -257,6 +264,9 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--profile-steps", args->profile_steps, "plan mode: steps profiled")
       ->capture_default_str();
   cmd->add_option("--ssd", args->ssd, "plan mode: SSD figures for the planner, e.g. 1x2.0/1.5GB/s");
+  cmd->add_option("--save-trace", args->save_trace,
+                  "plan mode: write the profiled trace here (for tidal simulate --trace)");
+  cmd->add_option("--save-plan", args->save_plan, "plan mode: write the plan here");
   cmd->add_flag("--recompute", args->recompute,
                 "activation checkpointing: recompute each block in backward instead of keeping "
                 "its activations");
