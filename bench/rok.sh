@@ -27,7 +27,7 @@ run() {  # name, flags...
   local name=$1
   shift
   echo "== $name: $bin train ${model[*]} $* --dir $dir --json" >&2
-  "$bin" train "${model[@]}" "$@" --dir "$dir" --json "${extra[@]}" 2>"$out/$name.log" | tail -n 1 >"$out/$name.json"
+  "$bin" train "${model[@]}" "$@" --dir "$dir" --json "${extra[@]}" 2>"$out/$name.log" | tail -n 1 >"$out/run-$name.json"
 }
 run keep --steps "$steps" --offload none
 run recompute --steps "$steps" --offload none --recompute
@@ -44,7 +44,7 @@ import json, statistics, sys
 out = sys.argv[1]
 rows = []
 for name in ["keep", "recompute", "activations", "plan"]:
-    j = json.load(open(f"{out}/{name}.json"))
+    j = json.load(open(f"{out}/run-{name}.json"))
     if name == "plan":
         t = j["offload_step_seconds_median"]
     else:

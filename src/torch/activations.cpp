@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -63,6 +64,7 @@ struct ActivationOffloader::Impl : std::enable_shared_from_this<Impl> {
   std::int64_t prefetch_cursor = -1;  // next record (downwards) to prefetch
   std::uint64_t prefetch_in_flight = 0;
   std::int64_t keep_from = -1;  // adaptive decision for this step
+  std::uint64_t lookahead = 0;  // read-ahead bytes for this step's backward
   ActivationStats stats;
   ActivationStats last;
 
@@ -266,7 +268,7 @@ void ActivationOffloader::Impl::prefetch_locked(std::size_t below) {
   if (prefetch_cursor < 0 || static_cast<std::size_t>(prefetch_cursor) >= below) {
     prefetch_cursor = static_cast<std::int64_t>(below) - 1;
   }
-  while (prefetch_cursor >= 0 && prefetch_in_flight < opt.lookahead_bytes) {
+  while (prefetch_cursor >= 0 && prefetch_in_flight < lookahead) {
     auto& r = order[static_cast<std::size_t>(prefetch_cursor)];
     --prefetch_cursor;
     if (!r || r->state != Record::State::kOffloaded) continue;
@@ -391,6 +393,8 @@ void ActivationOffloader::begin_step(std::int64_t /*step*/,
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->stats = ActivationStats{};
   impl_->stats.keep_from = impl_->keep_from;
+  if (impl_->lookahead == 0) impl_->lookahead = impl_->opt.lookahead_bytes;
+  impl_->stats.lookahead_bytes = impl_->lookahead;
   impl_->first_pack = true;
   impl_->step_start = Clock::now();
   impl_->in_backward = false;
@@ -435,6 +439,12 @@ void ActivationOffloader::end_step(std::int64_t /*step*/) {
   }
   m.stats.forward_seconds = m.forward_seconds;
   m.calibrate_locked();
+  // Read-ahead: as little as keeps backward from waiting.
+  const double step_seconds = since(m.step_start);
+  const bool waited = m.stats.misses > 0 || m.stats.stall_seconds > 0.01 * step_seconds;
+  const double next = static_cast<double>(m.lookahead) * (waited ? 2.0 : 0.75);
+  m.lookahead = std::clamp<std::uint64_t>(static_cast<std::uint64_t>(next),
+                                          m.opt.min_lookahead_bytes, m.opt.max_lookahead_bytes);
   m.last = m.stats;
   m.order.clear();
   m.by_storage.clear();

@@ -133,6 +133,7 @@ TEST(Activations, CorruptReadFailsBackwardInsteadOfAWrongGradient) {
   opt.min_bytes = 4096;
   opt.adaptive = false;
   opt.lookahead_bytes = 0;  // reads happen at unpack time
+  opt.min_lookahead_bytes = 0;
   ActivationOffloader off(make_store(dir, faults), opt);
   torch::manual_seed(1);
   Net net;

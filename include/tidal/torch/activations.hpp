@@ -21,8 +21,13 @@ struct ActivationOptions {
   /// Saved tensors smaller than this stay in memory (TBA skips tensors under 8 Mi elements; on
   /// CPU-sized models a smaller default keeps the benefit).
   std::uint64_t min_bytes = 1 << 20;
-  /// Bytes of offloaded activations read back ahead of their use during backward.
-  std::uint64_t lookahead_bytes = 256ull << 20;
+  /// Bytes of offloaded activations read back ahead of their use during backward, at the
+  /// start. Every read-ahead costs memory, so the lookahead adapts after each step: it doubles
+  /// when backward waited for reads (a miss, or stalls over 1% of the step) and shrinks by a
+  /// quarter otherwise, within [min_lookahead_bytes, max_lookahead_bytes].
+  std::uint64_t lookahead_bytes = 32ull << 20;
+  std::uint64_t min_lookahead_bytes = 4ull << 20;
+  std::uint64_t max_lookahead_bytes = 1ull << 30;
   /// Stop offloading the last tensors of forward when the measured write bandwidth cannot hide
   /// their I/O (TBA's adaptive keep), recalibrated after every step.
   bool adaptive = true;
@@ -42,9 +47,10 @@ struct ActivationStats {
   std::uint64_t write_failures = 0;  ///< writes that failed: the tensor stayed in memory
   std::uint64_t bytes_written = 0;
   std::uint64_t bytes_read = 0;
-  double stall_seconds = 0;     ///< time unpack waited for reads
-  double forward_seconds = 0;   ///< first pack to first unpack
-  std::int64_t keep_from = -1;  ///< adaptive: index of the first kept tensor, -1 none
+  double stall_seconds = 0;           ///< time unpack waited for reads
+  double forward_seconds = 0;         ///< first pack to first unpack
+  std::int64_t keep_from = -1;        ///< adaptive: index of the first kept tensor, -1 none
+  std::uint64_t lookahead_bytes = 0;  ///< read-ahead used in this step's backward
 };
 
 /// Offloads saved activations of the steps between begin_step() and end_step() to `store`.
