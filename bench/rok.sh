@@ -56,7 +56,7 @@ print(f"{'policy':<12} {'peak MiB':>10} {'peak/keep':>10} {'step s':>8} {'time/k
       f"{'written MiB':>12} {'stall s':>8} {'misses':>7} same losses")
 for name, peak, t, w, stall, misses, losses in rows:
     print(f"{name:<12} {peak/2**20:>10.1f} {peak/keep[1]:>10.3f} {t:>8.3f} {t/keep[2]:>10.3f} "
-          f"{w/2**20:>12.1f} {stall:>8.3f} {misses:>7} {'yes' if losses == keep[6][:len(losses)] else 'NO'}")
+          f"{w/2**20:>12.1f} {stall:>8.3f} {misses:>7} {'yes' if losses[:min(len(losses), len(keep[6]))] == keep[6][:min(len(losses), len(keep[6]))] else 'NO'}")
 # Predicted (simulator, cpu-here, the plan's own capacity) against measured, for plan mode.
 try:
     sim = json.loads(open(f"{out}/simulate.json").read().strip().splitlines()[-1])["policies"]
