@@ -149,12 +149,16 @@ void run_profile(const ProfileArgs& args) {
   if (!args.chrome.empty()) trace::write_chrome_trace(t, analysis, args.chrome);
 
   print_summary(t, analysis);
-  std::printf("\nstep time            unprofiled %s, profiled %s (median of %zu and %zu)",
-              format_seconds(median(plain_seconds)).c_str(),
-              format_seconds(median(traced_seconds)).c_str(), plain_seconds.size(),
-              traced_seconds.size());
-  if (!plain_seconds.empty()) {
-    std::printf(": tracer slowdown x%.3f", median(traced_seconds) / median(plain_seconds));
+  if (plain_seconds.empty()) {
+    std::printf("\nstep time            profiled %s (median of %zu; no unprofiled steps timed)",
+                format_seconds(median(traced_seconds)).c_str(), traced_seconds.size());
+  } else {
+    std::printf(
+        "\nstep time            unprofiled %s, profiled %s (median of %zu and %zu): "
+        "tracer slowdown x%.3f",
+        format_seconds(median(plain_seconds)).c_str(),
+        format_seconds(median(traced_seconds)).c_str(), plain_seconds.size(), traced_seconds.size(),
+        median(traced_seconds) / median(plain_seconds));
   }
   std::printf("\npeak tensor memory   %s (memory meter, profiled steps)\n",
               format_bytes(static_cast<double>(meter.peak_bytes())).c_str());
