@@ -1,13 +1,10 @@
 // Backend names, the fault-injection wrapper, and the cuFile backend for device memory.
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
-#include <deque>
-#include <mutex>
 #include <thread>
 
+#include "io/op_pool.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/io/backend.hpp"
 #ifdef TIDAL_WITH_CUDA
@@ -131,55 +128,26 @@ class CuFileBackend final : public Backend {
       }
       handles_.push_back(h);
     }
-    for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
+    pool_ = std::make_unique<detail::OpPool>(threads, [this](IoOp& op) {
+      void* h = handles_[static_cast<std::size_t>(op.file)];
+      const auto off = static_cast<off_t>(op.offset);
+      return static_cast<long>(op.write ? driver_->write(h, op.buffer, op.length, off)
+                                        : driver_->read(h, op.buffer, op.length, off));
+    });
   }
 
   ~CuFileBackend() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : workers_) t.join();
+    pool_.reset();  // threads first, then the handles they use
     for (void* h : handles_) driver_->deregister_file(h);
   }
 
   [[nodiscard]] const char* name() const override { return "cufile"; }
-
-  void submit(IoOp* op) override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(op);
-    }
-    cv_.notify_one();
-  }
+  void submit(IoOp* op) override { pool_->submit(op); }
 
  private:
-  void run() {
-    for (;;) {
-      IoOp* op = nullptr;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        op = queue_.front();
-        queue_.pop_front();
-      }
-      void* h = handles_[static_cast<std::size_t>(op->file)];
-      const auto off = static_cast<off_t>(op->offset);
-      const ssize_t n = op->write ? driver_->write(h, op->buffer, op->length, off)
-                                  : driver_->read(h, op->buffer, op->length, off);
-      op->on_complete(op, static_cast<long>(n));
-    }
-  }
-
   detail::cuda::CuFile* driver_ = nullptr;
   std::vector<void*> handles_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<IoOp*> queue_;
-  bool stop_ = false;
-  std::vector<std::thread> workers_;
+  std::unique_ptr<detail::OpPool> pool_;
 };
 #endif
 

@@ -1,15 +1,10 @@
-// POSIX thread pool backend: the fallback that works everywhere. Each thread takes the oldest
-// queued op and runs it with pread/pwrite; the dispatcher already orders ops by priority and
-// bounds how many are queued, so a FIFO here keeps that order.
+// POSIX thread pool backend: the fallback that works everywhere, pread/pwrite on pool threads.
 #include <unistd.h>
 
 #include <cerrno>
-#include <condition_variable>
-#include <deque>
-#include <mutex>
-#include <thread>
+#include <memory>
 
-#include "tidal/common/error.hpp"
+#include "io/op_pool.hpp"
 #include "tidal/io/backend.hpp"
 
 namespace tidal::io {
@@ -34,51 +29,17 @@ long transfer(int fd, const IoOp& op) {
 
 class PosixBackend final : public Backend {
  public:
-  PosixBackend(std::vector<int> fds, int threads) : fds_(std::move(fds)) {
-    TIDAL_EXPECT(threads > 0, "posix backend needs at least one thread");
-    for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
-  }
-
-  ~PosixBackend() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : workers_) t.join();
-  }
+  PosixBackend(std::vector<int> fds, int threads)
+      : fds_(std::move(fds)), pool_(threads, [this](IoOp& op) {
+          return transfer(fds_[static_cast<std::size_t>(op.file)], op);
+        }) {}
 
   [[nodiscard]] const char* name() const override { return "posix"; }
-
-  void submit(IoOp* op) override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(op);
-    }
-    cv_.notify_one();
-  }
+  void submit(IoOp* op) override { pool_.submit(op); }
 
  private:
-  void run() {
-    for (;;) {
-      IoOp* op = nullptr;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stop_ and drained
-        op = queue_.front();
-        queue_.pop_front();
-      }
-      op->on_complete(op, transfer(fds_[static_cast<std::size_t>(op->file)], *op));
-    }
-  }
-
   std::vector<int> fds_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<IoOp*> queue_;
-  bool stop_ = false;
-  std::vector<std::thread> workers_;
+  detail::OpPool pool_;  // last: its threads stop before the members they use go away
 };
 
 }  // namespace

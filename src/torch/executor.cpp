@@ -10,6 +10,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "ivalue_tensors.hpp"
 #include "tidal/common/error.hpp"
 
 namespace tidal::torch_layer {
@@ -34,20 +35,7 @@ bool reads_no_data(std::string_view name) {
   return kViews.count(name) != 0;
 }
 
-template <typename F>
-void for_each_tensor(const c10::IValue& v, F&& f) {
-  if (v.isTensor()) {
-    f(v.toTensor());
-  } else if (v.isTensorList()) {
-    const auto list = v.toTensorList();
-    for (std::size_t i = 0; i < list.size(); ++i) f(list.get(i));
-  } else if (v.isList()) {
-    const auto list = v.toList();
-    for (std::size_t i = 0; i < list.size(); ++i) for_each_tensor(list.get(i), f);
-  } else if (v.isTuple()) {
-    for (const auto& e : v.toTuple()->elements()) for_each_tensor(e, f);
-  }
-}
+using detail::for_each_tensor;
 
 std::atomic<PlanExecutor*> g_executor{nullptr};
 // Storages not in memory right now, over all executors: the safety net's fast path is a load.
@@ -290,10 +278,10 @@ void PlanExecutor::before_op(trace::OpIndex index, const std::string& name,
     m.diverged = true;
     m.stats.diverged = true;
     m.stats.divergence =
-        detail::concat("op ", index, " is ", name, " but the profile has ",
-                       index >= 0 && static_cast<std::size_t>(index) < m.op_names.size()
-                           ? m.op_names[static_cast<std::size_t>(index)]
-                           : std::string("no such op"));
+        ::tidal::detail::concat("op ", index, " is ", name, " but the profile has ",
+                                index >= 0 && static_cast<std::size_t>(index) < m.op_names.size()
+                                    ? m.op_names[static_cast<std::size_t>(index)]
+                                    : std::string("no such op"));
   }
   if (!m.diverged) m.bind(inputs);
   for (const auto& r : inputs) m.make_resident(r.storage);

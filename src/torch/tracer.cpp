@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "ivalue_tensors.hpp"
 #include "tidal/common/error.hpp"
 
 namespace tidal::torch_layer {
@@ -60,20 +61,7 @@ void node_end(const at::RecordFunction& /*fn*/, at::ObserverContext* /*ctx*/) {
   if (!tl_node_seq.empty()) tl_node_seq.pop_back();
 }
 
-template <typename F>
-void for_each_tensor(const c10::IValue& v, F&& f) {
-  if (v.isTensor()) {
-    f(v.toTensor());
-  } else if (v.isTensorList()) {
-    const auto list = v.toTensorList();
-    for (std::size_t i = 0; i < list.size(); ++i) f(list.get(i));
-  } else if (v.isList()) {
-    const auto list = v.toList();
-    for (std::size_t i = 0; i < list.size(); ++i) for_each_tensor(list.get(i), f);
-  } else if (v.isTuple()) {
-    for (const auto& e : v.toTuple()->elements()) for_each_tensor(e, f);
-  }
-}
+using detail::for_each_tensor;
 
 // The autograd engine wraps each node it runs in a FUNCTION-scope record named
 // "autograd::engine::evaluate_function: <Node>". It is not an op: the ops inside it are.
