@@ -12,19 +12,13 @@
 #include "tidal/plan/planner.hpp"
 #include "tidal/plan/simulator.hpp"
 #include "tidal/trace/io.hpp"
+#include "trace_source.hpp"
 
 namespace tidal::cli {
 namespace {
 
 struct PlanArgs {
-  std::string trace_path;
-  std::string model;
-  std::int64_t batch = 0;
-  std::int64_t seq = 0;
-  plan::ModelOverrides shape;
-  bool optimizer_in_backward = false;
-  std::string hardware = "h100-4ssd";
-  plan::HardwareOverrides hw;
+  TraceSource src;
   std::string out;
   std::string min_bytes;
   bool no_host = false;
@@ -33,24 +27,7 @@ struct PlanArgs {
 };
 
 void run_plan(const PlanArgs& a) {
-  plan::Hardware hw = plan::hardware_preset(a.hardware);
-  plan::apply_overrides(hw, a.hw);
-  trace::Trace tr;
-  if (!a.trace_path.empty()) {
-    TIDAL_EXPECT_AS(InvalidArgument, a.model.empty(), "give either --trace or --model, not both");
-    TIDAL_EXPECT_AS(InvalidArgument, !a.optimizer_in_backward,
-                    "--optimizer-in-backward builds an analytic trace (--model); a profiled trace "
-                    "has the schedule its training loop ran");
-    tr = trace::read_trace(a.trace_path);
-  } else {
-    TIDAL_EXPECT_AS(InvalidArgument, !a.model.empty() && a.batch > 0 && a.seq > 0,
-                    "give a trace (--trace T.json) or a model with --batch and --seq");
-    plan::TransformerConfig cfg = plan::model_preset(a.model);
-    plan::apply_overrides(cfg, a.shape);
-    plan::AnalyticTraceOptions topt;
-    topt.optimizer_in_backward = a.optimizer_in_backward;
-    tr = plan::transformer_trace(cfg, a.batch, a.seq, hw, topt);
-  }
+  auto [hw, tr] = load_trace_source(a.src);
   plan::PlannerOptions opt;
   opt.use_host = !a.no_host;
   opt.allow_stalls = !a.no_stalls;
@@ -114,31 +91,7 @@ void run_plan(const PlanArgs& a) {
 void add_plan_command(CLI::App& app) {
   auto args = std::make_shared<PlanArgs>();
   auto* cmd = app.add_subcommand("plan", "Make a lifetime-aware offloading plan for a trace");
-  cmd->add_option("--trace", args->trace_path, "trace JSON from `tidal profile`");
-  cmd->add_option("--model", args->model, "or an analytic trace: llama3-8b, gpt2-xl, ...");
-  cmd->add_option("--batch", args->batch, "batch size (with --model)");
-  cmd->add_option("--seq", args->seq, "sequence length (with --model)");
-  cmd->add_flag("--optimizer-in-backward", args->optimizer_in_backward,
-                "with --model: run each parameter's AdamW update right after its gradient is "
-                "complete in backward (PyTorch's optimizer-in-backward) instead of after backward");
-  cmd->add_option("--layers", args->shape.layers, "override the number of blocks");
-  cmd->add_option("--hidden", args->shape.hidden, "override the hidden size");
-  cmd->add_option("--heads", args->shape.heads, "override the attention heads");
-  cmd->add_option("--kv-heads", args->shape.kv_heads, "override the key/value heads");
-  cmd->add_option("--ffn", args->shape.ffn, "override the MLP width");
-  cmd->add_option("--vocab", args->shape.vocab, "override the vocabulary size");
-  cmd->add_option("--hardware", args->hardware, "h100-4ssd|a100-2ssd|cpu-here")
-      ->capture_default_str();
-  cmd->add_option("--gpu-mem", args->hw.gpu_mem, "device memory, e.g. 80GiB");
-  cmd->add_option("--ssd", args->hw.ssd, "SSD array, e.g. 4x6.5/6.7GB/s (count x write/read)");
-  cmd->add_option("--host-mem", args->hw.host_mem,
-                  "host memory for offloaded tensors, e.g. 256GiB");
-  cmd->add_option("--host-link", args->hw.host_link, "device-host link per direction, e.g. 55GB/s");
-  cmd->add_option("--gpu-flops", args->hw.gpu_flops, "peak matmul FLOP/s, e.g. 60T");
-  cmd->add_option("--gpu-mem-bw", args->hw.gpu_mem_bw, "device memory bandwidth, e.g. 3.9TB/s");
-  cmd->add_option("--cpu-adam", args->hw.cpu_adam, "CPU Adam parameters/s, e.g. 2G");
-  cmd->add_option("--tbw", args->hw.ssd_tbw, "SSD endurance per drive, e.g. 1200TB");
-  cmd->add_option("--margin", args->hw.margin, "share of device memory kept free (0.01)");
+  add_trace_source_options(cmd, args->src);
   cmd->add_option("--min-bytes", args->min_bytes, "tensors smaller than this stay, e.g. 1MiB");
   cmd->add_flag("--no-host", args->no_host, "never use host memory as a destination");
   cmd->add_flag("--no-stalls", args->no_stalls,

@@ -16,19 +16,13 @@
 #include "tidal/plan/model_trace.hpp"
 #include "tidal/plan/policies.hpp"
 #include "tidal/trace/io.hpp"
+#include "trace_source.hpp"
 
 namespace tidal::cli {
 namespace {
 
 struct SimulateArgs {
-  std::string trace_path;
-  std::string model;
-  std::int64_t batch = 0;
-  std::int64_t seq = 0;
-  plan::ModelOverrides shape;
-  bool optimizer_in_backward = false;
-  std::string hardware = "h100-4ssd";
-  plan::HardwareOverrides hw;
+  TraceSource src;
   std::string policy = "all";
   bool json = false;
   std::string svg;
@@ -102,27 +96,7 @@ std::string svg_plot(const std::vector<plan::PolicyResult>& results, std::uint64
 }
 
 void run_simulate(const SimulateArgs& a) {
-  plan::Hardware hw = plan::hardware_preset(a.hardware);
-  plan::apply_overrides(hw, a.hw);
-  trace::Trace tr;
-  if (!a.trace_path.empty()) {
-    TIDAL_EXPECT_AS(InvalidArgument, a.model.empty(), "give either --trace or --model, not both");
-    TIDAL_EXPECT_AS(InvalidArgument, !a.optimizer_in_backward,
-                    "--optimizer-in-backward builds an analytic trace (--model); a profiled trace "
-                    "has the schedule its training loop ran");
-    tr = trace::read_trace(a.trace_path);
-  } else {
-    TIDAL_EXPECT_AS(InvalidArgument, !a.model.empty(),
-                    "give a trace (--trace T.json) or a model (--model llama3-8b --batch 8 --seq "
-                    "4096)");
-    TIDAL_EXPECT_AS(InvalidArgument, a.batch > 0 && a.seq > 0,
-                    "--model needs --batch and --seq (positive)");
-    plan::TransformerConfig cfg = plan::model_preset(a.model);
-    plan::apply_overrides(cfg, a.shape);
-    plan::AnalyticTraceOptions topt;
-    topt.optimizer_in_backward = a.optimizer_in_backward;
-    tr = plan::transformer_trace(cfg, a.batch, a.seq, hw, topt);
-  }
+  auto [hw, tr] = load_trace_source(a.src);
   std::vector<plan::Policy> policies;
   if (a.policy == "all") {
     policies = plan::all_policies();
@@ -234,33 +208,7 @@ void add_simulate_command(CLI::App& app) {
   auto args = std::make_shared<SimulateArgs>();
   auto* cmd = app.add_subcommand("simulate",
                                  "Replay a trace under each offloading policy on a hardware model");
-  cmd->add_option("--trace", args->trace_path, "trace JSON from `tidal profile`");
-  cmd->add_option("--model", args->model,
-                  "analytic trace of a transformer: gpt2-small|gpt2-medium|gpt2-large|gpt2-xl|"
-                  "llama3.2-1b|llama3-8b|llama3-70b");
-  cmd->add_option("--batch", args->batch, "batch size (with --model)");
-  cmd->add_option("--seq", args->seq, "sequence length (with --model)");
-  cmd->add_flag("--optimizer-in-backward", args->optimizer_in_backward,
-                "with --model: run each parameter's AdamW update right after its gradient is "
-                "complete in backward (PyTorch's optimizer-in-backward) instead of after backward");
-  cmd->add_option("--layers", args->shape.layers, "override the number of blocks");
-  cmd->add_option("--hidden", args->shape.hidden, "override the hidden size");
-  cmd->add_option("--heads", args->shape.heads, "override the attention heads");
-  cmd->add_option("--kv-heads", args->shape.kv_heads, "override the key/value heads");
-  cmd->add_option("--ffn", args->shape.ffn, "override the MLP width");
-  cmd->add_option("--vocab", args->shape.vocab, "override the vocabulary size");
-  cmd->add_option("--hardware", args->hardware, "h100-4ssd|a100-2ssd|cpu-here")
-      ->capture_default_str();
-  cmd->add_option("--gpu-mem", args->hw.gpu_mem, "device memory, e.g. 80GiB");
-  cmd->add_option("--ssd", args->hw.ssd, "SSD array, e.g. 4x6.5/6.7GB/s (count x write/read)");
-  cmd->add_option("--host-mem", args->hw.host_mem,
-                  "host memory for offloaded tensors, e.g. 256GiB");
-  cmd->add_option("--host-link", args->hw.host_link, "device-host link per direction, e.g. 55GB/s");
-  cmd->add_option("--gpu-flops", args->hw.gpu_flops, "peak matmul FLOP/s, e.g. 60T");
-  cmd->add_option("--gpu-mem-bw", args->hw.gpu_mem_bw, "device memory bandwidth, e.g. 3.9TB/s");
-  cmd->add_option("--cpu-adam", args->hw.cpu_adam, "CPU Adam parameters/s, e.g. 2G");
-  cmd->add_option("--tbw", args->hw.ssd_tbw, "SSD endurance per drive, e.g. 1200TB");
-  cmd->add_option("--margin", args->hw.margin, "share of device memory kept free (0.01)");
+  add_trace_source_options(cmd, args->src);
   cmd->add_option("--min-bytes", args->min_bytes_text,
                   "tidal: tensors smaller than this stay in device memory");
   cmd->add_option("--policy", args->policy,

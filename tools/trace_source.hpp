@@ -1,0 +1,80 @@
+// Flags shared by `tidal plan` and `tidal simulate`: where the trace comes from (a profiled file
+// or an analytic transformer) and the hardware model it runs on.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "tidal/common/error.hpp"
+#include "tidal/plan/hardware.hpp"
+#include "tidal/plan/model_trace.hpp"
+#include "tidal/trace/io.hpp"
+
+namespace tidal::cli {
+
+struct TraceSource {
+  std::string trace_path;
+  std::string model;
+  std::int64_t batch = 0;
+  std::int64_t seq = 0;
+  plan::ModelOverrides shape;
+  bool optimizer_in_backward = false;
+  std::string hardware = "h100-4ssd";
+  plan::HardwareOverrides hw;
+};
+
+inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
+  cmd->add_option("--trace", s.trace_path, "trace JSON from `tidal profile`");
+  cmd->add_option("--model", s.model,
+                  "or an analytic trace of a transformer: gpt2-small|gpt2-medium|gpt2-large|"
+                  "gpt2-xl|llama3.2-1b|llama3-8b|llama3-70b");
+  cmd->add_option("--batch", s.batch, "batch size (with --model)");
+  cmd->add_option("--seq", s.seq, "sequence length (with --model)");
+  cmd->add_flag("--optimizer-in-backward", s.optimizer_in_backward,
+                "with --model: run each parameter's AdamW update right after its gradient is "
+                "complete in backward (PyTorch's optimizer-in-backward) instead of after backward");
+  cmd->add_option("--layers", s.shape.layers, "override the number of blocks");
+  cmd->add_option("--hidden", s.shape.hidden, "override the hidden size");
+  cmd->add_option("--heads", s.shape.heads, "override the attention heads");
+  cmd->add_option("--kv-heads", s.shape.kv_heads, "override the key/value heads");
+  cmd->add_option("--ffn", s.shape.ffn, "override the MLP width");
+  cmd->add_option("--vocab", s.shape.vocab, "override the vocabulary size");
+  cmd->add_option("--hardware", s.hardware, "h100-4ssd|a100-2ssd|cpu-here")->capture_default_str();
+  cmd->add_option("--gpu-mem", s.hw.gpu_mem, "device memory, e.g. 80GiB");
+  cmd->add_option("--ssd", s.hw.ssd, "SSD array, e.g. 4x6.5/6.7GB/s (count x write/read)");
+  cmd->add_option("--host-mem", s.hw.host_mem, "host memory for offloaded tensors, e.g. 256GiB");
+  cmd->add_option("--host-link", s.hw.host_link, "device-host link per direction, e.g. 55GB/s");
+  cmd->add_option("--gpu-flops", s.hw.gpu_flops, "peak matmul FLOP/s, e.g. 60T");
+  cmd->add_option("--gpu-mem-bw", s.hw.gpu_mem_bw, "device memory bandwidth, e.g. 3.9TB/s");
+  cmd->add_option("--cpu-adam", s.hw.cpu_adam, "CPU Adam parameters/s, e.g. 2G");
+  cmd->add_option("--tbw", s.hw.ssd_tbw, "SSD endurance per drive, e.g. 1200TB");
+  cmd->add_option("--margin", s.hw.margin, "share of device memory kept free (0.01)");
+}
+
+/// The hardware model and the trace the flags describe. Throws tidal::InvalidArgument with what
+/// to give when the flags are incomplete or contradictory.
+inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSource& s) {
+  plan::Hardware hw = plan::hardware_preset(s.hardware);
+  plan::apply_overrides(hw, s.hw);
+  if (!s.trace_path.empty()) {
+    TIDAL_EXPECT_AS(InvalidArgument, s.model.empty(), "give either --trace or --model, not both");
+    TIDAL_EXPECT_AS(InvalidArgument, !s.optimizer_in_backward,
+                    "--optimizer-in-backward builds an analytic trace (--model); a profiled trace "
+                    "has the schedule its training loop ran");
+    return {hw, trace::read_trace(s.trace_path)};
+  }
+  TIDAL_EXPECT_AS(InvalidArgument, !s.model.empty(),
+                  "give a trace (--trace T.json) or a model (--model llama3-8b --batch 8 --seq "
+                  "4096)");
+  TIDAL_EXPECT_AS(InvalidArgument, s.batch > 0 && s.seq > 0,
+                  "--model needs --batch and --seq (positive)");
+  plan::TransformerConfig cfg = plan::model_preset(s.model);
+  plan::apply_overrides(cfg, s.shape);
+  plan::AnalyticTraceOptions topt;
+  topt.optimizer_in_backward = s.optimizer_in_backward;
+  return {hw, plan::transformer_trace(cfg, s.batch, s.seq, hw, topt)};
+}
+
+}  // namespace tidal::cli
