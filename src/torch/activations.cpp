@@ -13,6 +13,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "device_sync.hpp"
 #include "tidal/common/error.hpp"
 
 namespace tidal::torch_layer {
@@ -217,6 +218,10 @@ std::shared_ptr<Record> ActivationOffloader::Impl::pack(const at::Tensor& t, at:
   r->device = t.device();
   r->version = t._version();
   r->users = 1;
+  // On a GPU the kernel that produced it may still be running: the bytes must be final before
+  // the store's own streams copy them. (Correct, not yet overlapped: an event per record would
+  // let the training thread run ahead; that waits for GPU validation.)
+  detail::sync_current_stream(r->device);
   r->ticket = store->write(r->storage.data(), r->nbytes, io::Priority::kOffload);
   r->state = Record::State::kWriting;
   ++stats.offloaded;

@@ -10,6 +10,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "device_sync.hpp"
 #include "ivalue_tensors.hpp"
 #include "tidal/common/error.hpp"
 
@@ -199,6 +200,7 @@ struct PlanExecutor::Impl {
       s.nbytes = impl->nbytes();
       s.device = impl->device();
       s.cancel = false;
+      detail::sync_current_stream(s.device);  // the producing kernels must have finished
       s.ticket = store->write(impl->data(), s.nbytes, io::Priority::kOffload);
       s.state = State::kWriting;
       ++stats.offloads;

@@ -1,0 +1,18 @@
+// Internal: make a device tensor's bytes final before tidal's I/O threads copy them. Kernels run
+// asynchronously on the current stream; the store copies on its own streams, so the producing
+// work must be complete first. Device-generic (c10), so no CUDA headers are needed here.
+#pragma once
+
+#include <c10/core/Device.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+namespace tidal::torch_layer::detail {
+
+/// Waits for the work queued on `device`'s current stream. No-op for CPU tensors.
+inline void sync_current_stream(const c10::Device& device) {
+  if (device.is_cpu()) return;
+  c10::impl::VirtualGuardImpl impl(device.type());
+  impl.getStream(device).synchronize();
+}
+
+}  // namespace tidal::torch_layer::detail
