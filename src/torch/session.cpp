@@ -82,17 +82,25 @@ struct Session::Impl {
     // The planner counts the trace's tensors; the meter counts every allocation (padding,
     // allocator slack, tensors nested inside ops). Scale the budget into trace units.
     const double peak_live = static_cast<double>(lifetimes.summary.peak_live_bytes);
-    const double scale = measured > 0 && peak_live > 0
-                             ? std::min(1.0, peak_live / static_cast<double>(measured))
-                             : 1.0;
+    unit_scale = measured > 0 && peak_live > 0
+                     ? std::min(1.0, peak_live / static_cast<double>(measured))
+                     : 1.0;
+    tighten = 1.0;
+    trace = std::move(profile.trace);
+    replan();
+  }
+
+  // Plans the kept trace for budget x unit_scale x tighten and starts executing it.
+  void replan() {
+    executor.reset();  // brings back whatever the previous plan moved
     plan::Hardware hw = plan::hardware_preset(opt.hardware);
     plan::HardwareOverrides overrides = opt.hardware_overrides;
-    overrides.gpu_mem =
-        std::to_string(static_cast<std::uint64_t>(static_cast<double>(budget) * scale));
+    overrides.gpu_mem = std::to_string(static_cast<std::uint64_t>(
+        static_cast<double>(stats.memory_budget) * unit_scale * tighten));
     plan::apply_overrides(hw, overrides);
     plan::PlannerOptions po;
     po.min_bytes = opt.executor.min_bytes;
-    plan::Plan p = plan::make_plan(profile.trace, hw, po);
+    plan::Plan p = plan::make_plan(*trace, hw, po);
     char line[256];
     std::snprintf(line, sizeof line,
                   "plan: %zu actions, %s to SSD per step, planned peak %s of %s (trace units), "
@@ -103,14 +111,42 @@ struct Session::Impl {
                   format_bytes(static_cast<double>(hw.device_memory)).c_str(),
                   p.summary.planned_stall_seconds, p.summary.planning_seconds);
     stats.plan_summary = line;
-    trace = std::move(profile.trace);
     plan = std::move(p);
     executor = std::make_unique<PlanExecutor>(store, *trace, *plan, opt.executor);
     tracer->set_keep_iterations(false);
     tracer->set_listener(executor.get());
     state = State::kExecuting;
     steps_in_state = 0;
+    stats.executed_peak = 0;
   }
+
+  // After an executed step: the meter's peak for it against the budget. Over it, the plan is
+  // made again for a smaller capacity (what the trace cannot see, the meter can).
+  void check_budget() {
+    if (!opt.peak_bytes) return;
+    const std::uint64_t peak = opt.peak_bytes();
+    if (opt.reset_peak) opt.reset_peak();
+    // The first step of a plan starts with everything resident (the previous plan's moves were
+    // undone), so only the steps after it show the plan's steady state.
+    if (steps_in_state < 2) return;
+    stats.executed_peak = std::max(stats.executed_peak, peak);
+    if (peak <= stats.memory_budget || stats.tightenings >= kMaxTightenings) return;
+    const double before = tighten;
+    tighten *= 0.97 * static_cast<double>(stats.memory_budget) / static_cast<double>(peak);
+    ++stats.tightenings;
+    try {
+      replan();
+    } catch (const InvalidArgument&) {
+      // Even the tensors that cannot move do not fit the smaller capacity: keep the last plan.
+      tighten = before;
+      stats.tightenings = kMaxTightenings;
+      replan();
+    }
+  }
+
+  static constexpr int kMaxTightenings = 4;
+  double unit_scale = 1.0;
+  double tighten = 1.0;
 };
 
 Session::Session(SessionOptions options) : impl_(std::make_unique<Impl>()) {
@@ -211,6 +247,8 @@ void Session::end_step(std::int64_t step) {
   }
   if (m.state == Impl::State::kProfiling && m.steps_in_state >= m.opt.profile_steps) {
     m.make_plan_and_execute();
+  } else if (m.state == Impl::State::kExecuting && m.executor) {
+    m.check_budget();
   }
 }
 

@@ -153,14 +153,9 @@ void run_train(const TrainArgs& args) {
   std::uint64_t failures = 0;
   double stall = 0;
   std::uint64_t offload_peak = 0;
-  bool executing_before = false;
   const double tokens_per_step = static_cast<double>(options.batch * options.seq);
   for (std::int64_t i = 0; i < args.model.steps; ++i) {
     const bool executing = session.stats().state == "executing";
-    if (executing && !executing_before && so.mode == torch_layer::OffloadMode::kPlan) {
-      meter.reset_peak();  // the plan's peak: from the first executed step on
-    }
-    executing_before = executing;
     const auto r = trainer.step();
     if (i == 0) register_persistent(session, trainer, true);  // gradients exist now
     const auto s = session.stats();
@@ -182,7 +177,10 @@ void run_train(const TrainArgs& args) {
   trainer.remove_observer(&session);
   const double total = std::accumulate(seconds.begin(), seconds.end(), 0.0);
   const auto mem = meter.stats();
-  offload_peak = mem.peak_bytes;
+  // Plan mode: the peak of the steps run by the final plan (the session measures each step,
+  // and makes the plan again for less memory when a step went over the budget).
+  offload_peak =
+      so.mode == torch_layer::OffloadMode::kPlan ? session.stats().executed_peak : mem.peak_bytes;
   const double tps = tokens_per_step * static_cast<double>(seconds.size()) / total;
   const auto st = session.stats();
   std::fprintf(stderr, "final loss %.4f, %.0f tokens/s, peak tensor memory %s\n", losses.back(),
@@ -197,9 +195,10 @@ void run_train(const TrainArgs& args) {
                  static_cast<unsigned long long>(failures));
   }
   if (so.mode == torch_layer::OffloadMode::kPlan) {
-    std::fprintf(stderr, "budget %s (of a profiled peak of %s); %s\n",
+    std::fprintf(stderr, "budget %s (of a profiled peak of %s), %s; %d re-plan(s) for memory; %s\n",
                  format_bytes(static_cast<double>(st.memory_budget)).c_str(),
                  format_bytes(static_cast<double>(st.profiled_peak)).c_str(),
+                 offload_peak <= st.memory_budget ? "kept" : "EXCEEDED", st.tightenings,
                  st.plan_summary.c_str());
   }
   if (!args.save_trace.empty() && session.trace()) {
@@ -232,6 +231,8 @@ void run_train(const TrainArgs& args) {
       j["profiled_peak_bytes"] = st.profiled_peak;
       j["plan_summary"] = st.plan_summary;
       j["replans"] = st.replans;
+      j["budget_replans"] = st.tightenings;
+      j["within_budget"] = offload_peak <= st.memory_budget;
     }
     std::cout << j.dump() << std::endl;
   }

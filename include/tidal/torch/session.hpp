@@ -74,7 +74,9 @@ struct SessionStats {
   std::uint64_t memory_budget = 0;   ///< plan mode, once known
   std::uint64_t profiled_peak = 0;   ///< plan mode: peak measured while profiling
   int replans = 0;                   ///< times the op sequence changed and the session re-profiled
-  std::string plan_summary;          ///< plan mode: one line from the planner
+  int tightenings = 0;  ///< plan mode: re-plans for a smaller capacity after a step over budget
+  std::uint64_t executed_peak = 0;  ///< plan mode: meter peak of the steps run by the current plan
+  std::string plan_summary;         ///< plan mode: one line from the planner
 };
 
 /// Owns the store, the offloader or the tracer + executor, and switches between them.
