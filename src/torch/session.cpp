@@ -32,6 +32,20 @@ OffloadMode offload_mode_from_string(const std::string& s) {
   return OffloadMode::kNone;
 }
 
+namespace {
+
+// The I/O counters that ActivationStats and ExecutorStats share, into the session's view.
+template <typename Stats>
+void take_io_stats(SessionStats& s, const Stats& x) {
+  s.bytes_written = x.bytes_written;
+  s.bytes_read = x.bytes_read;
+  s.misses = x.misses;
+  s.write_failures = x.write_failures;
+  s.stall_seconds = x.stall_seconds;
+}
+
+}  // namespace
+
 struct Session::Impl {
   enum class State { kOff, kWarmup, kProfiling, kExecuting };
 
@@ -223,21 +237,10 @@ void Session::end_step(std::int64_t step) {
   SessionStats& s = m.stats;
   s.bytes_written = s.bytes_read = s.misses = s.write_failures = 0;
   s.stall_seconds = 0;
-  if (m.offloader) {
-    const ActivationStats a = m.offloader->last_step();
-    s.bytes_written = a.bytes_written;
-    s.bytes_read = a.bytes_read;
-    s.misses = a.misses;
-    s.write_failures = a.write_failures;
-    s.stall_seconds = a.stall_seconds;
-  }
+  if (m.offloader) take_io_stats(s, m.offloader->last_step());
   if (m.executor) {
     const ExecutorStats e = m.executor->last_step();
-    s.bytes_written = e.bytes_written;
-    s.bytes_read = e.bytes_read;
-    s.misses = e.misses;
-    s.write_failures = e.write_failures;
-    s.stall_seconds = e.stall_seconds;
+    take_io_stats(s, e);
     if (e.diverged) {
       // The ops changed: what was planned no longer names the right tensors. Re-profile.
       ++s.replans;
