@@ -4,10 +4,14 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdint>
+#include <cstdio>
+#include <sstream>
 #include <string>
 #include <utility>
 
 #include "tidal/common/error.hpp"
+#include "tidal/common/units.hpp"
+#include "tidal/io/measure.hpp"
 #include "tidal/plan/hardware.hpp"
 #include "tidal/plan/model_trace.hpp"
 #include "tidal/trace/io.hpp"
@@ -23,6 +27,7 @@ struct TraceSource {
   bool optimizer_in_backward = false;
   std::string hardware = "h100-4ssd";
   plan::HardwareOverrides hw;
+  std::string measure_dirs;  ///< measure these store directories for the SSD figures
 };
 
 inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
@@ -51,13 +56,32 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
   cmd->add_option("--cpu-adam", s.hw.cpu_adam, "CPU Adam parameters/s, e.g. 2G");
   cmd->add_option("--tbw", s.hw.ssd_tbw, "SSD endurance per drive, e.g. 1200TB");
   cmd->add_option("--margin", s.hw.margin, "share of device memory kept free (0.01)");
+  cmd->add_option("--measure-dir", s.measure_dirs,
+                  "measure the store on these directories (comma-separated, O_DIRECT, 256 MiB "
+                  "each way) and use the figures as --ssd");
 }
 
 /// The hardware model and the trace the flags describe. Throws tidal::InvalidArgument with what
 /// to give when the flags are incomplete or contradictory.
 inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSource& s) {
   plan::Hardware hw = plan::hardware_preset(s.hardware);
-  plan::apply_overrides(hw, s.hw);
+  plan::HardwareOverrides overrides = s.hw;
+  if (!s.measure_dirs.empty()) {
+    TIDAL_EXPECT_AS(InvalidArgument, !s.hw.ssd, "give either --ssd or --measure-dir, not both");
+    io::StoreOptions so;
+    std::stringstream ss(s.measure_dirs);
+    for (std::string d; std::getline(ss, d, ',');) {
+      if (!d.empty()) so.dirs.push_back(d);
+    }
+    so.capacity = (320ull << 20) * so.dirs.size();
+    io::TensorStore store(so);
+    const auto m = io::measure_bandwidth(store);
+    overrides.ssd = io::ssd_spec(m, so.dirs.size());
+    std::fprintf(stderr, "measured %s: write %s, read %s (O_DIRECT) -> --ssd %s\n",
+                 s.measure_dirs.c_str(), format_bandwidth(m.write_bytes_per_second).c_str(),
+                 format_bandwidth(m.read_bytes_per_second).c_str(), overrides.ssd->c_str());
+  }
+  plan::apply_overrides(hw, overrides);
   if (!s.trace_path.empty()) {
     TIDAL_EXPECT_AS(InvalidArgument, s.model.empty(), "give either --trace or --model, not both");
     TIDAL_EXPECT_AS(InvalidArgument, !s.optimizer_in_backward,

@@ -5,6 +5,7 @@
 
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
+#include "tidal/io/measure.hpp"
 #include "tidal/plan/planner.hpp"
 #include "tidal/torch/tracer.hpp"
 #include "tidal/trace/lifetime.hpp"
@@ -109,6 +110,14 @@ struct Session::Impl {
     executor.reset();  // brings back whatever the previous plan moved
     plan::Hardware hw = plan::hardware_preset(opt.hardware);
     plan::HardwareOverrides overrides = opt.hardware_overrides;
+    if (!overrides.ssd && opt.hardware == "cpu-here") {
+      // cpu-here describes this machine: measure the store the plan will use, once.
+      if (measured_ssd.empty()) {
+        measured_ssd =
+            io::ssd_spec(io::measure_bandwidth(*store, 64ull << 20), store->options().dirs.size());
+      }
+      overrides.ssd = measured_ssd;
+    }
     overrides.gpu_mem = std::to_string(static_cast<std::uint64_t>(
         static_cast<double>(stats.memory_budget) * unit_scale * tighten));
     plan::apply_overrides(hw, overrides);
@@ -118,12 +127,13 @@ struct Session::Impl {
     char line[256];
     std::snprintf(line, sizeof line,
                   "plan: %zu actions, %s to SSD per step, planned peak %s of %s (trace units), "
-                  "planned stall %.3f s, planned in %.2f s",
+                  "planned stall %.3f s, planned in %.2f s, SSD %s",
                   p.actions.size(),
                   format_bytes(static_cast<double>(p.summary.bytes_to_ssd)).c_str(),
                   format_bytes(static_cast<double>(p.summary.peak_after_bytes)).c_str(),
                   format_bytes(static_cast<double>(hw.device_memory)).c_str(),
-                  p.summary.planned_stall_seconds, p.summary.planning_seconds);
+                  p.summary.planned_stall_seconds, p.summary.planning_seconds,
+                  overrides.ssd ? overrides.ssd->c_str() : "preset");
     stats.plan_summary = line;
     plan = std::move(p);
     executor = std::make_unique<PlanExecutor>(store, *trace, *plan, opt.executor);
@@ -159,6 +169,7 @@ struct Session::Impl {
   }
 
   static constexpr int kMaxTightenings = 4;
+  std::string measured_ssd;  // cpu-here: the store's measured figures, as an --ssd spec
   double unit_scale = 1.0;
   double tighten = 1.0;
 };

@@ -1,0 +1,71 @@
+#include "tidal/io/measure.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "tidal/common/error.hpp"
+#include "tidal/io/extent_allocator.hpp"
+
+namespace tidal::io {
+namespace {
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+MeasuredBandwidth measure_bandwidth(TensorStore& store, std::uint64_t bytes, std::uint64_t block,
+                                    int depth) {
+  TIDAL_EXPECT_AS(InvalidArgument, block > 0 && depth > 0 && bytes >= block,
+                  "measure_bandwidth needs bytes >= block > 0 and depth > 0");
+  const std::uint64_t n = bytes / block;
+  const std::uint64_t slots = std::min<std::uint64_t>(n, static_cast<std::uint64_t>(depth));
+  // One aligned buffer per request in flight; random bytes, so compression cannot flatter us.
+  std::unique_ptr<void, FreeDeleter> buf(std::aligned_alloc(kBlockSize, slots * block));
+  TIDAL_EXPECT(buf != nullptr, "out of memory for the bandwidth measurement");
+  std::mt19937_64 rng(42);
+  auto* words = static_cast<std::uint64_t*>(buf.get());
+  for (std::uint64_t i = 0; i < slots * block / 8; ++i) words[i] = rng();
+  auto slot = [&](std::uint64_t i) { return static_cast<char*>(buf.get()) + (i % slots) * block; };
+
+  std::vector<Ticket> t(n);
+  auto t0 = std::chrono::steady_clock::now();
+  for (std::uint64_t i = 0; i < n; ++i) {
+    if (i >= slots) store.wait(t[i - slots]);
+    t[i] = store.write(slot(i), block);
+  }
+  for (std::uint64_t i = n - slots; i < n; ++i) store.wait(t[i]);
+  MeasuredBandwidth m;
+  m.bytes = n * block;
+  m.write_bytes_per_second = static_cast<double>(m.bytes) / seconds_since(t0);
+  t0 = std::chrono::steady_clock::now();
+  for (std::uint64_t i = 0; i < n; ++i) {
+    if (i >= slots) store.wait(t[i - slots]);
+    store.read(t[i], slot(i));
+  }
+  for (std::uint64_t i = n - slots; i < n; ++i) store.wait(t[i]);
+  m.read_bytes_per_second = static_cast<double>(m.bytes) / seconds_since(t0);
+  for (auto x : t) store.free(x);
+  return m;
+}
+
+std::string ssd_spec(const MeasuredBandwidth& m, std::size_t ssds) {
+  const double k = static_cast<double>(std::max<std::size_t>(1, ssds));
+  char text[96];
+  std::snprintf(text, sizeof text, "%zux%.1f/%.1fMB/s", std::max<std::size_t>(1, ssds),
+                m.write_bytes_per_second / k / 1e6, m.read_bytes_per_second / k / 1e6);
+  return text;
+}
+
+}  // namespace tidal::io

@@ -1,0 +1,41 @@
+#include "tidal/io/measure.hpp"
+
+#include <gtest/gtest.h>
+
+#include "test_dir.hpp"
+#include "tidal/common/units.hpp"
+
+namespace tidal::io {
+namespace {
+
+TEST(MeasureBandwidth, MovesWholeBlocksBothWaysAndLeavesTheStoreEmpty) {
+  testing::TestDir dir;
+  StoreOptions o;
+  o.dirs = {dir.sub("a"), dir.sub("b")};
+  o.capacity = 64 * kMiB;
+  TensorStore store(o);
+  const MeasuredBandwidth m = measure_bandwidth(store, 10 * kMiB + 123, kMiB, 4);
+  EXPECT_EQ(m.bytes, 10 * kMiB);
+  EXPECT_GT(m.write_bytes_per_second, 0);
+  EXPECT_GT(m.read_bytes_per_second, 0);
+  const StoreStats s = store.stats();
+  EXPECT_EQ(s.tickets, 0u);
+  EXPECT_EQ(s.used_bytes, 0u);
+  EXPECT_EQ(s.bytes_written, 10 * kMiB);
+  EXPECT_EQ(s.bytes_read, 10 * kMiB);
+  EXPECT_THROW(measure_bandwidth(store, 10, kMiB, 4), InvalidArgument);
+}
+
+TEST(MeasureBandwidth, SsdSpecIsPerDirectory) {
+  MeasuredBandwidth m;
+  m.write_bytes_per_second = 4e9;
+  m.read_bytes_per_second = 3e9;
+  const std::string spec = ssd_spec(m, 2);
+  ASSERT_EQ(spec.rfind("2x", 0), 0u) << spec;
+  const auto slash = spec.find('/');
+  EXPECT_DOUBLE_EQ(parse_bandwidth(spec.substr(2, slash - 2) + "MB/s"), 2e9) << spec;
+  EXPECT_DOUBLE_EQ(parse_bandwidth(spec.substr(slash + 1)), 1.5e9) << spec;
+}
+
+}  // namespace
+}  // namespace tidal::io
