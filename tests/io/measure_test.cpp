@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "test_dir.hpp"
+#include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
 
 namespace tidal::io {
