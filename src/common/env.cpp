@@ -21,7 +21,6 @@ Env read_env() {
   e.io_backend = get("TIDAL_IO_BACKEND");
   e.gds = get("TIDAL_GDS");
   e.dirs = get("TIDAL_DIRS");
-  e.log_level = get("TIDAL_LOG_LEVEL");
   if (auto v = get("TIDAL_STRIPE_UNIT")) {
     try {
       e.stripe_unit = parse_bytes(*v);

@@ -18,7 +18,6 @@ struct Env {
   std::optional<std::uint64_t> stripe_unit;  ///< TIDAL_STRIPE_UNIT: e.g. 1MiB
   std::optional<int> queue_depth;            ///< TIDAL_QUEUE_DEPTH: requests in flight per file
   std::optional<bool> checksum;              ///< TIDAL_CHECKSUM: 0|1
-  std::optional<std::string> log_level;      ///< TIDAL_LOG_LEVEL: error|warn|info|debug
 };
 
 /// Reads the variables now. Throws tidal::InvalidArgument naming the variable on a bad value.
