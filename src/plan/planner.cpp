@@ -327,6 +327,7 @@ class Planner {
     if (over_->first_at_most(0, n_ - 1, RangeTree::kInf / 2) >= 0 && opt_.allow_stalls) {
       fallback(plan);
     }
+    if (opt_.prune) prune(plan, la);
 
     stall_summary(plan);
 
@@ -729,6 +730,172 @@ class Planner {
       TIDAL_EXPECT(over_->get(k) >= RangeTree::kInf / 2, "planner: no migration can relieve op ", k,
                    " (", tr_.ops[static_cast<std::size_t>(k)].name, "); this is a bug");
     }
+  }
+
+  // Drops the committed migrations that the others make unnecessary. The greedy scores a period
+  // by the time it frees while the ops are over the target, but commits the whole period; the
+  // later commits then cover the ops the early ones were taken for, and the planned peak ends
+  // far under the target (Llama3-8B in-backward: 25 GiB against 86.7 GiB). A migration can go
+  // when M' (memory per op with all the others) plus its bytes stays at or under the target over
+  // the ops it frees; dropping it gives back its bandwidth, so the planned stall can only shrink.
+  //
+  // What a drop saves depends on the tensor's other migrations: a tensor unchanged since its
+  // last write to a target is not written there again (the store keeps the copy; the simulator
+  // models this), so of the migrations of one tensor to one target between two ops that modify
+  // it (a "group") only the first writes. Dropping one member of a group saves a read and no
+  // write, and dropping the first moves the write to the next member, later than the planner's
+  // deadlines assumed it. So: first whole groups, where every member can go (their periods are
+  // disjoint, so each member is checked on its own); then, in what is left, single members
+  // other than the one that writes. SSD before host memory (SSD writes wear the drives); within
+  // a pass, least relief needed first (compute time over the target, with everything kept, of
+  // the ops a group frees; zero for ops that never exceeded it), then the largest. M' only grows
+  // as migrations go, so each pass is maximal for its order.
+  void prune(Plan& plan, const trace::LifetimeAnalysis& la) {
+    std::vector<std::int64_t> m(static_cast<std::size_t>(n_));
+    std::vector<double> over_prefix(static_cast<std::size_t>(n_) + 1, 0.0);
+    std::int64_t run = 0;
+    for (int k = 0; k < n_; ++k) {
+      const auto kk = static_cast<std::size_t>(k);
+      run += diff_[kk];
+      const auto live = static_cast<std::int64_t>(la.live_bytes[kk]);
+      m[kk] = live + run;
+      over_prefix[kk + 1] = over_prefix[kk] + (live > target_ ? weight(k) : 0.0);
+    }
+    RangeTree mem(m);
+
+    // The ops that modify each tensor, in order.
+    std::vector<std::vector<OpIndex>> writes(tr_.tensors.size());
+    for (const auto& op : tr_.ops) {
+      for (TensorId id : op.outputs) writes[static_cast<std::size_t>(id)].push_back(op.index);
+    }
+    struct Member {
+      bool host;
+      TensorId tensor;
+      int epoch;  // the last op at or before the offload that modified the tensor (-1: none)
+      int after;  // ops from that op to the offload
+      int cand;
+    };
+    std::vector<Member> members;
+    for (std::size_t i = 0; i < cands_.size(); ++i) {
+      const Candidate& c = cands_[i];
+      if (!c.done) continue;
+      const auto& w = writes[static_cast<std::size_t>(c.tensor)];
+      const auto it = std::upper_bound(w.begin(), w.end(), c.a);
+      const int epoch = it != w.begin() ? *(it - 1) : (w.empty() ? -1 : w.back());
+      const int after = epoch < 0 ? c.a : ((c.a - epoch) % n_ + n_) % n_;
+      members.push_back({c.target == Target::kHost, c.tensor, epoch, after, static_cast<int>(i)});
+    }
+    std::sort(members.begin(), members.end(), [](const Member& x, const Member& y) {
+      if (x.host != y.host) return !x.host;
+      if (x.tensor != y.tensor) return x.tensor < y.tensor;
+      if (x.epoch != y.epoch) return x.epoch < y.epoch;
+      return x.after < y.after;
+    });
+    struct Group {
+      bool host;
+      double need;
+      std::uint64_t bytes;
+      std::size_t first;  // members[first, last)
+      std::size_t last;
+    };
+    std::vector<Group> groups;
+    for (std::size_t i = 0; i < members.size();) {
+      std::size_t j = i;
+      Group g{members[i].host, 0.0, 0, i, i};
+      while (j < members.size() && members[j].host == members[i].host &&
+             members[j].tensor == members[i].tensor && members[j].epoch == members[i].epoch) {
+        const Candidate& c = cands_[static_cast<std::size_t>(members[j].cand)];
+        Segment seg[2];
+        const int ns = segments(c, c.pe + 1, c.pp - 1, seg);
+        for (int q = 0; q < ns; ++q) {
+          g.need += over_prefix[static_cast<std::size_t>(seg[q].r) + 1] -
+                    over_prefix[static_cast<std::size_t>(seg[q].l)];
+        }
+        g.bytes += c.bytes;
+        ++j;
+      }
+      g.last = j;
+      groups.push_back(g);
+      i = j;
+    }
+    std::sort(groups.begin(), groups.end(), [](const Group& x, const Group& y) {
+      if (x.host != y.host) return !x.host;
+      if (x.need != y.need) return x.need < y.need;
+      if (x.bytes != y.bytes) return x.bytes > y.bytes;
+      return x.first < y.first;
+    });
+
+    auto can_drop = [&](const Candidate& c) {
+      Segment seg[2];
+      const int ns = segments(c, c.pe + 1, c.pp - 1, seg);
+      for (int q = 0; q < ns; ++q) {
+        if (mem.max(seg[q].l, seg[q].r) + static_cast<std::int64_t>(c.bytes) > target_) {
+          return false;
+        }
+      }
+      return true;
+    };
+    std::vector<char> dropped(plan.actions.size(), 0);
+    auto drop = [&](Candidate& c) {
+      const auto s = static_cast<std::int64_t>(c.bytes);
+      Segment seg[2];
+      const int ns = segments(c, c.pe + 1, c.pp - 1, seg);
+      for (int q = 0; q < ns; ++q) {
+        mem.add(seg[q].l, seg[q].r, s);
+        diff_[static_cast<std::size_t>(seg[q].l)] += s;
+        diff_[static_cast<std::size_t>(seg[q].r) + 1] -= s;
+      }
+      const int w = c.target == Target::kSsd ? 0 : 2;
+      for (int ch = 0; ch < 2; ++ch) {
+        BucketTree& t = buckets_[static_cast<std::size_t>(w + ch)];
+        Reservation& res = ch == 0 ? c.wres : c.rres;
+        for (const auto& [op, amount] : res) t.set(op, t.get(op) + amount);
+        res.clear();
+      }
+      PlanSummary& sum = plan.summary;
+      if (c.target == Target::kHost) {
+        Segment all[2];
+        const int na = segments(c, 0, c.len - 1, all);
+        for (int q = 0; q < na; ++q) host_->add(all[q].l, all[q].r, -s);
+        --sum.offloads_host;
+        sum.bytes_to_host -= c.bytes;
+      } else {
+        --sum.offloads_ssd;
+        sum.bytes_to_ssd -= c.bytes;
+      }
+      c.done = false;
+      dropped[c.off_action] = dropped[c.off_action + 1] = 1;
+    };
+
+    for (bool host : {false, true}) {
+      for (const Group& g : groups) {  // whole groups
+        if (g.host != host) continue;
+        bool all = true;
+        for (std::size_t i = g.first; i < g.last && all; ++i) {
+          all = can_drop(cands_[static_cast<std::size_t>(members[i].cand)]);
+        }
+        if (!all) continue;
+        for (std::size_t i = g.first; i < g.last; ++i) {
+          drop(cands_[static_cast<std::size_t>(members[i].cand)]);
+        }
+      }
+      for (const Group& g : groups) {  // the members that only read
+        if (g.host != host) continue;
+        std::size_t writer = g.first;
+        while (writer < g.last && !cands_[static_cast<std::size_t>(members[writer].cand)].done) {
+          ++writer;
+        }
+        for (std::size_t i = writer + 1; i < g.last; ++i) {
+          Candidate& c = cands_[static_cast<std::size_t>(members[i].cand)];
+          if (c.done && can_drop(c)) drop(c);
+        }
+      }
+    }
+    std::size_t out = 0;
+    for (std::size_t i = 0; i < plan.actions.size(); ++i) {
+      if (dropped[i] == 0) plan.actions[out++] = plan.actions[i];
+    }
+    plan.actions.resize(out);
   }
 
   int sweep_start() {

@@ -409,6 +409,43 @@ TEST(Planner, LeastStallWhenBandwidthIsShort) {
   EXPECT_FALSE(make_plan(t, hw, no).summary.fits);
 }
 
+TEST(Planner, PruningDropsWhatTheOthersMakeUnnecessary) {
+  // X makes ops 3..6 50 bytes too many. A (40 bytes) is idle over all four ops, B (60) over
+  // ops 3..4 only, C (60) over ops 5..6 only. The greedy takes A first (it frees the most time
+  // over the target), is then still 10 bytes short and takes B and C too: 160 bytes written.
+  // B and C alone are enough, and the least traffic that fits: 120 bytes.
+  const trace::Trace t = hand_trace(10, {{10, true, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9}},
+                                         {40, false, {1, 8}},
+                                         {60, false, {1, 6}},
+                                         {60, false, {3, 8}},
+                                         {50, false, {3, 6}}});
+  const Hardware hw = simple_hw(170, 1e6);
+  PlannerOptions keep;
+  keep.prune = false;
+  const Plan greedy = make_plan(t, hw, keep);
+  EXPECT_EQ(greedy.summary.bytes_to_ssd, 160u);
+  EXPECT_EQ(greedy.summary.offloads_ssd, 3);
+  EXPECT_EQ(greedy.summary.peak_after_bytes, 120u);
+
+  const Plan p = make_plan(t, hw);
+  EXPECT_EQ(p.summary.bytes_to_ssd, 120u);
+  EXPECT_EQ(p.summary.offloads_ssd, 2);
+  ASSERT_EQ(p.actions.size(), 4u);
+  for (const PlanAction& a : p.actions) EXPECT_NE(a.tensor, 1) << "A should have been dropped";
+  EXPECT_EQ(p.summary.peak_after_bytes, 160u);
+  EXPECT_TRUE(p.summary.fits);
+  ASSERT_NO_THROW(validate_plan(p, t));
+  expect_paired(p, t);
+  const SimResult sim = simulate(t, &p, hw);
+  // A stays; B is gone for ops 3..4 and C for ops 5..6 (each out in the op after its last use,
+  // back in the op before its next one).
+  const std::vector<std::uint64_t> expected = {10, 110, 110, 160, 160, 160, 160, 110, 110, 10};
+  EXPECT_EQ(sim.memory_per_op, expected);
+  EXPECT_EQ(sim.ssd_bytes_written, 120u);
+  EXPECT_EQ(sim.misses, 0);
+  EXPECT_NEAR(sim.stall_seconds, 0, 1e-9);
+}
+
 // ---- simulator invariants ------------------------------------------------------------------
 
 TEST(Simulator, KeepAllPeakIsTheTracePeak) {
@@ -561,9 +598,14 @@ TEST(PlannerFuzz, PlannedStallBoundsTheSimulatedStall) {
     hw.ssd_count = 1 + static_cast<int>(seed % 3);
     hw.host_link_bw = hw.ssd_write_bw * hw.ssd_count * (seed % 2 == 0 ? 1.0 : 2.5);
     hw.host_memory = seed % 2 == 0 ? 0 : la.summary.peak_live_bytes / 3;
+    // The estimate is judged on the plan as the greedy and the fallback leave it; pruning
+    // only gives bandwidth back, and the planned stall stays an upper bound (the reservations
+    // that needed a stall keep their place, so it can be looser than before).
+    PlannerOptions keep;
+    keep.prune = false;
     Plan p;
     try {
-      p = make_plan(t, hw);
+      p = make_plan(t, hw, keep);
     } catch (const InvalidArgument&) {
       continue;
     }
@@ -574,9 +616,78 @@ TEST(PlannerFuzz, PlannedStallBoundsTheSimulatedStall) {
     EXPECT_LE(planned, 2.5 * sim.stall_seconds + 0.01 * t.compute_seconds() + slack)
         << "seed " << seed;
     if (planned > 0.01 * t.compute_seconds()) ++compared;
+    const Plan q = make_plan(t, hw);
+    const SimResult qsim = simulate(t, &q, hw);
+    EXPECT_LE(q.summary.planned_stall_seconds, planned + slack) << "seed " << seed;
+    EXPECT_LE(qsim.stall_seconds, q.summary.planned_stall_seconds * (1 + 1e-6) + slack)
+        << "seed " << seed;
   }
   EXPECT_GT(compared, 20);
   RecordProperty("compared", compared);
+}
+
+// Pruning only drops migrations: on random traces it never writes more (planned or simulated,
+// SSD or host memory), never raises the stall, and keeps every invariant of the plan.
+TEST(PlannerFuzz, PruningNeverWritesMoreAndKeepsTheInvariants) {
+  std::mt19937_64 rng(4242);
+  int planned = 0;
+  int pruned = 0;
+  for (std::uint64_t seed = 0; seed < 400; ++seed) {
+    trace::testutil::RandomTraceOptions ro;
+    ro.layers = 1 + static_cast<int>(seed % 5);
+    ro.forward_ops_per_layer = 2 + static_cast<int>(seed % 4);
+    ro.backward_ops_per_layer = 2 + static_cast<int>((seed / 3) % 4);
+    ro.max_bytes = 1ull << 30;
+    const trace::Trace t = trace::testutil::random_trace(seed, ro);
+    const auto la = trace::analyze_lifetimes(t);
+    std::uniform_real_distribution<double> frac(0.3, 1.1);
+    std::uniform_real_distribution<double> lbw(7, 12.5);
+    const double bw = std::pow(10.0, lbw(rng));
+    Hardware hw = simple_hw(
+        static_cast<std::uint64_t>(static_cast<double>(la.summary.peak_live_bytes) * frac(rng)),
+        bw);
+    hw.ssd_count = 1 + static_cast<int>(seed % 3);
+    hw.host_link_bw = hw.ssd_write_bw * (seed % 2 == 0 ? 1.0 : 2.5);
+    hw.host_memory = seed % 2 == 0 ? 0 : la.summary.peak_live_bytes / 3;
+    hw.memory_margin = (seed % 3) * 0.01;
+    PlannerOptions keep;
+    keep.prune = false;
+    Plan g;
+    try {
+      g = make_plan(t, hw, keep);
+    } catch (const InvalidArgument&) {
+      continue;
+    }
+    const Plan p = make_plan(t, hw);
+    ++planned;
+    if (p.actions.size() < g.actions.size()) ++pruned;
+    ASSERT_NO_THROW(validate_plan(p, t)) << "seed " << seed;
+    expect_paired(p, t);
+    EXPECT_LE(p.actions.size(), g.actions.size()) << "seed " << seed;
+    EXPECT_LE(p.summary.bytes_to_ssd, g.summary.bytes_to_ssd) << "seed " << seed;
+    EXPECT_LE(p.summary.bytes_to_host, g.summary.bytes_to_host) << "seed " << seed;
+    EXPECT_EQ(p.summary.fits, g.summary.fits) << "seed " << seed;
+    EXPECT_LE(p.summary.peak_after_bytes,
+              std::max(p.summary.target_bytes, g.summary.peak_after_bytes))
+        << "seed " << seed;
+    EXPECT_LE(p.summary.peak_host_bytes, g.summary.peak_host_bytes) << "seed " << seed;
+    const double slack = 1e-6 * t.compute_seconds() + 1e-9;
+    EXPECT_LE(p.summary.planned_stall_seconds, g.summary.planned_stall_seconds + slack)
+        << "seed " << seed;
+    const SimResult gs = simulate(t, &g, hw);
+    const SimResult ps = simulate(t, &p, hw);
+    EXPECT_LE(ps.ssd_bytes_written, gs.ssd_bytes_written) << "seed " << seed;
+    EXPECT_LE(ps.host_bytes_written, gs.host_bytes_written) << "seed " << seed;
+    EXPECT_LE(ps.stall_seconds, gs.stall_seconds + slack) << "seed " << seed;
+    EXPECT_EQ(ps.misses, 0) << "seed " << seed;
+    if (g.summary.fits) {
+      EXPECT_LE(ps.peak_bytes, hw.device_memory) << "seed " << seed;
+    }
+  }
+  EXPECT_GT(planned, 150);
+  EXPECT_GT(pruned, 20);
+  RecordProperty("planned", planned);
+  RecordProperty("pruned", pruned);
 }
 
 }  // namespace

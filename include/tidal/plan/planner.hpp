@@ -18,6 +18,10 @@ struct PlannerOptions {
   /// When no migration fits the bandwidth and memory still exceeds capacity, accept the
   /// migrations that add the least stall (true), or give up and return a plan that does not fit.
   bool allow_stalls = true;
+  /// After the greedy and the least-stall fallback, drop every migration that the others make
+  /// unnecessary (memory stays at or under the target without it over the ops it frees): fewer
+  /// bytes written to SSD for the same fit, and never more stall.
+  bool prune = true;
   /// Tensors smaller than this stay in device memory (their migration costs more than it frees).
   std::uint64_t min_bytes = 0;
   /// Called now and then with the share of over-capacity time already resolved (0..1). Called
@@ -36,7 +40,8 @@ struct PlannerOptions {
 /// span whose memory still exceeds the target; the best is committed (SSD first, then host
 /// memory within its cap), scores are re-evaluated lazily when popped (they only shrink).
 /// When nothing feasible is left and an op still exceeds the target, the candidate covering it
-/// with the least added stall is committed together with that stall.
+/// with the least added stall is committed together with that stall. Last (options.prune),
+/// the committed migrations that the others make unnecessary are dropped, SSD ones first.
 ///
 /// Thread-safe for distinct arguments; runs on the calling thread. Throws
 /// tidal::InvalidArgument when even the tensors that cannot leave (the active ones) exceed the
