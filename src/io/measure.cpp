@@ -40,6 +40,16 @@ MeasuredBandwidth measure_bandwidth(TensorStore& store, std::uint64_t bytes, std
   auto slot = [&](std::uint64_t i) { return static_cast<char*>(buf.get()) + (i % slots) * block; };
 
   std::vector<Ticket> t(n);
+  // On a failed request, give back every ticket taken so far before reporting it.
+  struct Release {
+    TensorStore& store;
+    std::vector<Ticket>& tickets;
+    ~Release() {
+      for (auto x : tickets) {
+        if (x.valid()) store.free(x);
+      }
+    }
+  } release{store, t};
   auto t0 = std::chrono::steady_clock::now();
   for (std::uint64_t i = 0; i < n; ++i) {
     if (i >= slots) store.wait(t[i - slots]);
@@ -56,7 +66,6 @@ MeasuredBandwidth measure_bandwidth(TensorStore& store, std::uint64_t bytes, std
   }
   for (std::uint64_t i = n - slots; i < n; ++i) store.wait(t[i]);
   m.read_bytes_per_second = static_cast<double>(m.bytes) / seconds_since(t0);
-  for (auto x : t) store.free(x);
   return m;
 }
 

@@ -113,10 +113,14 @@ struct Session::Impl {
     if (!overrides.ssd && opt.hardware == "cpu-here") {
       // cpu-here describes this machine: measure the store the plan will use, once.
       if (measured_ssd.empty()) {
-        measured_ssd =
-            io::ssd_spec(io::measure_bandwidth(*store, 64ull << 20), store->options().dirs.size());
+        try {
+          measured_ssd = io::ssd_spec(io::measure_bandwidth(*store, 64ull << 20),
+                                      store->options().dirs.size());
+        } catch (const IoError&) {
+          measured_ssd = "preset";  // a failing store: plan with the preset's figures
+        }
       }
-      overrides.ssd = measured_ssd;
+      if (measured_ssd != "preset") overrides.ssd = measured_ssd;
     }
     overrides.gpu_mem = std::to_string(static_cast<std::uint64_t>(
         static_cast<double>(stats.memory_budget) * unit_scale * tighten));

@@ -27,6 +27,18 @@ TEST(MeasureBandwidth, MovesWholeBlocksBothWaysAndLeavesTheStoreEmpty) {
   EXPECT_THROW(measure_bandwidth(store, 10, kMiB, 4), InvalidArgument);
 }
 
+TEST(MeasureBandwidth, AFailingStoreThrowsAndKeepsNoTickets) {
+  testing::TestDir dir;
+  StoreOptions o;
+  o.dirs = {dir.path()};
+  o.capacity = 32 * kMiB;
+  o.faults.fail_op = 3;
+  TensorStore store(o);
+  EXPECT_THROW(measure_bandwidth(store, 8 * kMiB, kMiB, 2), IoError);
+  EXPECT_EQ(store.stats().tickets, 0u);
+  EXPECT_EQ(store.stats().used_bytes, 0u);
+}
+
 TEST(MeasureBandwidth, SsdSpecIsPerDirectory) {
   MeasuredBandwidth m;
   m.write_bytes_per_second = 4e9;
