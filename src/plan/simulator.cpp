@@ -216,25 +216,22 @@ class Simulator {
   double run_until_key(int c, double key) {
     Channel& ch = channels_[c];
     while (!ch.heap.empty() && jobs_[static_cast<std::size_t>(ch.heap.front())].key <= key) {
-      Job& j = jobs_[static_cast<std::size_t>(ch.heap.front())];
-      const double need = j.remaining / ch.rate;
-      ch.now += need;
-      ch.busy += need;
-      complete(pop(c));
+      serve_head(c);
     }
     return ch.now;
   }
   double run_until_done(int job) {
     const int c = jobs_[static_cast<std::size_t>(job)].channel;
+    while (!jobs_[static_cast<std::size_t>(job)].done) serve_head(c);
+    return channels_[c].now;
+  }
+  // Runs channel c's most urgent job to its end.
+  void serve_head(int c) {
     Channel& ch = channels_[c];
-    while (!jobs_[static_cast<std::size_t>(job)].done) {
-      Job& j = jobs_[static_cast<std::size_t>(ch.heap.front())];
-      const double need = j.remaining / ch.rate;
-      ch.now += need;
-      ch.busy += need;
-      complete(pop(c));
-    }
-    return ch.now;
+    const double need = jobs_[static_cast<std::size_t>(ch.heap.front())].remaining / ch.rate;
+    ch.now += need;
+    ch.busy += need;
+    complete(pop(c));
   }
 
   int new_job(int c, TensorId id, double key) {

@@ -527,27 +527,46 @@ TEST(Policies, RecomputeTraceDropsAndRemakesActivations) {
 
 // ---- fuzzing -------------------------------------------------------------------------------
 
+// One random case of the fuzz tests: a trace of `seed`'s shape, device memory 30-110% of its
+// peak, SSD bandwidth 10^7-10^12.5 B/s, 1-3 SSDs, host memory on odd seeds.
+enum class FuzzLink { kPerArray, kPerSsd };  // host link = write bandwidth of one SSD or of all
+struct FuzzCase {
+  trace::Trace trace;
+  trace::LifetimeAnalysis lifetimes;
+  Hardware hw;
+};
+
+FuzzCase fuzz_case(std::uint64_t seed, std::mt19937_64& rng, FuzzLink link, bool vary_margin) {
+  trace::testutil::RandomTraceOptions ro;
+  ro.layers = 1 + static_cast<int>(seed % 5);
+  ro.forward_ops_per_layer = 2 + static_cast<int>(seed % 4);
+  ro.backward_ops_per_layer = 2 + static_cast<int>((seed / 3) % 4);
+  ro.max_bytes = 1ull << 30;
+  FuzzCase c;
+  c.trace = trace::testutil::random_trace(seed, ro);
+  c.lifetimes = trace::analyze_lifetimes(c.trace);
+  std::uniform_real_distribution<double> frac(0.3, 1.1);
+  std::uniform_real_distribution<double> lbw(7, 12.5);
+  const double bw = std::pow(10.0, lbw(rng));
+  const double peak = static_cast<double>(c.lifetimes.summary.peak_live_bytes);
+  c.hw = simple_hw(static_cast<std::uint64_t>(peak * frac(rng)), bw);
+  c.hw.ssd_count = 1 + static_cast<int>(seed % 3);
+  c.hw.host_link_bw = c.hw.ssd_write_bw * (link == FuzzLink::kPerSsd ? c.hw.ssd_count : 1) *
+                      (seed % 2 == 0 ? 1.0 : 2.5);
+  c.hw.host_memory = seed % 2 == 0 ? 0 : c.lifetimes.summary.peak_live_bytes / 3;
+  if (vary_margin) c.hw.memory_margin = static_cast<double>(seed % 3) * 0.01;
+  return c;
+}
+
 TEST(PlannerFuzz, RandomTracesFitAndPair) {
   std::mt19937_64 rng(12345);
   int planned = 0;
   int infeasible = 0;
   for (std::uint64_t seed = 0; seed < 400; ++seed) {
-    trace::testutil::RandomTraceOptions ro;
-    ro.layers = 1 + static_cast<int>(seed % 5);
-    ro.forward_ops_per_layer = 2 + static_cast<int>(seed % 4);
-    ro.backward_ops_per_layer = 2 + static_cast<int>((seed / 3) % 4);
-    ro.max_bytes = 1ull << 30;
-    const trace::Trace t = trace::testutil::random_trace(seed, ro);
-    const auto la = trace::analyze_lifetimes(t);
-    std::uniform_real_distribution<double> frac(0.3, 1.1);
-    std::uniform_real_distribution<double> lbw(7, 12.5);
-    Hardware hw = simple_hw(
-        static_cast<std::uint64_t>(static_cast<double>(la.summary.peak_live_bytes) * frac(rng)),
-        std::pow(10.0, lbw(rng)));
-    hw.ssd_count = 1 + static_cast<int>(seed % 3);
-    hw.host_link_bw = hw.ssd_write_bw * (seed % 2 == 0 ? 1.0 : 2.5);
-    hw.host_memory = seed % 2 == 0 ? 0 : la.summary.peak_live_bytes / 3;
-    hw.memory_margin = (seed % 3) * 0.01;
+    const FuzzCase fc = fuzz_case(seed, rng, FuzzLink::kPerArray, true);
+    const trace::Trace& t = fc.trace;
+    const auto& la = fc.lifetimes;
+    Hardware hw = fc.hw;
     Plan p;
     try {
       p = make_plan(t, hw);
@@ -583,21 +602,10 @@ TEST(PlannerFuzz, PlannedStallBoundsTheSimulatedStall) {
   std::mt19937_64 rng(777);
   int compared = 0;
   for (std::uint64_t seed = 0; seed < 400; ++seed) {
-    trace::testutil::RandomTraceOptions ro;
-    ro.layers = 1 + static_cast<int>(seed % 5);
-    ro.forward_ops_per_layer = 2 + static_cast<int>(seed % 4);
-    ro.backward_ops_per_layer = 2 + static_cast<int>((seed / 3) % 4);
-    ro.max_bytes = 1ull << 30;
-    const trace::Trace t = trace::testutil::random_trace(seed, ro);
-    const auto la = trace::analyze_lifetimes(t);
-    std::uniform_real_distribution<double> frac(0.3, 1.1);
-    std::uniform_real_distribution<double> lbw(7, 12.5);
-    Hardware hw = simple_hw(
-        static_cast<std::uint64_t>(static_cast<double>(la.summary.peak_live_bytes) * frac(rng)),
-        std::pow(10.0, lbw(rng)));
-    hw.ssd_count = 1 + static_cast<int>(seed % 3);
-    hw.host_link_bw = hw.ssd_write_bw * hw.ssd_count * (seed % 2 == 0 ? 1.0 : 2.5);
-    hw.host_memory = seed % 2 == 0 ? 0 : la.summary.peak_live_bytes / 3;
+    const FuzzCase fc = fuzz_case(seed, rng, FuzzLink::kPerSsd, false);
+    const trace::Trace& t = fc.trace;
+    const auto& la = fc.lifetimes;
+    Hardware hw = fc.hw;
     // The estimate is judged on the plan as the greedy and the fallback leave it; pruning
     // only gives bandwidth back, and the planned stall stays an upper bound (the reservations
     // that needed a stall keep their place, so it can be looser than before).
@@ -633,23 +641,10 @@ TEST(PlannerFuzz, PruningNeverWritesMoreAndKeepsTheInvariants) {
   int planned = 0;
   int pruned = 0;
   for (std::uint64_t seed = 0; seed < 400; ++seed) {
-    trace::testutil::RandomTraceOptions ro;
-    ro.layers = 1 + static_cast<int>(seed % 5);
-    ro.forward_ops_per_layer = 2 + static_cast<int>(seed % 4);
-    ro.backward_ops_per_layer = 2 + static_cast<int>((seed / 3) % 4);
-    ro.max_bytes = 1ull << 30;
-    const trace::Trace t = trace::testutil::random_trace(seed, ro);
-    const auto la = trace::analyze_lifetimes(t);
-    std::uniform_real_distribution<double> frac(0.3, 1.1);
-    std::uniform_real_distribution<double> lbw(7, 12.5);
-    const double bw = std::pow(10.0, lbw(rng));
-    Hardware hw = simple_hw(
-        static_cast<std::uint64_t>(static_cast<double>(la.summary.peak_live_bytes) * frac(rng)),
-        bw);
-    hw.ssd_count = 1 + static_cast<int>(seed % 3);
-    hw.host_link_bw = hw.ssd_write_bw * (seed % 2 == 0 ? 1.0 : 2.5);
-    hw.host_memory = seed % 2 == 0 ? 0 : la.summary.peak_live_bytes / 3;
-    hw.memory_margin = (seed % 3) * 0.01;
+    const FuzzCase fc = fuzz_case(seed, rng, FuzzLink::kPerArray, true);
+    const trace::Trace& t = fc.trace;
+    const auto& la = fc.lifetimes;
+    Hardware hw = fc.hw;
     PlannerOptions keep;
     keep.prune = false;
     Plan g;
