@@ -7,6 +7,7 @@
 #include "commands.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
+#include "tidal/plan/bound.hpp"
 #include "tidal/plan/hardware.hpp"
 #include "tidal/plan/model_trace.hpp"
 #include "tidal/plan/planner.hpp"
@@ -69,6 +70,11 @@ void run_plan(const PlanArgs& a) {
               format_seconds(sim.compute_seconds).c_str(),
               format_seconds(sim.stall_seconds).c_str(), gb(sim.peak_bytes).c_str(),
               sim.fits ? "fits" : "DOES NOT FIT");
+  const plan::StallBound bound = plan::stall_lower_bound(tr, hw);
+  std::printf("  lower bound, any plan      stall %s, iteration %s (%.1f%% of ideal at best)\n",
+              format_seconds(bound.stall_seconds).c_str(),
+              format_seconds(bound.iteration_seconds).c_str(),
+              100.0 * sim.compute_seconds / bound.iteration_seconds);
   if (!a.out.empty()) {
     plan::write_plan(p, a.out);
     std::printf("  wrote %zu actions to %s\n", p.actions.size(), a.out.c_str());
@@ -82,6 +88,8 @@ void run_plan(const PlanArgs& a) {
     j["simulated_iteration_seconds"] = sim.iteration_seconds;
     j["simulated_peak_bytes"] = sim.peak_bytes;
     j["simulated_fits"] = sim.fits;
+    j["simulated_stall_seconds"] = sim.stall_seconds;
+    j["lower_bound_stall_seconds"] = bound.stall_seconds;
     std::printf("%s\n", j.dump().c_str());
   }
 }

@@ -12,6 +12,7 @@
 #include "commands.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
+#include "tidal/plan/bound.hpp"
 #include "tidal/plan/hardware.hpp"
 #include "tidal/plan/model_trace.hpp"
 #include "tidal/plan/policies.hpp"
@@ -115,6 +116,8 @@ void run_simulate(const SimulateArgs& a) {
   }
   const auto results = plan::run_policies(policies, tr, hw, opt);
 
+  const plan::StallBound bound = plan::stall_lower_bound(tr, hw);
+  const double ideal_seconds = tr.compute_seconds();
   std::uint64_t trace_peak = 0;
   for (const auto& r : results) {
     if (r.policy == plan::Policy::kKeepAll || r.policy == plan::Policy::kIdeal) {
@@ -144,8 +147,29 @@ void run_simulate(const SimulateArgs& a) {
                 format_bytes(static_cast<double>(r.sim.host_bytes_written)).c_str(),
                 r.note.c_str());
   }
+  std::printf(
+      "\nlower bound for any plan on this trace: %s iteration (%s of ideal at best), stall >= "
+      "%s\n",
+      format_seconds(bound.iteration_seconds).c_str(),
+      pct(ideal_seconds / bound.iteration_seconds).c_str(),
+      format_seconds(bound.stall_seconds).c_str());
+  for (const auto& w : bound.windows) {
+    const auto& first = tr.ops[static_cast<std::size_t>(w.first)];
+    const auto& last = tr.ops[static_cast<std::size_t>(w.last)];
+    std::printf("  ops %d-%d (%s %s .. %s %s): %s compute, >= %s to read, >= %s to write: %s\n",
+                w.first, w.last, trace::to_string(first.phase), first.name.c_str(),
+                trace::to_string(last.phase), last.name.c_str(),
+                format_seconds(w.compute_seconds).c_str(), format_bytes(w.read_bytes).c_str(),
+                format_bytes(w.write_bytes).c_str(), format_seconds(w.stall_seconds).c_str());
+  }
   for (const auto& r : results) {
     if (r.policy != plan::Policy::kTidal || !r.plan) continue;
+    double by_phase[4] = {0, 0, 0, 0};
+    for (std::size_t k = 0; k < r.sim.stall_per_op.size() && k < tr.ops.size(); ++k)
+      by_phase[static_cast<int>(tr.ops[k].phase)] += r.sim.stall_per_op[k];
+    std::printf("tidal stall by phase: forward %s, backward %s, optimizer %s, other %s\n",
+                format_seconds(by_phase[0]).c_str(), format_seconds(by_phase[1]).c_str(),
+                format_seconds(by_phase[2]).c_str(), format_seconds(by_phase[3]).c_str());
     std::printf(
         "\ntidal: planned in %s; SSD write/read utilisation %s/%s, host %s/%s; SSD lifetime "
         "%.0f days at %s TBW per SSD\n",
@@ -180,6 +204,9 @@ void run_simulate(const SimulateArgs& a) {
     j["capacity_bytes"] = hw.device_memory;
     j["trace_peak_bytes"] = trace_peak;
     j["compute_seconds"] = tr.compute_seconds();
+    j["lower_bound"] = {{"iteration_seconds", bound.iteration_seconds},
+                        {"stall_seconds", bound.stall_seconds},
+                        {"fraction_of_ideal", ideal_seconds / bound.iteration_seconds}};
     nlohmann::json ps = nlohmann::json::object();
     for (const auto& r : results) {
       nlohmann::json x = {{"iteration_seconds", r.sim.iteration_seconds},

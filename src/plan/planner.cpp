@@ -451,13 +451,18 @@ class Planner {
     return ch;
   }
 
-  // SSD first; host memory when the SSD channel has no room for this period.
+  // The target whose channels free more over-target time for this period; SSD on a tie (host
+  // memory is the scarcer resource), and SSD alone when host memory is off or full. Taking SSD
+  // whenever it had any room (the first version) left the optimizer step of the after-backward
+  // schedule reading almost everything from the SSDs while the host channels idled: on
+  // Llama3-70B b16, 916 of 1,037 GB read in the step came from the SSDs, at 26.8 GB/s instead
+  // of the link's 55 GB/s (35 s of stall instead of 26 s).
   Choice evaluate(const Candidate& c) {
     Choice ssd = evaluate_target(c, Target::kSsd);
-    if (ssd.ok && ssd.score > 0) return ssd;
+    if (!ssd.ok || ssd.score <= 0) ssd = Choice{};
     Choice host = evaluate_target(c, Target::kHost);
-    if (host.ok && host.score > 0) return host;
-    return Choice{};
+    if (host.ok && host.score > ssd.score) return host;
+    return ssd;
   }
 
   using Reservation = std::vector<std::pair<int, double>>;

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "tidal/common/error.hpp"
+#include "tidal/plan/bound.hpp"
 #include "tidal/plan/hardware.hpp"
 #include "tidal/plan/model_trace.hpp"
 #include "tidal/plan/planner.hpp"
@@ -525,6 +526,50 @@ TEST(Policies, RecomputeTraceDropsAndRemakesActivations) {
             trace::analyze_lifetimes(t).summary.peak_live_bytes);
 }
 
+// ---- lower bound ---------------------------------------------------------------------------
+
+TEST(StallBound, ReadWindowOfTwoAlternatingTensors) {
+  // A (100 B) is used at op 1 and B (100 B) at op 5, both persistent; 100 B of device memory
+  // and 10 B/s: between the start of op 1 and the end of op 5 B must come in (A is there for
+  // op 1), 100 B at 10 B/s over 5 s of compute, so every plan stalls at least 5 s.
+  const trace::Trace t = hand_trace(8, {{100, true, {1}}, {100, true, {5}}});
+  const Hardware hw = simple_hw(100, 10);
+  const StallBound b = stall_lower_bound(t, hw);
+  EXPECT_NEAR(b.stall_seconds, 5.0, 1e-9);
+  EXPECT_NEAR(b.iteration_seconds, 13.0, 1e-9);
+  ASSERT_EQ(b.windows.size(), 1u);
+  EXPECT_EQ(b.windows[0].first, 1);
+  EXPECT_EQ(b.windows[0].last, 5);
+  EXPECT_NEAR(b.windows[0].read_bytes, 100.0, 1e-9);
+  const Plan p = make_plan(t, hw);
+  const SimResult sim = simulate(t, &p, hw);
+  ASSERT_TRUE(sim.fits);
+  EXPECT_GE(sim.stall_seconds, b.stall_seconds - 1e-9);
+}
+
+TEST(StallBound, WriteAndReadWindows) {
+  // X (100 B) is made at op 0 and used at op 8; Y (100 B) is made at op 3 and used at op 4.
+  // With 100 B of memory X must be written out by the end of op 3 (100 B at 10 B/s against
+  // 4 s of compute: 6 s), and read back between the start of op 4, when Y is still there, and
+  // op 8 (against 5 s: 5 s). The two windows are disjoint, so every plan stalls 11 s at least.
+  const trace::Trace t = hand_trace(9, {{100, false, {0, 8}}, {100, false, {3, 4}}});
+  const Hardware hw = simple_hw(100, 10);
+  const StallBound b = stall_lower_bound(t, hw);
+  EXPECT_NEAR(b.stall_seconds, 11.0, 1e-9);
+  ASSERT_EQ(b.windows.size(), 2u);
+  EXPECT_EQ(b.windows[0].first, 0);
+  EXPECT_EQ(b.windows[0].last, 3);
+  EXPECT_NEAR(b.windows[0].write_bytes, 100.0, 1e-9);
+  EXPECT_NEAR(b.windows[0].read_bytes, 0.0, 1e-9);
+  EXPECT_EQ(b.windows[1].first, 4);
+  EXPECT_EQ(b.windows[1].last, 8);
+  EXPECT_NEAR(b.windows[1].read_bytes, 100.0, 1e-9);
+  const Plan p = make_plan(t, hw);
+  const SimResult sim = simulate(t, &p, hw);
+  ASSERT_TRUE(sim.fits);
+  EXPECT_GE(sim.stall_seconds, b.stall_seconds - 1e-9);
+}
+
 // ---- fuzzing -------------------------------------------------------------------------------
 
 // One random case of the fuzz tests: a trace of `seed`'s shape, device memory 30-110% of its
@@ -683,6 +728,59 @@ TEST(PlannerFuzz, PruningNeverWritesMoreAndKeepsTheInvariants) {
   EXPECT_GT(pruned, 20);
   RecordProperty("planned", planned);
   RecordProperty("pruned", pruned);
+}
+
+// The bound holds for every plan that fits: tidal's (pruned or not) and the SSDTrain-like one;
+// it is zero when the trace fits as it is, and its windows are disjoint and add up.
+TEST(PlannerFuzz, NoPlanThatFitsBeatsTheStallBound) {
+  std::mt19937_64 rng(99);
+  int checked = 0;
+  int positive = 0;
+  for (std::uint64_t seed = 0; seed < 400; ++seed) {
+    const FuzzCase fc =
+        fuzz_case(seed, rng, seed % 4 < 2 ? FuzzLink::kPerSsd : FuzzLink::kPerArray, true);
+    const trace::Trace& t = fc.trace;
+    const Hardware& hw = fc.hw;
+    const StallBound b = stall_lower_bound(t, hw);
+    const double slack = 1e-6 * t.compute_seconds() + 1e-9;
+    EXPECT_GE(b.stall_seconds, 0.0);
+    EXPECT_NEAR(b.iteration_seconds, t.compute_seconds() + b.stall_seconds, slack);
+    if (fc.lifetimes.summary.peak_live_bytes <= hw.device_memory) {
+      EXPECT_EQ(b.stall_seconds, 0.0) << "seed " << seed;
+    }
+    double sum = 0;
+    OpIndex prev = -1;
+    for (const StallWindow& w : b.windows) {
+      EXPECT_GT(w.first, prev) << "seed " << seed;
+      EXPECT_LE(w.first, w.last) << "seed " << seed;
+      EXPECT_GT(w.stall_seconds, 0.0) << "seed " << seed;
+      prev = w.last;
+      sum += w.stall_seconds;
+    }
+    EXPECT_NEAR(sum, b.stall_seconds, slack) << "seed " << seed;
+    if (b.stall_seconds > 0) ++positive;
+
+    std::vector<Plan> plans;
+    for (bool prune : {true, false}) {
+      PlannerOptions o;
+      o.prune = prune;
+      try {
+        plans.push_back(make_plan(t, hw, o));
+      } catch (const InvalidArgument&) {
+      }
+    }
+    plans.push_back(activation_plan(t, hw, PolicyOptions{}));
+    for (const Plan& p : plans) {
+      const SimResult sim = simulate(t, &p, hw);
+      if (!sim.fits) continue;
+      ++checked;
+      EXPECT_GE(sim.stall_seconds, b.stall_seconds - slack) << "seed " << seed;
+    }
+  }
+  EXPECT_GT(checked, 300);
+  EXPECT_GT(positive, 40);
+  RecordProperty("checked", checked);
+  RecordProperty("positive", positive);
 }
 
 }  // namespace

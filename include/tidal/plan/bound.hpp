@@ -1,0 +1,44 @@
+// A lower bound on the stall of any offloading plan for a trace on a hardware model: what no
+// planner can beat, so that "x% of ideal" can be read against what is possible. Torch-free.
+#pragma once
+
+#include <vector>
+
+#include "tidal/plan/hardware.hpp"
+#include "tidal/trace/trace.hpp"
+
+namespace tidal::plan {
+
+/// One window of consecutive ops whose transfers cannot hide behind its compute.
+struct StallWindow {
+  trace::OpIndex first = 0;  ///< first op of the window
+  trace::OpIndex last = 0;   ///< last op, inclusive
+  double compute_seconds = 0;
+  double read_bytes = 0;   ///< bytes that must be read during the window, at least
+  double write_bytes = 0;  ///< bytes that must be written during the window, at least
+  double stall_seconds = 0;
+};
+
+struct StallBound {
+  /// No plan that keeps device memory at or under the capacity at every op stalls less than
+  /// this in one iteration (on the four channels of Hardware::channels()).
+  double stall_seconds = 0;
+  /// compute + stall_seconds: the shortest iteration any plan can reach.
+  double iteration_seconds = 0;
+  /// Disjoint windows whose stalls add up to stall_seconds, in op order.
+  std::vector<StallWindow> windows;
+};
+
+/// The bound (docs/simulator.md, "Lower bound"). For a window of ops i..j with compute time T:
+/// the tensors it uses that exist before op i (E bytes) must all be in device memory at their
+/// use, and at most C (device capacity) of them can be there or on their way when the window
+/// starts, so at least E - C bytes are read during it; the tensors it creates or modifies that
+/// are needed after op j (W bytes) cannot all stay, so at least W - C bytes are written during
+/// it. The window takes at least max((E - C) / read rate, (W - C) / write rate), where the rates
+/// are the SSD and host channels together, and stalls by that minus T. Disjoint windows stall
+/// independently; the best set of them is found by dynamic programming over all windows
+/// (O(ops^2), cut off where no window can stall any more). Windows do not wrap around the end of
+/// the iteration, which can only make the bound lower.
+StallBound stall_lower_bound(const trace::Trace& trace, const Hardware& hw);
+
+}  // namespace tidal::plan
