@@ -1,5 +1,9 @@
 #include "tidal/models/trainer.hpp"
 
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -22,24 +26,29 @@ AdamW::AdamW(std::vector<torch::Tensor> params, Options options)
 }
 
 void AdamW::step() {
-  torch::NoGradGuard no_grad;
+  begin_step();
+  for (std::size_t i = 0; i < params_.size(); ++i) update(i);
+}
+
+void AdamW::begin_step() {
   ++step_;
   const double t = static_cast<double>(step_);
   const double bias_correction1 = 1.0 - std::pow(options_.beta1, t);
   const double bias_correction2 = 1.0 - std::pow(options_.beta2, t);
-  const double step_size = options_.lr / bias_correction1;
-  const double sqrt_bc2 = std::sqrt(bias_correction2);
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    auto& p = params_[i];
-    const auto& g = p.grad();
-    if (!g.defined()) continue;
-    if (options_.weight_decay != 0 && p.dim() >= 2)
-      p.mul_(1.0 - options_.lr * options_.weight_decay);
-    exp_avg_[i].mul_(options_.beta1).add_(g, 1.0 - options_.beta1);
-    exp_avg_sq_[i].mul_(options_.beta2).addcmul_(g, g, 1.0 - options_.beta2);
-    auto denom = (exp_avg_sq_[i].sqrt() / sqrt_bc2).add_(options_.eps);
-    p.addcdiv_(exp_avg_[i], denom, -step_size);
-  }
+  step_size_ = options_.lr / bias_correction1;
+  sqrt_bc2_ = std::sqrt(bias_correction2);
+}
+
+void AdamW::update(std::size_t i) {
+  torch::NoGradGuard no_grad;
+  auto& p = params_.at(i);
+  const auto& g = p.grad();
+  if (!g.defined()) return;
+  if (options_.weight_decay != 0 && p.dim() >= 2) p.mul_(1.0 - options_.lr * options_.weight_decay);
+  exp_avg_[i].mul_(options_.beta1).add_(g, 1.0 - options_.beta1);
+  exp_avg_sq_[i].mul_(options_.beta2).addcmul_(g, g, 1.0 - options_.beta2);
+  auto denom = (exp_avg_sq_[i].sqrt() / sqrt_bc2_).add_(options_.eps);
+  p.addcdiv_(exp_avg_[i], denom, -step_size_);
 }
 
 void AdamW::zero_grad() {
@@ -132,6 +141,46 @@ Trainer::Trainer(TrainerOptions options)
   model_->set_layer_listener([this](std::int64_t layer) {
     for (auto* o : observers_) o->begin_layer(layer);
   });
+  if (options_.optimizer_in_backward) install_update_hooks();
+}
+
+namespace {
+
+// Runs after a gradient accumulator has added the last contribution of this backward pass to
+// its parameter's .grad: updates that parameter and zeroes its gradient in place.
+class UpdateHook : public torch::autograd::FunctionPostHook {
+ public:
+  UpdateHook(AdamW* optimizer, std::size_t index, torch::Tensor param)
+      : optimizer_(optimizer), index_(index), param_(std::move(param)) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    optimizer_->update(index_);
+    torch::NoGradGuard no_grad;
+    if (param_.grad().defined()) param_.mutable_grad().zero_();
+    return outputs;
+  }
+
+ private:
+  AdamW* optimizer_;
+  std::size_t index_;
+  torch::Tensor param_;
+};
+
+}  // namespace
+
+void Trainer::install_update_hooks() {
+  const auto params = model_->parameters();
+  TIDAL_EXPECT(params.size() == optimizer_.size(), "optimizer and model disagree on parameters");
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
+    TIDAL_EXPECT(p.is_leaf() && p.requires_grad(), "parameter ", i,
+                 " is not a leaf that requires grad; the optimizer-in-backward schedule needs one");
+    auto acc = torch::autograd::impl::grad_accumulator(p);
+    TIDAL_EXPECT(acc != nullptr, "no gradient accumulator for parameter ", i);
+    acc->add_post_hook(std::make_unique<UpdateHook>(&optimizer_, i, p));
+    accumulators_.push_back(std::move(acc));
+  }
 }
 
 void Trainer::add_observer(torch_layer::StepObserver* observer) {
@@ -163,13 +212,18 @@ StepResult Trainer::step() {
   torch::Tensor loss = model_->loss(inputs, targets);
 
   notify_phase(trace::Phase::kBackward);
+  // Optimizer-in-backward: the hooks update each parameter during backward, with this step's
+  // bias corrections.
+  if (options_.optimizer_in_backward) optimizer_.begin_step();
   // torch::autograd::backward rather than Tensor::backward: the latter is itself a dispatched op
   // (aten::_backward) and would hide the backward ops from a tracer as nested calls.
   torch::autograd::backward({loss});
 
   notify_phase(trace::Phase::kOptimizer);
-  optimizer_.step();
-  optimizer_.zero_grad();
+  if (!options_.optimizer_in_backward) {
+    optimizer_.step();
+    optimizer_.zero_grad();
+  }
 
   for (auto* o : observers_) o->end_step(step_);
 

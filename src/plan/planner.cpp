@@ -1009,7 +1009,7 @@ class Planner {
         format_bytes(static_cast<double>(target_)), " is available (",
         format_bytes(static_cast<double>(hw_.device_memory)), " less the ", hw_.memory_margin * 100,
         "% margin): ", format_bytes(static_cast<double>(worst)),
-        " short. Use a smaller batch or sequence, or more device memory (--gpu-mem).");
+        " short. Use a smaller batch or sequence, or ", opt_.more_memory_hint, ".");
   }
 
   const trace::Trace& tr_;

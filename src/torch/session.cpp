@@ -127,6 +127,11 @@ struct Session::Impl {
     plan::apply_overrides(hw, overrides);
     plan::PlannerOptions po;
     po.min_bytes = opt.executor.min_bytes;
+    po.more_memory_hint =
+        "a larger memory budget (tidal train --mem-budget; SessionOptions::memory_budget or "
+        "budget_fraction; now " +
+        format_bytes(static_cast<double>(stats.memory_budget)) + " of a profiled peak of " +
+        format_bytes(static_cast<double>(stats.profiled_peak)) + ")";
     plan::Plan p = plan::make_plan(*trace, hw, po);
     char line[256];
     std::snprintf(line, sizeof line,

@@ -27,6 +27,7 @@ struct ModelArgs {
   std::int64_t hidden = 0;
   std::int64_t heads = 0;
   std::string device = "auto";
+  bool optimizer_in_backward = false;
 };
 
 inline void add_model_options(CLI::App* cmd, ModelArgs& a) {
@@ -43,6 +44,9 @@ inline void add_model_options(CLI::App* cmd, ModelArgs& a) {
   cmd->add_option("--hidden", a.hidden, "override the config's hidden size");
   cmd->add_option("--heads", a.heads, "override the config's attention heads");
   cmd->add_option("--device", a.device, "auto, cpu or cuda[:N]")->capture_default_str();
+  cmd->add_flag("--optimizer-in-backward", a.optimizer_in_backward,
+                "update each parameter as soon as backward completes its gradient (same math; "
+                "lets offloading hide the optimizer step; not with global-norm clipping)");
 }
 
 inline models::TrainerOptions to_trainer_options(const ModelArgs& a) {
@@ -53,6 +57,7 @@ inline models::TrainerOptions to_trainer_options(const ModelArgs& a) {
   o.seed = a.seed;
   o.data_path = a.data;
   o.adamw.lr = a.lr;
+  o.optimizer_in_backward = a.optimizer_in_backward;
   if (a.device == "auto") {
     o.device =
         torch_layer::cuda_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);

@@ -219,6 +219,7 @@ void run_train(const TrainArgs& args) {
     j["tokens_per_second"] = tps;
     j["offload_mode"] = args.offload;
     j["recompute"] = args.recompute;
+    j["optimizer_schedule"] = options.optimizer_in_backward ? "in-backward" : "after-backward";
     j["bytes_written"] = bytes_written;
     j["bytes_read"] = bytes_read;
     j["stall_seconds"] = stall;

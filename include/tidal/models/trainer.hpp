@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <memory>
 #include <random>
 #include <string>
 #include <utility>
@@ -32,8 +33,19 @@ class AdamW {
 
   AdamW(std::vector<torch::Tensor> params, Options options);
 
-  /// One update of every parameter that has a gradient. Runs under torch::NoGradGuard.
+  /// One update of every parameter that has a gradient: begin_step(), then update(i) for each.
   void step();
+
+  /// Starts a step: advances the step count that the bias corrections use. For callers that
+  /// update parameters one at a time (the optimizer-in-backward schedule).
+  void begin_step();
+
+  /// Updates parameter i from its gradient (nothing when it has none) with the bias
+  /// corrections of the step begin_step() started. Runs under torch::NoGradGuard. The same
+  /// ATen ops on the same values as step() does for i: the results are bit-identical.
+  void update(std::size_t i);
+
+  [[nodiscard]] std::size_t size() const { return params_.size(); }
 
   /// Zeroes the gradients in place (they stay allocated: persistent across steps).
   void zero_grad();
@@ -50,6 +62,8 @@ class AdamW {
   std::vector<torch::Tensor> exp_avg_sq_;
   Options options_;
   std::int64_t step_ = 0;
+  double step_size_ = 0;  // of the current step, set by begin_step()
+  double sqrt_bc2_ = 1;
 };
 
 /// Where training tokens come from: a deterministic synthetic stream (default) or a text file
@@ -82,6 +96,14 @@ struct TrainerOptions {
   AdamW::Options adamw;
   std::string data_path;  ///< empty: synthetic tokens
   torch::Device device = torch::kCPU;
+  /// Optimizer-in-backward schedule: each parameter is updated (and its gradient zeroed) by a
+  /// hook on its gradient accumulator as soon as backward has completed its gradient, instead
+  /// of all parameters after the backward pass. The same math, bit for bit (AdamW is per
+  /// parameter and the update runs after every use of the parameter in backward); gradients
+  /// and optimizer states are then needed for one op each instead of for a whole phase, which
+  /// is what lets offloading hide the optimizer step (docs/simulator.md). Not for training that
+  /// needs all gradients before any update (clipping by the global norm).
+  bool optimizer_in_backward = false;
 };
 
 /// What one step produced.
@@ -123,6 +145,7 @@ class Trainer {
 
  private:
   void notify_phase(trace::Phase phase);
+  void install_update_hooks();
 
   TrainerOptions options_;
   Transformer model_{nullptr};
@@ -130,6 +153,9 @@ class Trainer {
   TokenSource data_;
   std::vector<torch_layer::StepObserver*> observers_;
   std::int64_t step_ = 0;
+  // The gradient accumulators the update hooks hang on: a parameter holds its accumulator only
+  // weakly, so they are kept alive here for the trainer's lifetime.
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
 };
 
 }  // namespace tidal::models

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 
 #include "tidal/plan/hardware.hpp"
 #include "tidal/plan/plan.hpp"
@@ -24,6 +25,9 @@ struct PlannerOptions {
   bool prune = true;
   /// Tensors smaller than this stay in device memory (their migration costs more than it frees).
   std::uint64_t min_bytes = 0;
+  /// How the error for a plan that cannot fit tells the user to give more memory (the CLI's
+  /// flag by default; a training session names its budget option instead).
+  std::string more_memory_hint = "more device memory (--gpu-mem)";
   /// Called now and then with the share of over-capacity time already resolved (0..1). Called
   /// on the planner's thread.
   std::function<void(double)> progress;
