@@ -23,6 +23,7 @@ struct PlanArgs {
   std::string out;
   std::string min_bytes;
   bool no_host = false;
+  bool prefer_host = false;
   bool no_stalls = false;
   bool json = false;
 };
@@ -31,6 +32,7 @@ void run_plan(const PlanArgs& a) {
   auto [hw, tr] = load_trace_source(a.src);
   plan::PlannerOptions opt;
   opt.use_host = !a.no_host;
+  opt.prefer_host = a.prefer_host;
   opt.allow_stalls = !a.no_stalls;
   if (!a.min_bytes.empty()) opt.min_bytes = parse_bytes(a.min_bytes);
   if (isatty(2) != 0) {
@@ -102,6 +104,8 @@ void add_plan_command(CLI::App& app) {
   add_trace_source_options(cmd, args->src);
   cmd->add_option("--min-bytes", args->min_bytes, "tensors smaller than this stay, e.g. 1MiB");
   cmd->add_flag("--no-host", args->no_host, "never use host memory as a destination");
+  cmd->add_flag("--prefer-host", args->prefer_host,
+                "host memory before SSDs where both have the bandwidth (fewer SSD writes)");
   cmd->add_flag("--no-stalls", args->no_stalls,
                 "do not accept planned stalls (the plan may then not fit)");
   cmd->add_option("--out", args->out, "write the plan JSON here");

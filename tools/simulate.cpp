@@ -26,6 +26,7 @@ struct SimulateArgs {
   TraceSource src;
   std::string policy = "all";
   bool json = false;
+  bool prefer_host = false;
   std::string svg;
   std::uint64_t min_bytes = 0;
   std::string min_bytes_text;
@@ -108,6 +109,7 @@ void run_simulate(const SimulateArgs& a) {
   }
   plan::PolicyOptions opt;
   opt.planner.min_bytes = a.min_bytes;
+  opt.planner.prefer_host = a.prefer_host;
   if (isatty(2) != 0) {
     opt.planner.progress = [](double f) {
       std::fprintf(stderr, "\rplanning: %3.0f%%", 100 * f);
@@ -170,13 +172,18 @@ void run_simulate(const SimulateArgs& a) {
     std::printf("tidal stall by phase: forward %s, backward %s, optimizer %s, other %s\n",
                 format_seconds(by_phase[0]).c_str(), format_seconds(by_phase[1]).c_str(),
                 format_seconds(by_phase[2]).c_str(), format_seconds(by_phase[3]).c_str());
-    std::printf(
-        "\ntidal: planned in %s; SSD write/read utilisation %s/%s, host %s/%s; SSD lifetime "
-        "%.0f days at %s TBW per SSD\n",
-        format_seconds(r.planning_seconds).c_str(), pct(r.sim.ssd_write_utilisation).c_str(),
-        pct(r.sim.ssd_read_utilisation).c_str(), pct(r.sim.host_write_utilisation).c_str(),
-        pct(r.sim.host_read_utilisation).c_str(), r.sim.ssd_lifetime_days,
-        format_bytes(hw.ssd_tbw).c_str());
+    char life[96];
+    if (r.sim.ssd_bytes_written == 0) {
+      std::snprintf(life, sizeof life, "no SSD writes");
+    } else {
+      std::snprintf(life, sizeof life, "SSD lifetime %.0f days at %s TBW per SSD",
+                    r.sim.ssd_lifetime_days, format_bytes(hw.ssd_tbw).c_str());
+    }
+    std::printf("\ntidal: planned in %s; SSD write/read utilisation %s/%s, host %s/%s; %s\n",
+                format_seconds(r.planning_seconds).c_str(),
+                pct(r.sim.ssd_write_utilisation).c_str(), pct(r.sim.ssd_read_utilisation).c_str(),
+                pct(r.sim.host_write_utilisation).c_str(), pct(r.sim.host_read_utilisation).c_str(),
+                life);
   }
   if (!a.svg.empty()) {
     std::ofstream out(a.svg);
@@ -243,6 +250,8 @@ void add_simulate_command(CLI::App& app) {
                   "comma-separated list, or all")
       ->capture_default_str();
   cmd->add_flag("--json", args->json, "print one JSON object as the last line");
+  cmd->add_flag("--prefer-host", args->prefer_host,
+                "tidal: host memory before SSDs where both have the bandwidth (fewer SSD writes)");
   cmd->add_option("--svg", args->svg, "write a plot of memory over the iteration");
   cmd->callback([args] {
     if (!args->min_bytes_text.empty()) args->min_bytes = parse_bytes(args->min_bytes_text);

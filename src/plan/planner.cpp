@@ -451,8 +451,9 @@ class Planner {
     return ch;
   }
 
-  // The target whose channels free more over-target time for this period; SSD on a tie (host
-  // memory is the scarcer resource), and SSD alone when host memory is off or full. Taking SSD
+  // The target whose channels free more over-target time for this period; on a tie the SSDs
+  // (host memory is the scarcer resource), or host memory with options.prefer_host (fewer SSD
+  // writes); SSD alone when host memory is off or full. Taking SSD
   // whenever it had any room (the first version) left the optimizer step of the after-backward
   // schedule reading almost everything from the SSDs while the host channels idled: on
   // Llama3-70B b16, 916 of 1,037 GB read in the step came from the SSDs, at 26.8 GB/s instead
@@ -461,7 +462,10 @@ class Planner {
     Choice ssd = evaluate_target(c, Target::kSsd);
     if (!ssd.ok || ssd.score <= 0) ssd = Choice{};
     Choice host = evaluate_target(c, Target::kHost);
-    if (host.ok && host.score > ssd.score) return host;
+    if (host.ok && host.score > 0 &&
+        (host.score > ssd.score || (opt_.prefer_host && host.score >= ssd.score))) {
+      return host;
+    }
     return ssd;
   }
 

@@ -345,6 +345,45 @@ TEST(Planner, OneLongIdleTensorIsTheOptimum) {
   expect_paired(p, t);
 }
 
+TEST(Planner, TakesTheTargetThatFreesMore) {
+  // The trace of OneLongIdleTensorIsTheOptimum: A (100 B, idle over ops 1..7) must leave.
+  const trace::Trace t = hand_trace(9, {{50, true, {0, 1, 2, 3, 4, 5, 6, 7, 8}},
+                                        {100, false, {0, 8}},
+                                        {60, false, {0, 5, 8}},
+                                        {80, false, {3, 5}}});
+  // SSD at 30 B/s (its transfers would take four of the seven idle ops each way), host memory
+  // over the rest of a fast link: only host memory frees ops 3..5.
+  Hardware slow_ssd = simple_hw(210, 30);
+  slow_ssd.host_link_bw = 1e6;
+  slow_ssd.host_memory = 1000;
+  const Plan p = make_plan(t, slow_ssd);
+  ASSERT_EQ(p.actions.size(), 2u);
+  EXPECT_EQ(p.actions[0].target, Target::kHost);
+  EXPECT_EQ(p.actions[0].tensor, 1);
+  EXPECT_TRUE(simulate(t, &p, slow_ssd).fits);
+  // Both fast: the SSDs on a tie by default, host memory with prefer_host, same timing.
+  Hardware fast = simple_hw(210, 1e6);
+  fast.host_link_bw = 3e6;
+  fast.host_memory = 1000;
+  const Plan ssd = make_plan(t, fast);
+  PlannerOptions o;
+  o.prefer_host = true;
+  const Plan host = make_plan(t, fast, o);
+  ASSERT_EQ(ssd.actions.size(), 2u);
+  ASSERT_EQ(host.actions.size(), 2u);
+  EXPECT_EQ(ssd.actions[0].target, Target::kSsd);
+  EXPECT_EQ(host.actions[0].target, Target::kHost);
+  EXPECT_EQ(ssd.summary.bytes_to_ssd, 100u);
+  EXPECT_EQ(host.summary.bytes_to_ssd, 0u);
+  EXPECT_EQ(host.summary.bytes_to_host, 100u);
+  const SimResult hs = simulate(t, &host, fast);
+  EXPECT_TRUE(hs.fits);
+  EXPECT_EQ(hs.ssd_bytes_written, 0u);
+  // Without room in host memory, prefer_host still plans on the SSDs.
+  fast.host_memory = 50;
+  EXPECT_EQ(make_plan(t, fast, o).actions[0].target, Target::kSsd);
+}
+
 TEST(Planner, BandwidthBucketsSetTheDeadlines) {
   // 100 bytes at 50 B/s over 1 s ops: the write fills ops 1 and 2, the read ops 6 and 7.
   const trace::Trace t = hand_trace(
@@ -612,9 +651,11 @@ TEST(PlannerFuzz, RandomTracesFitAndPair) {
     const trace::Trace& t = fc.trace;
     const auto& la = fc.lifetimes;
     Hardware hw = fc.hw;
+    PlannerOptions po;
+    po.prefer_host = seed % 4 == 3;
     Plan p;
     try {
-      p = make_plan(t, hw);
+      p = make_plan(t, hw, po);
     } catch (const InvalidArgument& e) {
       // The claim must be true: some op's own tensors plus what cannot move exceed capacity,
       // so at least the op's active bytes are positive and the trace does not fit as is.

@@ -16,6 +16,10 @@ struct PlannerOptions {
   /// Allow host memory as a destination (up to Hardware::host_memory) when the SSD channel has
   /// no room for a period.
   bool use_host = true;
+  /// Where SSD and host memory would free the same (both have the bandwidth), take host
+  /// memory, within its budget: fewer SSD writes (drive wear) for the same plan quality. Off by
+  /// default: host memory is the scarcer resource (shared/DESIGN.md: SSD first).
+  bool prefer_host = false;
   /// When no migration fits the bandwidth and memory still exceeds capacity, accept the
   /// migrations that add the least stall (true), or give up and return a plan that does not fit.
   bool allow_stalls = true;
