@@ -147,7 +147,9 @@ Trainer::Trainer(TrainerOptions options)
 namespace {
 
 // Runs after a gradient accumulator has added the last contribution of this backward pass to
-// its parameter's .grad: updates that parameter and zeroes its gradient in place.
+// its parameter's .grad: updates that parameter and drops its gradient (set to none, as
+// PyTorch's optimizer-in-backward recipe does), so that a gradient lives from the op that makes
+// it to its update instead of the whole step; the next backward pass makes a new one.
 class UpdateHook : public torch::autograd::FunctionPostHook {
  public:
   UpdateHook(AdamW* optimizer, std::size_t index, torch::Tensor param)
@@ -156,8 +158,7 @@ class UpdateHook : public torch::autograd::FunctionPostHook {
       const torch::autograd::variable_list& outputs,
       const torch::autograd::variable_list& /*inputs*/) override {
     optimizer_->update(index_);
-    torch::NoGradGuard no_grad;
-    if (param_.grad().defined()) param_.mutable_grad().zero_();
+    param_.mutable_grad() = torch::Tensor();
     return outputs;
   }
 

@@ -38,10 +38,8 @@ StallBound stall_lower_bound(const trace::Trace& trace, const Hardware& hw) {
   std::vector<OpIndex> begin(nt, n);  // n: never in memory; -1: before the iteration
   std::vector<OpIndex> last_use(nt, trace::kNoOp);
   std::vector<std::vector<TensorId>> dies_at(static_cast<std::size_t>(n));
-  double all_bytes = 0;
   for (std::size_t t = 0; t < nt; ++t) {
     const auto& life = la.tensors[t];
-    all_bytes += static_cast<double>(trace.tensors[t].bytes);
     if (trace.tensors[t].persistent) {
       begin[t] = -1;
     } else if (life.live_begin != trace::kNoOp) {
@@ -53,9 +51,12 @@ StallBound stall_lower_bound(const trace::Trace& trace, const Hardware& hw) {
       dies_at[static_cast<std::size_t>(last_use[t])].push_back(static_cast<TensorId>(t));
     }
   }
-  // No window needs more than all tensors moved: once its compute covers that, stop growing it.
-  const double horizon = std::max(transfer_seconds(all_bytes - cap, read_rate),
-                                  transfer_seconds(all_bytes - cap, write_rate));
+  // E(i, j) counts tensors live at op i and W(i, j) tensors live at op j, so neither exceeds the
+  // peak of live bytes: once a window's compute covers moving peak - C bytes, no longer window
+  // from the same start can stall, and it stops growing.
+  const auto peak = static_cast<double>(la.summary.peak_live_bytes);
+  const double horizon =
+      std::max(transfer_seconds(peak - cap, read_rate), transfer_seconds(peak - cap, write_rate));
 
   // best[k]: the largest total stall of disjoint windows within ops 0..k-1; from[k]: the first
   // op of the last window of that set, or -1 when op k-1 ends no window.

@@ -132,6 +132,40 @@ TEST(MemoryMeter, AllocationsAre4KiBAlignedAndPadded) {
   EXPECT_EQ(meter.peak_bytes(), meter.current_bytes());
 }
 
+// Optimizer-in-backward drops each gradient once its parameter is updated: after a step no
+// gradient is left (after-backward keeps all of them, zeroed), the losses are the same, and the
+// step's peak is lower than with all gradients held through backward.
+TEST(Models, OptimizerInBackwardDropsEachGradientAfterItsUpdate) {
+  MemoryMeter meter;
+  std::uint64_t peak[2] = {0, 0};
+  std::uint64_t grad_bytes = 0;
+  std::vector<double> loss[2];
+  for (const bool in_backward : {false, true}) {
+    auto o = tiny("gpt-tiny", 4, 64, 3);
+    o.optimizer_in_backward = in_backward;
+    const std::uint64_t before = meter.current_bytes();
+    {
+      Trainer t(o);
+      loss[in_backward].push_back(t.step().loss);
+      grad_bytes = 0;
+      for (const auto& p : t.model()->parameters()) {
+        EXPECT_EQ(p.grad().defined(), !in_backward);
+        grad_bytes += static_cast<std::uint64_t>(p.numel() * p.element_size());
+      }
+      meter.reset_peak();
+      loss[in_backward].push_back(t.step().loss);
+      peak[in_backward] = meter.peak_bytes() - before;
+    }
+  }
+  EXPECT_EQ(loss[0], loss[1]);
+  RecordProperty("peak_after_backward", std::to_string(peak[0]));
+  RecordProperty("peak_in_backward", std::to_string(peak[1]));
+  RecordProperty("gradient_bytes", std::to_string(grad_bytes));
+  // At the after-backward peak (in backward) most gradients exist; in-backward has dropped the
+  // gradients of the blocks already done.
+  EXPECT_LE(peak[1] + grad_bytes / 2, peak[0]);
+}
+
 TEST(MemoryMeter, PeakGrowsWithBatchSize) {
   MemoryMeter meter;
   std::vector<std::uint64_t> peaks;

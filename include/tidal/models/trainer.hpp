@@ -96,13 +96,15 @@ struct TrainerOptions {
   AdamW::Options adamw;
   std::string data_path;  ///< empty: synthetic tokens
   torch::Device device = torch::kCPU;
-  /// Optimizer-in-backward schedule: each parameter is updated (and its gradient zeroed) by a
-  /// hook on its gradient accumulator as soon as backward has completed its gradient, instead
-  /// of all parameters after the backward pass. The same math, bit for bit (AdamW is per
-  /// parameter and the update runs after every use of the parameter in backward); gradients
-  /// and optimizer states are then needed for one op each instead of for a whole phase, which
-  /// is what lets offloading hide the optimizer step (docs/simulator.md). Not for training that
-  /// needs all gradients before any update (clipping by the global norm).
+  /// Optimizer-in-backward schedule: each parameter is updated by a hook on its gradient
+  /// accumulator as soon as backward has completed its gradient, and the gradient is then
+  /// dropped (set to none), instead of all parameters after the backward pass with gradients
+  /// kept and zeroed. The same math, bit for bit (AdamW is per parameter and the update runs
+  /// after every use of the parameter in backward); a gradient then lives from the op that
+  /// makes it to its update, and optimizer states are needed for one op each instead of for a
+  /// whole phase, which is what lets offloading hide the optimizer step (docs/simulator.md).
+  /// Not for training that needs all gradients before any update (clipping by the global norm,
+  /// accumulation over micro-batches).
   bool optimizer_in_backward = false;
 };
 
