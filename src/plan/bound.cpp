@@ -74,24 +74,20 @@ StallBound stall_lower_bound(const trace::Trace& trace, const Hardware& hw) {
     double e = 0;
     double w = 0;
     double t = 0;
+    // A tensor the window uses that existed before it counts once in E.
+    auto count_read = [&](TensorId x) {
+      if (begin[x] < i && seen_read[x] != i) {
+        seen_read[x] = i;
+        e += static_cast<double>(trace.tensors[static_cast<std::size_t>(x)].bytes);
+      }
+    };
     for (OpIndex j = i; j < n; ++j) {
       const auto& op = trace.ops[static_cast<std::size_t>(j)];
       t += op.duration();
-      for (const TensorId x : op.inputs) {
-        const auto& ten = trace.tensors[static_cast<std::size_t>(x)];
-        const bool existed = begin[x] < i;
-        if (existed && seen_read[x] != i) {
-          seen_read[x] = i;
-          e += static_cast<double>(ten.bytes);
-        }
-      }
+      for (const TensorId x : op.inputs) count_read(x);
       for (const TensorId x : op.outputs) {
+        count_read(x);
         const auto& ten = trace.tensors[static_cast<std::size_t>(x)];
-        const bool existed = begin[x] < i;
-        if (existed && seen_read[x] != i) {
-          seen_read[x] = i;
-          e += static_cast<double>(ten.bytes);
-        }
         if (seen_write[x] != i && (ten.persistent || last_use[x] > j)) {
           seen_write[x] = i;
           w += static_cast<double>(ten.bytes);
