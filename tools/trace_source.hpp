@@ -25,6 +25,7 @@ struct TraceSource {
   std::int64_t seq = 0;
   plan::ModelOverrides shape;
   bool optimizer_in_backward = false;
+  bool optimizer_deferred = false;
   std::string hardware = "h100-4ssd";
   plan::HardwareOverrides hw;
   std::string measure_dirs;  ///< measure these store directories for the SSD figures
@@ -40,6 +41,9 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
   cmd->add_flag("--optimizer-in-backward", s.optimizer_in_backward,
                 "with --model: run each parameter's AdamW update right after its gradient is "
                 "complete in backward (PyTorch's optimizer-in-backward) instead of after backward");
+  cmd->add_flag("--optimizer-deferred", s.optimizer_deferred,
+                "with --model: run each parameter's AdamW update right before its first use in "
+                "the next forward pass (works with global-norm clipping)");
   cmd->add_option("--layers", s.shape.layers, "override the number of blocks");
   cmd->add_option("--hidden", s.shape.hidden, "override the hidden size");
   cmd->add_option("--heads", s.shape.heads, "override the attention heads");
@@ -84,9 +88,9 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
   plan::apply_overrides(hw, overrides);
   if (!s.trace_path.empty()) {
     TIDAL_EXPECT_AS(InvalidArgument, s.model.empty(), "give either --trace or --model, not both");
-    TIDAL_EXPECT_AS(InvalidArgument, !s.optimizer_in_backward,
-                    "--optimizer-in-backward builds an analytic trace (--model); a profiled trace "
-                    "has the schedule its training loop ran");
+    TIDAL_EXPECT_AS(InvalidArgument, !s.optimizer_in_backward && !s.optimizer_deferred,
+                    "--optimizer-in-backward and --optimizer-deferred build an analytic trace "
+                    "(--model); a profiled trace has the schedule its training loop ran");
     return {hw, trace::read_trace(s.trace_path)};
   }
   TIDAL_EXPECT_AS(InvalidArgument, !s.model.empty(),
@@ -98,6 +102,7 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
   plan::apply_overrides(cfg, s.shape);
   plan::AnalyticTraceOptions topt;
   topt.optimizer_in_backward = s.optimizer_in_backward;
+  topt.optimizer_deferred = s.optimizer_deferred;
   return {hw, plan::transformer_trace(cfg, s.batch, s.seq, hw, topt)};
 }
 

@@ -74,9 +74,14 @@ StallBound stall_lower_bound(const trace::Trace& trace, const Hardware& hw) {
     double e = 0;
     double w = 0;
     double t = 0;
-    // A tensor the window uses that existed before it counts once in E.
+    // A tensor the window uses that existed before it counts once in E. A tensor with a gap
+    // exists before op i when i is in its first live stretch or after its producer.
+    auto existed = [&](TensorId x) {
+      const auto& ten = trace.tensors[static_cast<std::size_t>(x)];
+      return ten.has_gap() ? i <= ten.freed_after || i > ten.producer : begin[x] < i;
+    };
     auto count_read = [&](TensorId x) {
-      if (begin[x] < i && seen_read[x] != i) {
+      if (existed(x) && seen_read[x] != i) {
         seen_read[x] = i;
         e += static_cast<double>(trace.tensors[static_cast<std::size_t>(x)].bytes);
       }
@@ -88,7 +93,11 @@ StallBound stall_lower_bound(const trace::Trace& trace, const Hardware& hw) {
       for (const TensorId x : op.outputs) {
         count_read(x);
         const auto& ten = trace.tensors[static_cast<std::size_t>(x)];
-        if (seen_write[x] != i && (ten.persistent || last_use[x] > j)) {
+        // Needed after j: persistent, or used later. A tensor with a gap counts only when made
+        // or changed in its last live stretch (needed by the next iteration); before its gap it
+        // is left out, which can only lower the bound.
+        const bool needed = ten.has_gap() ? j >= ten.producer : ten.persistent || last_use[x] > j;
+        if (seen_write[x] != i && needed) {
           seen_write[x] = i;
           w += static_cast<double>(ten.bytes);
         }

@@ -327,6 +327,96 @@ trace::Trace optimizer_in_backward(const trace::Trace& in) {
   return out;
 }
 
+trace::Trace optimizer_deferred(const trace::Trace& in) {
+  trace::validate(in);
+  const auto n = in.ops.size();
+  // First use of each tensor by an op outside the optimizer phase.
+  std::vector<OpIndex> first_use(in.tensors.size(), trace::kNoOp);
+  for (const auto& op : in.ops) {
+    if (op.phase == Phase::kOptimizer) continue;
+    for (const auto* ids : {&op.inputs, &op.outputs}) {
+      for (TensorId id : *ids) {
+        auto& f = first_use[static_cast<std::size_t>(id)];
+        if (f == trace::kNoOp) f = op.index;
+      }
+    }
+  }
+  // For each op, the optimizer ops that run right before it.
+  std::vector<std::vector<OpIndex>> before(n);
+  std::vector<char> moved(n, 0);
+  std::vector<OpIndex> gradient_update(in.tensors.size(), trace::kNoOp);
+  std::size_t moves = 0;
+  for (const auto& op : in.ops) {
+    if (op.phase != Phase::kOptimizer) continue;
+    bool reads_grad = false;
+    for (TensorId id : op.inputs) {
+      const auto& t = in.tensors[static_cast<std::size_t>(id)];
+      TIDAL_EXPECT_AS(InvalidArgument, !t.has_gap(), "tensor ", id, " ('", t.name,
+                      "') already lives across the iteration boundary; the trace is deferred");
+      reads_grad = reads_grad || t.cls == TensorClass::kGradient;
+    }
+    OpIndex at = trace::kNoOp;
+    for (TensorId id : op.outputs) {
+      const OpIndex f = first_use[static_cast<std::size_t>(id)];
+      if (f != trace::kNoOp && (at == trace::kNoOp || f < at)) at = f;
+    }
+    if (!reads_grad || at == trace::kNoOp) continue;
+    before[static_cast<std::size_t>(at)].push_back(op.index);
+    moved[static_cast<std::size_t>(op.index)] = 1;
+    ++moves;
+    for (TensorId id : op.inputs) {
+      if (in.tensors[static_cast<std::size_t>(id)].cls == TensorClass::kGradient) {
+        gradient_update[static_cast<std::size_t>(id)] = op.index;
+      }
+    }
+  }
+  TIDAL_EXPECT_AS(InvalidArgument, moves > 0,
+                  "no optimizer op reads a gradient and writes a tensor that forward or backward "
+                  "uses; there is nothing to defer");
+  std::vector<OpIndex> order;
+  order.reserve(n);
+  for (std::size_t k = 0; k < n; ++k) {
+    for (OpIndex o : before[k]) order.push_back(o);
+    if (!moved[k]) order.push_back(static_cast<OpIndex>(k));
+  }
+  std::vector<OpIndex> remap(n, trace::kNoOp);
+  trace::Trace out = in;
+  out.ops.clear();
+  double now = 0;
+  for (OpIndex k : order) {
+    trace::Op o = in.ops[static_cast<std::size_t>(k)];
+    const double d = o.duration();
+    o.index = static_cast<OpIndex>(out.ops.size());
+    remap[static_cast<std::size_t>(k)] = o.index;
+    o.start_s = now;
+    now += d;
+    o.end_s = now;
+    out.ops.push_back(std::move(o));
+  }
+  std::vector<OpIndex> new_last(out.tensors.size(), trace::kNoOp);
+  for (const auto& op : out.ops) {
+    for (const auto* ids : {&op.inputs, &op.outputs}) {
+      for (TensorId id : *ids) new_last[static_cast<std::size_t>(id)] = op.index;
+    }
+  }
+  for (auto& t : out.tensors) {
+    const auto id = static_cast<std::size_t>(t.id);
+    if (t.producer != trace::kNoOp) t.producer = remap[static_cast<std::size_t>(t.producer)];
+    if (gradient_update[id] != trace::kNoOp && t.producer != trace::kNoOp) {
+      // Made in backward, read by its update early in the next iteration: a tensor with a gap.
+      t.persistent = true;
+      t.freed_after = remap[static_cast<std::size_t>(gradient_update[id])];
+      continue;
+    }
+    if (t.freed_after != trace::kNoOp) {
+      t.freed_after = std::max(remap[static_cast<std::size_t>(t.freed_after)], new_last[id]);
+    }
+  }
+  out.meta["optimizer_schedule"] = "deferred";
+  trace::validate(out);
+  return out;
+}
+
 trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch, std::int64_t seq,
                                const Hardware& hw, const AnalyticTraceOptions& options) {
   TIDAL_EXPECT_AS(InvalidArgument, batch > 0 && seq > 0, "batch and seq must be positive, got ",
@@ -590,6 +680,9 @@ trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch,
   t.meta["parameters"] = std::to_string(cfg.parameters());
   t.meta["optimizer_schedule"] = "after-backward";
   trace::validate(t);
+  TIDAL_EXPECT_AS(InvalidArgument, !(options.optimizer_in_backward && options.optimizer_deferred),
+                  "choose one optimizer schedule: in-backward or deferred");
+  if (options.optimizer_deferred) return optimizer_deferred(t);
   return options.optimizer_in_backward ? optimizer_in_backward(t) : t;
 }
 

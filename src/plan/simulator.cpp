@@ -64,6 +64,11 @@ class Simulator {
       if (tr_.tensors[i].persistent) {
         tensors_[i].state = State::kResident;
         resident_ += tr_.tensors[i].bytes;
+        if (tr_.tensors[i].has_gap()) {  // dead after freed_after, made anew by its producer
+          created_at_[static_cast<std::size_t>(life.live_begin)].push_back(
+              static_cast<TensorId>(i));
+          freed_at_[static_cast<std::size_t>(life.live_end)].push_back(static_cast<TensorId>(i));
+        }
       } else if (life.live_begin != trace::kNoOp) {
         created_at_[static_cast<std::size_t>(life.live_begin)].push_back(static_cast<TensorId>(i));
         freed_at_[static_cast<std::size_t>(life.live_end)].push_back(static_cast<TensorId>(i));

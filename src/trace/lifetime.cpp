@@ -115,6 +115,10 @@ LifetimeAnalysis analyze_lifetimes(const Trace& trace) {
     if (n_ops == 0) {
       life.live_begin = kNoOp;
       life.live_end = kNoOp;
+    } else if (t.has_gap()) {
+      // Live over [producer, end) and [0, freed_after]: begin after end says it wraps.
+      life.live_begin = t.producer;
+      life.live_end = t.freed_after;
     } else if (t.persistent) {
       life.live_begin = 0;
       life.live_end = last_op;
@@ -130,22 +134,31 @@ LifetimeAnalysis analyze_lifetimes(const Trace& trace) {
       life.live_begin = kNoOp;
       life.live_end = kNoOp;
     }
-    if (life.live_begin != kNoOp) {
+    if (life.live_begin != kNoOp && life.live_begin > life.live_end) {
+      diff[0] += t.bytes;  // a tensor with a gap: [0, end] and [begin, last op]
+      diff[static_cast<std::size_t>(life.live_end) + 1] -= t.bytes;
+      diff[static_cast<std::size_t>(life.live_begin)] += t.bytes;
+    } else if (life.live_begin != kNoOp) {
       // Unsigned wrap-around is well defined, and the running sum below is exact modulo 2^64.
       diff[static_cast<std::size_t>(life.live_begin)] += t.bytes;
       diff[static_cast<std::size_t>(life.live_end) + 1] -= t.bytes;
     }
 
+    // An idle stretch over a tensor's gap is not a period: it is dead there, not idle.
+    auto dead_between = [&](OpIndex a, OpIndex b) {
+      if (!t.has_gap()) return false;
+      return a < b ? a <= t.freed_after && b >= t.producer : a <= t.freed_after || b >= t.producer;
+    };
     const auto& uses = life.uses;
     for (std::size_t u = 0; u + 1 < uses.size(); ++u) {
-      if (uses[u + 1] - uses[u] < 2) continue;
+      if (uses[u + 1] - uses[u] < 2 || dead_between(uses[u], uses[u + 1])) continue;
       life.periods.push_back(InactivePeriod{t.id, t.bytes, uses[u], uses[u + 1], false,
                                             prefix[uses[u + 1]] - prefix[uses[u] + 1]});
     }
     if (t.persistent && !uses.empty()) {
       const OpIndex last = uses.back();
       const OpIndex first = uses.front();
-      if ((last_op - last) + first > 0) {
+      if ((last_op - last) + first > 0 && !dead_between(last, first)) {
         const double idle = (total - prefix[last + 1]) + prefix[first];
         life.periods.push_back(InactivePeriod{t.id, t.bytes, last, first, true, idle});
       }

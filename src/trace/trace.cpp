@@ -100,6 +100,20 @@ void validate(const Trace& trace) {
     }
   }
 
+  // Tensors with a gap: no op may use them while they are dead.
+  for (std::size_t k = 0; k < n_ops; ++k) {
+    const Op& op = trace.ops[k];
+    for (const auto* ids : {&op.inputs, &op.outputs}) {
+      for (TensorId id : *ids) {
+        const Tensor& t = trace.tensors[static_cast<std::size_t>(id)];
+        if (!t.has_gap() || !in_range(t.producer, n_ops) || t.freed_after >= t.producer) continue;
+        TIDAL_EXPECT(t.live_at(static_cast<OpIndex>(k)), "tensor ", id, " ('", t.name,
+                     "') is used by op ", k, " while it is dead (freed after op ", t.freed_after,
+                     ", made anew by op ", t.producer, ")");
+      }
+    }
+  }
+
   for (std::size_t i = 0; i < n_tensors; ++i) {
     const Tensor& t = trace.tensors[i];
     if (t.producer != kNoOp) {
@@ -115,10 +129,16 @@ void validate(const Trace& trace) {
                      first_use[i], " before its producer op ", t.producer);
       }
     }
+    if (t.has_gap()) {
+      TIDAL_EXPECT(
+          in_range(t.freed_after, n_ops) && t.producer != kNoOp && t.freed_after < t.producer,
+          "tensor ", i, " ('", t.name, "') is persistent with freed_after ", t.freed_after,
+          " and producer ", t.producer,
+          "; a persistent tensor may only be freed when a later op makes it anew (its "
+          "producer, after freed_after)");
+      continue;  // uses inside the gap are checked below, with the uses
+    }
     if (t.freed_after != kNoOp) {
-      TIDAL_EXPECT(!t.persistent, "tensor ", i, " ('", t.name,
-                   "') is persistent but has freed_after ", t.freed_after,
-                   "; a persistent tensor is never freed within the iteration");
       TIDAL_EXPECT(in_range(t.freed_after, n_ops), "tensor ", i, " ('", t.name,
                    "') has freed_after ", t.freed_after, ", which is not an op (", n_ops, " ops)");
       TIDAL_EXPECT(last_use[i] <= t.freed_after, "tensor ", i, " ('", t.name, "') is used by op ",

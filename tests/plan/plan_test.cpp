@@ -14,6 +14,7 @@
 #include "tidal/plan/planner.hpp"
 #include "tidal/plan/policies.hpp"
 #include "tidal/plan/simulator.hpp"
+#include "tidal/trace/io.hpp"
 #include "tidal/trace/lifetime.hpp"
 #include "trace/random_trace.hpp"
 
@@ -275,6 +276,103 @@ TEST(ModelTrace, OptimizerInBackwardOnRandomTracesPlansAndFits) {
     EXPECT_LE(sim.peak_bytes, hw.device_memory) << "seed " << seed;
     EXPECT_EQ(sim.misses, 0) << "seed " << seed;
   }
+}
+
+TEST(ModelTrace, OptimizerDeferredMovesEachUpdateBeforeItsFirstUse) {
+  const Hardware hw = hardware_preset("h100-4ssd");
+  for (const char* name : {"gpt2-small", "llama3.2-1b"}) {
+    TransformerConfig cfg = model_preset(name);
+    ModelOverrides o;
+    o.layers = 3;
+    apply_overrides(cfg, o);
+    const trace::Trace std_t = transformer_trace(cfg, 2, 128, hw);
+    AnalyticTraceOptions opt;
+    opt.optimizer_deferred = true;
+    const trace::Trace t = transformer_trace(cfg, 2, 128, hw, opt);
+    ASSERT_NO_THROW(trace::validate(t));
+    EXPECT_EQ(t.meta.at("optimizer_schedule"), "deferred");
+    ASSERT_EQ(t.ops.size(), std_t.ops.size());
+    EXPECT_NEAR(t.compute_seconds(), std_t.compute_seconds(), 1e-12);
+    // Every update comes right before (past other updates only) the first op that uses what it
+    // writes; every gradient it reads has a gap from its update to the backward op making it.
+    const auto la = trace::analyze_lifetimes(t);
+    int updates = 0;
+    for (const auto& op : t.ops) {
+      if (op.phase != Phase::kOptimizer) continue;
+      ++updates;
+      int next = op.index + 1;
+      while (next < static_cast<int>(t.ops.size()) &&
+             t.ops[static_cast<std::size_t>(next)].phase == Phase::kOptimizer) {
+        ++next;
+      }
+      ASSERT_LT(next, static_cast<int>(t.ops.size())) << op.name;
+      bool first = false;
+      for (trace::TensorId id : op.outputs) {
+        for (trace::OpIndex u : la.tensors[static_cast<std::size_t>(id)].uses) {
+          if (t.ops[static_cast<std::size_t>(u)].phase == Phase::kOptimizer) continue;
+          EXPECT_GE(u, next) << op.name;
+          first = first || u == next;
+        }
+      }
+      EXPECT_TRUE(first) << op.name << " is not right before its parameter's first use";
+      for (trace::TensorId id : op.inputs) {
+        const auto& g = t.tensors[static_cast<std::size_t>(id)];
+        if (g.cls != TensorClass::kGradient) continue;
+        EXPECT_TRUE(g.has_gap()) << g.name;
+        EXPECT_EQ(g.freed_after, op.index) << g.name;
+        EXPECT_EQ(t.ops[static_cast<std::size_t>(g.producer)].phase, Phase::kBackward) << g.name;
+      }
+    }
+    EXPECT_GT(updates, 0);
+    EXPECT_EQ(trace::trace_from_json(trace::trace_to_json(t)).tensors.size(), t.tensors.size());
+    const trace::Trace back = trace::trace_from_json(trace::trace_to_json(t));
+    for (std::size_t i = 0; i < t.tensors.size(); ++i) {
+      EXPECT_EQ(back.tensors[i].has_gap(), t.tensors[i].has_gap());
+      EXPECT_EQ(back.tensors[i].freed_after, t.tensors[i].freed_after);
+    }
+    // Kept in memory, the simulator counts what the lifetime analysis counts, gaps included.
+    const SimResult keep = simulate(t, nullptr, hw);
+    EXPECT_EQ(keep.memory_per_op, la.live_bytes) << name;
+    AnalyticTraceOptions both = opt;
+    both.optimizer_in_backward = true;
+    EXPECT_THROW(transformer_trace(cfg, 2, 128, hw, both), InvalidArgument);
+    EXPECT_THROW(optimizer_deferred(t), InvalidArgument);
+  }
+}
+
+TEST(ModelTrace, OptimizerDeferredOnRandomTracesPlansAndFits) {
+  int gaps = 0;
+  for (std::uint64_t seed = 0; seed < 80; ++seed) {
+    trace::testutil::RandomTraceOptions ro;
+    ro.layers = 1 + static_cast<int>(seed % 4);
+    ro.max_bytes = 1ull << 30;
+    ro.gradients_set_to_none = seed % 2 == 0;
+    const trace::Trace base = trace::testutil::random_trace(seed, ro);
+    const trace::Trace t = optimizer_deferred(base);
+    ASSERT_NO_THROW(trace::validate(t)) << "seed " << seed;
+    EXPECT_NEAR(t.compute_seconds(), base.compute_seconds(), 1e-9);
+    for (const auto& x : t.tensors) gaps += x.has_gap() ? 1 : 0;
+    const auto la = trace::analyze_lifetimes(t);
+    Hardware hw = simple_hw(la.summary.peak_live_bytes * 8 / 10, 1e10);
+    const SimResult keep = simulate(t, nullptr, hw);
+    EXPECT_EQ(keep.memory_per_op, la.live_bytes) << "seed " << seed;
+    Plan p;
+    try {
+      p = make_plan(t, hw);
+    } catch (const InvalidArgument&) {
+      continue;
+    }
+    ASSERT_NO_THROW(validate_plan(p, t)) << "seed " << seed;
+    expect_paired(p, t);
+    const SimResult sim = simulate(t, &p, hw);
+    EXPECT_LE(sim.peak_bytes, hw.device_memory) << "seed " << seed;
+    EXPECT_EQ(sim.misses, 0) << "seed " << seed;
+    if (sim.fits) {
+      EXPECT_GE(sim.stall_seconds, stall_lower_bound(t, hw).stall_seconds - 1e-9)
+          << "seed " << seed;
+    }
+  }
+  EXPECT_GT(gaps, 100);
 }
 
 // ---- plan JSON -----------------------------------------------------------------------------

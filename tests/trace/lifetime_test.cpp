@@ -81,6 +81,58 @@ void expect_period(const InactivePeriod& p, TensorId tensor, std::uint64_t bytes
   EXPECT_DOUBLE_EQ(p.idle_seconds, idle);
 }
 
+// The deferred optimizer schedule: the update (op 0) reads the gradient G that backward makes
+// at op 4 of the previous iteration; G is dead between its update and op 4.
+//
+//   op0 opt  adamw            in {W, G, S}  out {W, S}
+//   op1 fwd  linear           in {X, W}     out {A}
+//   op2 fwd  linear2+loss     in {A, W}     out {L}
+//   op3 bwd  loss.backward    in {L}        out {}
+//   op4 bwd  linear.backward  in {A, X}     out {G}
+//   op5 bwd  tail             in {X}        out {}
+Trace deferred_trace() {
+  Trace t = hand_trace();
+  t.ops.clear();
+  t.tensors[T].freed_after = kNoOp;  // T is not used in this trace
+  t.tensors[T].producer = kNoOp;
+  t.tensors[A].producer = 1;
+  t.tensors[L].producer = 2;
+  t.tensors[G].producer = 4;     // made anew by backward ...
+  t.tensors[G].freed_after = 0;  // ... and dead once the update has read it
+  double now = 0;
+  auto op = [&](const char* name, Phase phase, std::vector<TensorId> in,
+                std::vector<TensorId> out) {
+    const double dur = std::ldexp(1.0, static_cast<int>(t.ops.size()));
+    t.ops.push_back(
+        Op{static_cast<OpIndex>(t.ops.size()), name, phase, now, now + dur, in, out, 0});
+    now += dur;
+  };
+  op("adamw", Phase::kOptimizer, {W, G, S}, {W, S});
+  op("linear", Phase::kForward, {X, W}, {A});
+  op("linear2", Phase::kForward, {A, W}, {L});
+  op("loss.backward", Phase::kBackward, {L}, {});
+  op("linear.backward", Phase::kBackward, {A, X}, {G});
+  op("tail", Phase::kBackward, {X}, {});
+  return t;
+}
+
+TEST(LifetimeHand, AGapTensorIsDeadBetweenItsUpdateAndItsProducer) {
+  const Trace t = deferred_trace();
+  ASSERT_NO_THROW(validate(t));
+  EXPECT_TRUE(t.tensors[G].has_gap());
+  EXPECT_FALSE(t.tensors[W].has_gap());
+  const LifetimeAnalysis a = analyze_lifetimes(t);
+  EXPECT_EQ(a.tensors[G].live_begin, 4);
+  EXPECT_EQ(a.tensors[G].live_end, 0);
+  // W, S, X always; A over ops 1-4; L over 2-3; G over 4, 5 and 0.
+  const std::vector<std::uint64_t> live = {710, 1510, 1517, 1517, 1710, 710};
+  EXPECT_EQ(a.live_bytes, live);
+  for (OpIndex k = 0; k < 6; ++k) EXPECT_EQ(t.tensors[G].live_at(k), k == 0 || k >= 4) << k;
+  // G's only period is the live one, from op 4 over op 5 to the update; 0 -> 4 is its gap.
+  ASSERT_EQ(a.tensors[G].periods.size(), 1u);
+  expect_period(a.tensors[G].periods[0], G, 200, 4, 0, true, 32);
+}
+
 TEST(LifetimeHand, LiveIntervalsAndUses) {
   const LifetimeAnalysis a = analyze_lifetimes(hand_trace());
   ASSERT_EQ(a.tensors.size(), 7u);

@@ -32,6 +32,9 @@ struct RandomTraceOptions {
   double freed_after_probability = 0.3;
   /// Chance that a forward output is saved for backward (an activation) rather than a temporary.
   double save_probability = 0.5;
+  /// Gradients made by backward and freed after their optimizer op (zero_grad(set_to_none)),
+  /// instead of persistent gradients.
+  bool gradients_set_to_none = false;
   /// Tensor sizes are log-uniform in [min_bytes, max_bytes].
   std::uint64_t min_bytes = 4;
   std::uint64_t max_bytes = 4ull << 30;
@@ -92,7 +95,8 @@ inline Trace random_trace(std::uint64_t seed, const RandomTraceOptions& opt = {}
     for (int j = 0; j < P; ++j) {
       const std::string base = "layers." + std::to_string(l) + ".w" + std::to_string(j);
       params[l].push_back(add_tensor(base, TensorClass::kParameter, true));
-      grads[l].push_back(add_tensor(base + ".grad", TensorClass::kGradient, true));
+      grads[l].push_back(
+          add_tensor(base + ".grad", TensorClass::kGradient, !opt.gradients_set_to_none));
       states[l].emplace_back();
       for (int s = 0; s < opt.optimizer_states_per_param; ++s) {
         states[l][j].push_back(

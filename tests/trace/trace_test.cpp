@@ -156,6 +156,38 @@ TEST(Validate, NamesTheViolation) {
   }
 }
 
+TEST(Validate, PersistentTensorsWithAGap) {
+  // y made by op 1, read by op 0 of the next iteration: persistent, freed after op 0.
+  Trace t = tiny();
+  t.ops[0].outputs.clear();
+  t.ops[1].inputs.clear();
+  t.ops[1].outputs = {2};
+  t.ops[0].inputs = {0, 1, 2};
+  t.tensors[2].persistent = true;
+  t.tensors[2].producer = 1;
+  t.tensors[2].freed_after = 0;
+  ASSERT_NO_THROW(validate(t));
+  EXPECT_TRUE(t.tensors[2].has_gap());
+  {
+    Trace u = t;
+    u.tensors[2].freed_after = 1;  // not before its producer
+    expect_invalid(u, {"tensor 2", "freed_after 1", "producer 1"});
+  }
+  {
+    Trace u = t;
+    u.tensors[2].producer = kNoOp;  // nothing makes it anew
+    expect_invalid(u, {"tensor 2", "persistent", "freed_after 0"});
+  }
+  {
+    Trace u = t;  // three ops: a use in the gap
+    u.ops.push_back(Op{2, "late", Phase::kForward, 1.5, 2.0, {}, {2}, 0});
+    u.tensors[2].producer = 2;
+    u.ops[1].outputs.clear();
+    u.ops[1].inputs = {2};
+    expect_invalid(u, {"tensor 2", "used by op 1 while it is dead"});
+  }
+}
+
 TEST(Validate, RandomCorruptionOfARandomTraceIsCaught) {
   // Every one of these corruptions breaks an invariant whatever the trace looks like.
   const std::function<void(Trace&)> corruptions[] = {

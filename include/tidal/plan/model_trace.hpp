@@ -64,6 +64,11 @@ struct AnalyticTraceOptions {
   /// parameter, so the math and the total compute are the same; only the order differs, and a
   /// gradient lives for one op instead of until the end of backward.
   bool optimizer_in_backward = false;
+  /// Deferred schedule: each parameter's AdamW op runs right before the parameter's first use
+  /// in the next iteration's forward pass (optimizer_deferred()). Works with clipping by the
+  /// global norm, whose partial sums can be taken as each gradient is made. Not together with
+  /// optimizer_in_backward.
+  bool optimizer_deferred = false;
 };
 
 /// The trace of one training iteration with fp32 weights, gradients (created in backward,
@@ -84,5 +89,16 @@ trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch,
 /// producers and free points are renumbered. A trace without optimizer ops comes back unchanged
 /// in content. Throws tidal::Error on an invalid trace.
 trace::Trace optimizer_in_backward(const trace::Trace& trace);
+
+/// Reorders a trace into the deferred schedule: every optimizer-phase op that reads a gradient
+/// moves right before the first non-optimizer op of the iteration that uses any tensor it
+/// writes (the parameter's first use in forward), which in training is that op in the next
+/// iteration; several before one op keep their order. The gradients it reads become persistent
+/// tensors with a gap (trace::Tensor::has_gap): made by backward, kept across the iteration
+/// boundary, freed after their update. Same ops and durations, so the same ideal; the
+/// gradients, parameters and Adam states of block L are then needed while the forward pass
+/// computes block L, instead of all at once after backward. Throws tidal::InvalidArgument on a
+/// trace that already has a gap or no gradient-reading optimizer op to move.
+trace::Trace optimizer_deferred(const trace::Trace& trace);
 
 }  // namespace tidal::plan

@@ -28,7 +28,9 @@ struct InactivePeriod {
 /// producer, if it has one) through freed_after, or through the last op when freed_after is
 /// kNoOp. Any other tensor is live from its producer (its first use when the producer is kNoOp)
 /// through freed_after (its last use when freed_after is kNoOp). A non-persistent tensor that is
-/// neither produced nor used is never live: live_begin == live_end == kNoOp.
+/// neither produced nor used is never live: live_begin == live_end == kNoOp. A persistent
+/// tensor with a gap (Tensor::has_gap) has live_begin = producer > live_end = freed_after: it is
+/// live over [live_begin, last op] and [0, live_end], and no period spans its gap.
 struct TensorLifetime {
   TensorId tensor = 0;
   OpIndex live_begin = 0;     ///< first op at which it occupies memory (0 for persistent/inputs)

@@ -63,6 +63,15 @@ struct Tensor {
   std::int32_t output_slot = -1;  ///< output slot of producer; (producer, slot) names it
   OpIndex freed_after = kNoOp;    ///< op after which its memory is released; kNoOp: persistent,
                                   ///< or (per-iteration) freed after its last use
+  /// A persistent tensor with freed_after set and a producer after it is alive across the
+  /// iteration boundary but dead in between: released after freed_after, made anew by producer
+  /// (a gradient made in backward that a deferred optimizer step consumes early in the next
+  /// iteration). It is live over ops [producer, end) and [0, freed_after].
+  [[nodiscard]] bool has_gap() const { return persistent && freed_after != kNoOp; }
+  /// Whether the tensor occupies memory at op k (for a tensor that is used at all).
+  [[nodiscard]] bool live_at(OpIndex k) const {
+    return !has_gap() || k <= freed_after || k >= producer;
+  }
 };
 
 /// One profiled (or analytically built) training iteration.
