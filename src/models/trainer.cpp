@@ -137,51 +137,106 @@ Trainer::Trainer(TrainerOptions options)
     : options_(std::move(options)),
       model_(seeded_model(options_)),
       optimizer_(model_->parameters(), options_.adamw),
-      data_(make_source(options_)) {
-  model_->set_layer_listener([this](std::int64_t layer) {
+      data_(make_source(options_)),
+      params_(model_->parameters()) {
+  TIDAL_EXPECT_AS(InvalidArgument, !(options_.optimizer_in_backward && options_.optimizer_deferred),
+                  "choose one optimizer schedule: --optimizer-in-backward or --optimizer-deferred");
+  TIDAL_EXPECT_AS(InvalidArgument, options_.clip_grad_norm >= 0, "--clip-grad-norm must be >= 0");
+  TIDAL_EXPECT_AS(InvalidArgument, options_.clip_grad_norm == 0 || !options_.optimizer_in_backward,
+                  "clipping by the global norm needs every gradient before any update, which "
+                  "--optimizer-in-backward does not wait for; use --optimizer-deferred");
+  TIDAL_EXPECT(params_.size() == optimizer_.size(), "optimizer and model disagree on parameters");
+  const auto layers = static_cast<std::size_t>(options_.config.layers);
+  model_->set_layer_listener([this, layers](std::int64_t layer) {
     for (auto* o : observers_) o->begin_layer(layer);
+    if (options_.optimizer_deferred) {
+      apply_updates(layer >= 0 ? static_cast<std::size_t>(layer) + 1 : layers + 1);
+    }
   });
-  if (options_.optimizer_in_backward) install_update_hooks();
+  if (options_.optimizer_in_backward) {
+    on_gradient_ready([this](std::size_t i) {
+      optimizer_.update(i);
+      params_[i].mutable_grad() = torch::Tensor();  // set to none: a new one next backward
+    });
+  }
+  if (options_.optimizer_deferred) {
+    update_groups_.resize(layers + 2);
+    std::size_t i = 0;
+    for (const auto& p : model_->named_parameters()) {
+      const std::string& name = p.key();
+      std::size_t group = layers + 1;
+      if (name.rfind("blocks.", 0) == 0) {
+        group = 1 + std::stoul(name.substr(7, name.find('.', 7) - 7));
+      } else if (name.rfind("tok_embedding.", 0) == 0 || name.rfind("pos_embedding.", 0) == 0) {
+        group = 0;
+      }
+      update_groups_.at(group).push_back(i++);
+    }
+    pending_.assign(params_.size(), 0);
+    grad_norms_.resize(params_.size());
+    if (options_.clip_grad_norm > 0) {
+      on_gradient_ready([this](std::size_t i) {
+        torch::NoGradGuard no_grad;
+        grad_norms_[i] = params_[i].grad().norm();
+      });
+    }
+  }
 }
 
 namespace {
 
 // Runs after a gradient accumulator has added the last contribution of this backward pass to
-// its parameter's .grad: updates that parameter and drops its gradient (set to none, as
-// PyTorch's optimizer-in-backward recipe does), so that a gradient lives from the op that makes
-// it to its update instead of the whole step; the next backward pass makes a new one.
-class UpdateHook : public torch::autograd::FunctionPostHook {
+// its parameter's .grad.
+class GradientReadyHook : public torch::autograd::FunctionPostHook {
  public:
-  UpdateHook(AdamW* optimizer, std::size_t index, torch::Tensor param)
-      : optimizer_(optimizer), index_(index), param_(std::move(param)) {}
+  explicit GradientReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
   torch::autograd::variable_list operator()(
       const torch::autograd::variable_list& outputs,
       const torch::autograd::variable_list& /*inputs*/) override {
-    optimizer_->update(index_);
-    param_.mutable_grad() = torch::Tensor();
+    fn_();
     return outputs;
   }
 
  private:
-  AdamW* optimizer_;
-  std::size_t index_;
-  torch::Tensor param_;
+  std::function<void()> fn_;
 };
 
 }  // namespace
 
-void Trainer::install_update_hooks() {
-  const auto params = model_->parameters();
-  TIDAL_EXPECT(params.size() == optimizer_.size(), "optimizer and model disagree on parameters");
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    const auto& p = params[i];
+void Trainer::on_gradient_ready(std::function<void(std::size_t)> fn) {
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const auto& p = params_[i];
     TIDAL_EXPECT(p.is_leaf() && p.requires_grad(), "parameter ", i,
-                 " is not a leaf that requires grad; the optimizer-in-backward schedule needs one");
+                 " is not a leaf that requires grad; gradient hooks need one");
     auto acc = torch::autograd::impl::grad_accumulator(p);
     TIDAL_EXPECT(acc != nullptr, "no gradient accumulator for parameter ", i);
-    acc->add_post_hook(std::make_unique<UpdateHook>(&optimizer_, i, p));
+    acc->add_post_hook(std::make_unique<GradientReadyHook>([fn, i] { fn(i); }));
     accumulators_.push_back(std::move(acc));
   }
+}
+
+torch::Tensor Trainer::clip_coefficient(const std::vector<torch::Tensor>& norms) const {
+  torch::NoGradGuard no_grad;
+  const torch::Tensor total = torch::stack(norms).norm();
+  return (options_.clip_grad_norm / (total + 1e-6)).clamp_max(1.0);
+}
+
+void Trainer::apply_updates(std::size_t group) {
+  if (group >= update_groups_.size()) return;
+  torch::NoGradGuard no_grad;
+  for (const std::size_t i : update_groups_[group]) {
+    if (pending_[i] == 0) continue;
+    pending_[i] = 0;
+    auto& p = params_[i];
+    if (!p.grad().defined()) continue;
+    if (clip_coef_.defined()) p.mutable_grad().mul_(clip_coef_);
+    optimizer_.update(i);
+    p.mutable_grad() = torch::Tensor();
+  }
+}
+
+void Trainer::flush_optimizer() {
+  for (std::size_t g = 0; g < update_groups_.size(); ++g) apply_updates(g);
 }
 
 void Trainer::add_observer(torch_layer::StepObserver* observer) {
@@ -210,7 +265,10 @@ StepResult Trainer::step() {
   for (auto* o : observers_) o->begin_step(step_, {inputs, targets});
 
   notify_phase(trace::Phase::kForward);
+  // Deferred: the last step's updates run as forward reaches each parameter (layer listener).
+  apply_updates(0);
   torch::Tensor loss = model_->loss(inputs, targets);
+  flush_optimizer();  // deferred: any parameter forward did not reach
 
   notify_phase(trace::Phase::kBackward);
   // Optimizer-in-backward: the hooks update each parameter during backward, with this step's
@@ -221,7 +279,32 @@ StepResult Trainer::step() {
   torch::autograd::backward({loss});
 
   notify_phase(trace::Phase::kOptimizer);
-  if (!options_.optimizer_in_backward) {
+  if (options_.optimizer_deferred) {
+    // This step's bias corrections and clipping coefficient, for updates in the next forward.
+    optimizer_.begin_step();
+    clip_coef_ = torch::Tensor();
+    if (options_.clip_grad_norm > 0) {
+      std::vector<torch::Tensor> norms;
+      for (std::size_t i = 0; i < params_.size(); ++i) {
+        if (params_[i].grad().defined()) norms.push_back(grad_norms_[i]);
+      }
+      if (!norms.empty()) clip_coef_ = clip_coefficient(norms);
+    }
+    std::fill(pending_.begin(), pending_.end(), 1);
+  } else if (!options_.optimizer_in_backward) {
+    if (options_.clip_grad_norm > 0) {
+      torch::NoGradGuard no_grad;
+      std::vector<torch::Tensor> norms;
+      for (const auto& p : params_) {
+        if (p.grad().defined()) norms.push_back(p.grad().norm());
+      }
+      if (!norms.empty()) {
+        const torch::Tensor coef = clip_coefficient(norms);
+        for (auto& p : params_) {
+          if (p.grad().defined()) p.mutable_grad().mul_(coef);
+        }
+      }
+    }
     optimizer_.step();
     optimizer_.zero_grad();
   }

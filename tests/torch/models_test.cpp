@@ -166,6 +166,44 @@ TEST(Models, OptimizerInBackwardDropsEachGradientAfterItsUpdate) {
   EXPECT_LE(peak[1] + grad_bytes / 2, peak[0]);
 }
 
+// The deferred schedule leaves a step's updates to the next forward pass: after a step the
+// parameters are still the old ones and the gradients are kept; flush_optimizer() applies the
+// updates, which are then exactly those of the step after backward.
+TEST(Models, OptimizerDeferredUpdatesInTheNextForward) {
+  auto o = tiny("llama-tiny", 2, 32, 5);
+  Trainer after(o);
+  o.optimizer_deferred = true;
+  Trainer deferred(o);
+  std::vector<torch::Tensor> init;
+  for (const auto& p : deferred.model()->parameters()) init.push_back(p.detach().clone());
+  EXPECT_EQ(after.step().loss, deferred.step().loss);
+  const auto pa = after.model()->parameters();
+  const auto pd = deferred.model()->parameters();
+  for (std::size_t i = 0; i < pd.size(); ++i) {
+    EXPECT_TRUE(torch::equal(pd[i].detach(), init[i])) << "updated before the next forward: " << i;
+    EXPECT_TRUE(pd[i].grad().defined()) << i;
+    EXPECT_FALSE(torch::equal(pa[i].detach(), init[i])) << i;
+  }
+  EXPECT_EQ(after.step().loss, deferred.step().loss);  // the second forward applies them first
+  deferred.flush_optimizer();
+  for (std::size_t i = 0; i < pd.size(); ++i) {
+    EXPECT_TRUE(torch::equal(pa[i].detach(), pd[i].detach())) << i;
+    EXPECT_FALSE(pd[i].grad().defined()) << i;
+  }
+  // Clipping needs every gradient before any update: not with optimizer-in-backward.
+  auto bad = tiny("gpt-tiny", 2, 32, 5);
+  bad.optimizer_in_backward = true;
+  bad.clip_grad_norm = 1.0;
+  try {
+    Trainer t(bad);
+    FAIL() << "accepted clipping with optimizer-in-backward";
+  } catch (const tidal::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("--optimizer-deferred"), std::string::npos) << e.what();
+  }
+  bad.optimizer_deferred = true;
+  EXPECT_THROW(Trainer t(bad), tidal::InvalidArgument);
+}
+
 TEST(MemoryMeter, PeakGrowsWithBatchSize) {
   MemoryMeter meter;
   std::vector<std::uint64_t> peaks;

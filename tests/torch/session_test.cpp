@@ -33,15 +33,24 @@ void register_all(Session& s, models::Trainer& t) {
   }
 }
 
+// The optimizer schedule of a run: after-backward (default), in-backward, deferred, clipping.
+struct Schedule {
+  bool in_backward = false;
+  bool deferred = false;
+  double clip = 0;
+};
+
 RunResult train(const std::string& model, OffloadMode mode, const std::string& dir, int steps,
-                io::FaultPlan faults = {}, bool optimizer_in_backward = false) {
+                io::FaultPlan faults = {}, Schedule schedule = {}) {
   MemoryMeter meter(torch::kCPU);
   models::TrainerOptions o;
   o.config = models::model_config(model);
   o.batch = 4;
   o.seq = 32;
   o.seed = 77;
-  o.optimizer_in_backward = optimizer_in_backward;
+  o.optimizer_in_backward = schedule.in_backward;
+  o.optimizer_deferred = schedule.deferred;
+  o.clip_grad_norm = schedule.clip;
   models::Trainer trainer(o);
   SessionOptions so;
   so.mode = mode;
@@ -54,15 +63,19 @@ RunResult train(const std::string& model, OffloadMode mode, const std::string& d
   so.peak_bytes = [&meter] { return meter.peak_bytes(); };
   so.reset_peak = [&meter] { meter.reset_peak(); };
   so.model_name = model;
-  Session session(so);
-  trainer.add_observer(&session);
   RunResult r;
-  for (int i = 0; i < steps; ++i) {
-    r.losses.push_back(trainer.step().loss);
-    if (i == 0) register_all(session, trainer);  // gradients exist after the first step
-  }
-  trainer.remove_observer(&session);
-  r.stats = session.stats();
+  {
+    Session session(so);
+    trainer.add_observer(&session);
+    for (int i = 0; i < steps; ++i) {
+      r.losses.push_back(trainer.step().loss);
+      // Gradients exist after the first step; they stay only on the after-backward schedule.
+      if (i == 0 && !schedule.in_backward && !schedule.deferred) register_all(session, trainer);
+    }
+    trainer.remove_observer(&session);
+    r.stats = session.stats();
+  }                           // the session brings back whatever it moved
+  trainer.flush_optimizer();  // deferred: the last step's updates
   for (auto& p : trainer.model()->parameters()) r.params.push_back(p.detach().clone());
   return r;
 }
@@ -109,9 +122,12 @@ TEST(Session, OptimizerInBackwardIsBitIdenticalInEveryMode) {
   testing::TestDir dir;
   const int steps = 12;
   const RunResult after = train("gpt-tiny", OffloadMode::kNone, dir.path(), steps);
-  const RunResult none = train("gpt-tiny", OffloadMode::kNone, dir.path(), steps, {}, true);
-  const RunResult act = train("gpt-tiny", OffloadMode::kActivations, dir.path(), steps, {}, true);
-  const RunResult plan = train("gpt-tiny", OffloadMode::kPlan, dir.path(), steps, {}, true);
+  Schedule in_backward;
+  in_backward.in_backward = true;
+  const RunResult none = train("gpt-tiny", OffloadMode::kNone, dir.path(), steps, {}, in_backward);
+  const RunResult act =
+      train("gpt-tiny", OffloadMode::kActivations, dir.path(), steps, {}, in_backward);
+  const RunResult plan = train("gpt-tiny", OffloadMode::kPlan, dir.path(), steps, {}, in_backward);
   expect_same(after, none, "in-backward against after-backward");
   expect_same(after, act, "in-backward with activation offloading");
   expect_same(after, plan, "in-backward with the plan");
@@ -128,6 +144,30 @@ TEST(Session, OptimizerInBackwardIsBitIdenticalInEveryMode) {
   for (std::size_t i = 0; i < init.size(); ++i) {
     EXPECT_FALSE(torch::equal(init[i].detach(), none.params[i])) << "parameter " << i;
   }
+}
+
+// The deferred schedule updates each parameter right before its first use in the next forward
+// pass, with the gradients clipped by the global norm: bit-identical to clipping and stepping
+// after backward, in every offload mode; and the clipping is really in force.
+TEST(Session, OptimizerDeferredWithClippingIsBitIdenticalInEveryMode) {
+  testing::TestDir dir;
+  const int steps = 12;
+  Schedule clip;
+  clip.clip = 0.05;
+  Schedule deferred = clip;
+  deferred.deferred = true;
+  const RunResult after = train("llama-tiny", OffloadMode::kNone, dir.path(), steps, {}, clip);
+  const RunResult none = train("llama-tiny", OffloadMode::kNone, dir.path(), steps, {}, deferred);
+  const RunResult act =
+      train("llama-tiny", OffloadMode::kActivations, dir.path(), steps, {}, deferred);
+  const RunResult plan = train("llama-tiny", OffloadMode::kPlan, dir.path(), steps, {}, deferred);
+  expect_same(after, none, "deferred against after-backward, clipped");
+  expect_same(after, act, "deferred with activation offloading");
+  expect_same(after, plan, "deferred with the plan");
+  EXPECT_EQ(plan.stats.state, "executing") << plan.stats.plan_summary;
+  EXPECT_GT(plan.stats.bytes_written, 0u) << plan.stats.plan_summary;
+  const RunResult unclipped = train("llama-tiny", OffloadMode::kNone, dir.path(), steps);
+  EXPECT_NE(after.losses.back(), unclipped.losses.back()) << "the clipping changed nothing";
 }
 
 TEST(Session, AFailingStoreNeverChangesALoss) {

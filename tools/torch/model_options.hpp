@@ -28,6 +28,8 @@ struct ModelArgs {
   std::int64_t heads = 0;
   std::string device = "auto";
   bool optimizer_in_backward = false;
+  bool optimizer_deferred = false;
+  double clip_grad_norm = 0;
 };
 
 inline void add_model_options(CLI::App* cmd, ModelArgs& a) {
@@ -47,6 +49,19 @@ inline void add_model_options(CLI::App* cmd, ModelArgs& a) {
   cmd->add_flag("--optimizer-in-backward", a.optimizer_in_backward,
                 "update each parameter as soon as backward completes its gradient (same math; "
                 "lets offloading hide the optimizer step; not with global-norm clipping)");
+  cmd->add_flag("--optimizer-deferred", a.optimizer_deferred,
+                "update each parameter right before its first use in the next forward pass (same "
+                "math; hides the optimizer step like --optimizer-in-backward, and allows "
+                "--clip-grad-norm)");
+  cmd->add_option("--clip-grad-norm", a.clip_grad_norm,
+                  "clip gradients to this global L2 norm (0: off)")
+      ->capture_default_str();
+}
+
+/// The optimizer schedule the flags ask for, as traces and reports name it.
+inline const char* schedule_name(const models::TrainerOptions& o) {
+  if (o.optimizer_in_backward) return "in-backward";
+  return o.optimizer_deferred ? "deferred" : "after-backward";
 }
 
 inline models::TrainerOptions to_trainer_options(const ModelArgs& a) {
@@ -58,6 +73,8 @@ inline models::TrainerOptions to_trainer_options(const ModelArgs& a) {
   o.data_path = a.data;
   o.adamw.lr = a.lr;
   o.optimizer_in_backward = a.optimizer_in_backward;
+  o.optimizer_deferred = a.optimizer_deferred;
+  o.clip_grad_norm = a.clip_grad_norm;
   if (a.device == "auto") {
     o.device =
         torch_layer::cuda_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);

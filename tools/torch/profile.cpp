@@ -141,8 +141,7 @@ void run_profile(const ProfileArgs& args) {
   }
   auto& t = result.trace;
   t.meta["tool"] = "tidal profile";
-  t.meta["optimizer_schedule"] =
-      args.model.optimizer_in_backward ? "in-backward" : "after-backward";
+  t.meta["optimizer_schedule"] = schedule_name(options);
   t.meta["peak_bytes_meter"] = std::to_string(meter.peak_bytes());
   t.meta["step_seconds_unprofiled_median"] = std::to_string(median(plain_seconds));
   t.meta["step_seconds_profiled_median"] = std::to_string(median(traced_seconds));

@@ -157,7 +157,11 @@ void run_train(const TrainArgs& args) {
   for (std::int64_t i = 0; i < args.model.steps; ++i) {
     const bool executing = session.stats().state == "executing";
     const auto r = trainer.step();
-    if (i == 0) register_persistent(session, trainer, true);  // gradients exist now
+    // Gradients exist now; they stay (zeroed in place) only on the after-backward schedule.
+    if (i == 0) {
+      register_persistent(session, trainer,
+                          !options.optimizer_in_backward && !options.optimizer_deferred);
+    }
     const auto s = session.stats();
     losses.push_back(r.loss);
     seconds.push_back(r.seconds);
@@ -219,7 +223,8 @@ void run_train(const TrainArgs& args) {
     j["tokens_per_second"] = tps;
     j["offload_mode"] = args.offload;
     j["recompute"] = args.recompute;
-    j["optimizer_schedule"] = options.optimizer_in_backward ? "in-backward" : "after-backward";
+    j["optimizer_schedule"] = schedule_name(options);
+    j["clip_grad_norm"] = options.clip_grad_norm;
     j["bytes_written"] = bytes_written;
     j["bytes_read"] = bytes_read;
     j["stall_seconds"] = stall;

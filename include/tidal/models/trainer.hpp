@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -106,6 +107,18 @@ struct TrainerOptions {
   /// Not for training that needs all gradients before any update (clipping by the global norm,
   /// accumulation over micro-batches).
   bool optimizer_in_backward = false;
+  /// Deferred schedule: each parameter is updated right before its first use in the next
+  /// step's forward pass (embeddings before the first block, block L's parameters when the
+  /// forward pass enters block L, the final norm and head after the last block), and its
+  /// gradient is dropped then. The same math, bit for bit, and it works with clip_grad_norm
+  /// (each gradient's norm is taken by a hook when backward completes it). The last step's
+  /// updates wait for the next step: call Trainer::flush_optimizer() before reading or saving
+  /// the parameters. Not together with optimizer_in_backward.
+  bool optimizer_deferred = false;
+  /// Clip the gradients to this global L2 norm before the update (0: no clipping), as
+  /// torch.nn.utils.clip_grad_norm_: coefficient min(1, max_norm / (norm + 1e-6)). Needs every
+  /// gradient before any update, so not with optimizer_in_backward.
+  double clip_grad_norm = 0;
 };
 
 /// What one step produced.
@@ -132,6 +145,10 @@ class Trainer {
   /// Removes an observer added before (no-op if absent).
   void remove_observer(torch_layer::StepObserver* observer);
 
+  /// Deferred schedule: applies the updates still pending from the last step (no-op
+  /// otherwise). Call before reading or saving the parameters.
+  void flush_optimizer();
+
   [[nodiscard]] Transformer& model() { return model_; }
   [[nodiscard]] AdamW& optimizer() { return optimizer_; }
   [[nodiscard]] const TrainerOptions& options() const { return options_; }
@@ -147,7 +164,12 @@ class Trainer {
 
  private:
   void notify_phase(trace::Phase phase);
-  void install_update_hooks();
+  // Calls fn(i) after backward has completed parameter i's gradient.
+  void on_gradient_ready(std::function<void(std::size_t)> fn);
+  // The clipping coefficient from per-parameter gradient norms, in parameter order.
+  torch::Tensor clip_coefficient(const std::vector<torch::Tensor>& norms) const;
+  // Deferred schedule: the pending updates of one group of parameters.
+  void apply_updates(std::size_t group);
 
   TrainerOptions options_;
   Transformer model_{nullptr};
@@ -158,6 +180,14 @@ class Trainer {
   // The gradient accumulators the update hooks hang on: a parameter holds its accumulator only
   // weakly, so they are kept alive here for the trainer's lifetime.
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<torch::Tensor> params_;  // the model's parameters, in the optimizer's order
+  // Deferred schedule: parameter indices by where forward first uses them (0: before the first
+  // block, 1 + L: block L, layers + 1: after the last block), what is still to update, each
+  // gradient's norm, and the clipping coefficient of the pending step.
+  std::vector<std::vector<std::size_t>> update_groups_;
+  std::vector<char> pending_;
+  std::vector<torch::Tensor> grad_norms_;
+  torch::Tensor clip_coef_;
 };
 
 }  // namespace tidal::models
