@@ -173,13 +173,15 @@ Trainer::Trainer(TrainerOptions options)
       update_groups_.at(group).push_back(i++);
     }
     pending_.assign(params_.size(), 0);
+  }
+  if (options_.clip_grad_norm > 0) {
+    // Each gradient's norm when backward completes it: the clipping coefficient is then known
+    // when backward ends, without reading every gradient again.
     grad_norms_.resize(params_.size());
-    if (options_.clip_grad_norm > 0) {
-      on_gradient_ready([this](std::size_t i) {
-        torch::NoGradGuard no_grad;
-        grad_norms_[i] = params_[i].grad().norm();
-      });
-    }
+    on_gradient_ready([this](std::size_t i) {
+      torch::NoGradGuard no_grad;
+      grad_norms_[i] = params_[i].grad().norm();
+    });
   }
 }
 
@@ -215,7 +217,13 @@ void Trainer::on_gradient_ready(std::function<void(std::size_t)> fn) {
   }
 }
 
-torch::Tensor Trainer::clip_coefficient(const std::vector<torch::Tensor>& norms) const {
+torch::Tensor Trainer::clip_coefficient() const {
+  if (options_.clip_grad_norm <= 0) return {};
+  std::vector<torch::Tensor> norms;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].grad().defined() && grad_norms_[i].defined()) norms.push_back(grad_norms_[i]);
+  }
+  if (norms.empty()) return {};
   torch::NoGradGuard no_grad;
   const torch::Tensor total = torch::stack(norms).norm();
   return (options_.clip_grad_norm / (total + 1e-6)).clamp_max(1.0);
@@ -274,35 +282,23 @@ StepResult Trainer::step() {
   // Optimizer-in-backward: the hooks update each parameter during backward, with this step's
   // bias corrections.
   if (options_.optimizer_in_backward) optimizer_.begin_step();
+  for (auto& n : grad_norms_) n = torch::Tensor();  // the hooks take this backward's norms
   // torch::autograd::backward rather than Tensor::backward: the latter is itself a dispatched op
   // (aten::_backward) and would hide the backward ops from a tracer as nested calls.
   torch::autograd::backward({loss});
 
   notify_phase(trace::Phase::kOptimizer);
+  clip_coef_ = clip_coefficient();
   if (options_.optimizer_deferred) {
-    // This step's bias corrections and clipping coefficient, for updates in the next forward.
+    // This step's bias corrections and clipping coefficient serve the updates in the next
+    // forward pass.
     optimizer_.begin_step();
-    clip_coef_ = torch::Tensor();
-    if (options_.clip_grad_norm > 0) {
-      std::vector<torch::Tensor> norms;
-      for (std::size_t i = 0; i < params_.size(); ++i) {
-        if (params_[i].grad().defined()) norms.push_back(grad_norms_[i]);
-      }
-      if (!norms.empty()) clip_coef_ = clip_coefficient(norms);
-    }
     std::fill(pending_.begin(), pending_.end(), 1);
   } else if (!options_.optimizer_in_backward) {
-    if (options_.clip_grad_norm > 0) {
+    if (clip_coef_.defined()) {
       torch::NoGradGuard no_grad;
-      std::vector<torch::Tensor> norms;
-      for (const auto& p : params_) {
-        if (p.grad().defined()) norms.push_back(p.grad().norm());
-      }
-      if (!norms.empty()) {
-        const torch::Tensor coef = clip_coefficient(norms);
-        for (auto& p : params_) {
-          if (p.grad().defined()) p.mutable_grad().mul_(coef);
-        }
+      for (auto& p : params_) {
+        if (p.grad().defined()) p.mutable_grad().mul_(clip_coef_);
       }
     }
     optimizer_.step();

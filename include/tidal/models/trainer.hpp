@@ -166,8 +166,8 @@ class Trainer {
   void notify_phase(trace::Phase phase);
   // Calls fn(i) after backward has completed parameter i's gradient.
   void on_gradient_ready(std::function<void(std::size_t)> fn);
-  // The clipping coefficient from per-parameter gradient norms, in parameter order.
-  torch::Tensor clip_coefficient(const std::vector<torch::Tensor>& norms) const;
+  // The clipping coefficient of this step's gradients (undefined without clipping).
+  [[nodiscard]] torch::Tensor clip_coefficient() const;
   // Deferred schedule: the pending updates of one group of parameters.
   void apply_updates(std::size_t group);
 
@@ -182,8 +182,8 @@ class Trainer {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<torch::Tensor> params_;  // the model's parameters, in the optimizer's order
   // Deferred schedule: parameter indices by where forward first uses them (0: before the first
-  // block, 1 + L: block L, layers + 1: after the last block), what is still to update, each
-  // gradient's norm, and the clipping coefficient of the pending step.
+  // block, 1 + L: block L, layers + 1: after the last block) and what is still to update.
+  // Clipping: each gradient's norm, and the coefficient of the last step.
   std::vector<std::vector<std::size_t>> update_groups_;
   std::vector<char> pending_;
   std::vector<torch::Tensor> grad_norms_;
