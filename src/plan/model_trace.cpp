@@ -255,6 +255,34 @@ struct LayerParams {
   std::size_t n1, n1b, n2, n2b, q, k, v, o, w1, w2, w3, qkv, qkvb, ob, fc, fcb, proj, projb;
 };
 
+// The trace with its ops in `order` (a permutation of the op indices), renumbered and run back to
+// back with their durations; remap[k] receives old op k's new index, last[t] the new last use of
+// tensor t. Tensors are copied as they are: the caller moves their producers and free points.
+trace::Trace with_op_order(const trace::Trace& in, const std::vector<OpIndex>& order,
+                           std::vector<OpIndex>& remap, std::vector<OpIndex>& last) {
+  remap.assign(in.ops.size(), trace::kNoOp);
+  trace::Trace out = in;
+  out.ops.clear();
+  double now = 0;
+  for (OpIndex k : order) {
+    trace::Op o = in.ops[static_cast<std::size_t>(k)];
+    const double d = o.duration();
+    o.index = static_cast<OpIndex>(out.ops.size());
+    remap[static_cast<std::size_t>(k)] = o.index;
+    o.start_s = now;
+    now += d;
+    o.end_s = now;
+    out.ops.push_back(std::move(o));
+  }
+  last.assign(out.tensors.size(), trace::kNoOp);
+  for (const auto& op : out.ops) {
+    for (const auto* ids : {&op.inputs, &op.outputs}) {
+      for (TensorId id : *ids) last[static_cast<std::size_t>(id)] = op.index;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 trace::Trace optimizer_in_backward(const trace::Trace& in) {
@@ -294,27 +322,10 @@ trace::Trace optimizer_in_backward(const trace::Trace& in) {
     if (!moved[k]) order.push_back(static_cast<OpIndex>(k));
     for (OpIndex o : after[k]) order.push_back(o);
   }
-  std::vector<OpIndex> remap(n, trace::kNoOp);
-  trace::Trace out = in;
-  out.ops.clear();
-  double now = 0;
-  for (OpIndex k : order) {
-    trace::Op o = in.ops[static_cast<std::size_t>(k)];
-    const double d = o.duration();
-    o.index = static_cast<OpIndex>(out.ops.size());
-    remap[static_cast<std::size_t>(k)] = o.index;
-    o.start_s = now;
-    now += d;
-    o.end_s = now;
-    out.ops.push_back(std::move(o));
-  }
+  std::vector<OpIndex> remap;
+  std::vector<OpIndex> new_last;
+  trace::Trace out = with_op_order(in, order, remap, new_last);
   // A free point that an update moved before a use of the tensor moves to that use.
-  std::vector<OpIndex> new_last(out.tensors.size(), trace::kNoOp);
-  for (const auto& op : out.ops) {
-    for (const auto* ids : {&op.inputs, &op.outputs}) {
-      for (TensorId id : *ids) new_last[static_cast<std::size_t>(id)] = op.index;
-    }
-  }
   for (auto& t : out.tensors) {
     if (t.producer != trace::kNoOp) t.producer = remap[static_cast<std::size_t>(t.producer)];
     if (t.freed_after != trace::kNoOp) {
@@ -379,26 +390,9 @@ trace::Trace optimizer_deferred(const trace::Trace& in) {
     for (OpIndex o : before[k]) order.push_back(o);
     if (!moved[k]) order.push_back(static_cast<OpIndex>(k));
   }
-  std::vector<OpIndex> remap(n, trace::kNoOp);
-  trace::Trace out = in;
-  out.ops.clear();
-  double now = 0;
-  for (OpIndex k : order) {
-    trace::Op o = in.ops[static_cast<std::size_t>(k)];
-    const double d = o.duration();
-    o.index = static_cast<OpIndex>(out.ops.size());
-    remap[static_cast<std::size_t>(k)] = o.index;
-    o.start_s = now;
-    now += d;
-    o.end_s = now;
-    out.ops.push_back(std::move(o));
-  }
-  std::vector<OpIndex> new_last(out.tensors.size(), trace::kNoOp);
-  for (const auto& op : out.ops) {
-    for (const auto* ids : {&op.inputs, &op.outputs}) {
-      for (TensorId id : *ids) new_last[static_cast<std::size_t>(id)] = op.index;
-    }
-  }
+  std::vector<OpIndex> remap;
+  std::vector<OpIndex> new_last;
+  trace::Trace out = with_op_order(in, order, remap, new_last);
   for (auto& t : out.tensors) {
     const auto id = static_cast<std::size_t>(t.id);
     if (t.producer != trace::kNoOp) t.producer = remap[static_cast<std::size_t>(t.producer)];

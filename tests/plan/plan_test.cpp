@@ -201,13 +201,19 @@ TEST(ModelTrace, TensorBytesAreExactFp32) {
   }
 }
 
+// A preset model cut to three blocks, for the schedule tests.
+TransformerConfig three_blocks(const char* name) {
+  TransformerConfig cfg = model_preset(name);
+  ModelOverrides o;
+  o.layers = 3;
+  apply_overrides(cfg, o);
+  return cfg;
+}
+
 TEST(ModelTrace, OptimizerInBackwardMovesEachUpdateAfterItsGradient) {
   const Hardware hw = hardware_preset("h100-4ssd");
   for (const char* name : {"gpt2-small", "llama3.2-1b"}) {
-    TransformerConfig cfg = model_preset(name);
-    ModelOverrides o;
-    o.layers = 3;
-    apply_overrides(cfg, o);
+    const TransformerConfig cfg = three_blocks(name);
     const trace::Trace std_t = transformer_trace(cfg, 2, 128, hw);
     AnalyticTraceOptions opt;
     opt.optimizer_in_backward = true;
@@ -281,10 +287,7 @@ TEST(ModelTrace, OptimizerInBackwardOnRandomTracesPlansAndFits) {
 TEST(ModelTrace, OptimizerDeferredMovesEachUpdateBeforeItsFirstUse) {
   const Hardware hw = hardware_preset("h100-4ssd");
   for (const char* name : {"gpt2-small", "llama3.2-1b"}) {
-    TransformerConfig cfg = model_preset(name);
-    ModelOverrides o;
-    o.layers = 3;
-    apply_overrides(cfg, o);
+    const TransformerConfig cfg = three_blocks(name);
     const trace::Trace std_t = transformer_trace(cfg, 2, 128, hw);
     AnalyticTraceOptions opt;
     opt.optimizer_deferred = true;

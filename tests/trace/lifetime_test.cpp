@@ -31,6 +31,15 @@ constexpr std::uint64_t kGiB = 1ull << 30;
 // (50 B), L temporary (7 B), G persistent gradient (200 B), S optimizer state (400 B).
 enum : TensorId { W, X, A, T, L, G, S };
 
+// Appends an op to t whose duration is 2^(its index), right after the previous one.
+void add_op(Trace& t, const char* name, Phase phase, std::vector<TensorId> in,
+            std::vector<TensorId> out) {
+  const double now = t.ops.empty() ? 0.0 : t.ops.back().end_s;
+  const double dur = std::ldexp(1.0, static_cast<int>(t.ops.size()));
+  t.ops.push_back(Op{static_cast<OpIndex>(t.ops.size()), name, phase, now, now + dur, std::move(in),
+                     std::move(out), 0});
+}
+
 Trace hand_trace() {
   Trace t;
   t.model = "hand";
@@ -54,20 +63,12 @@ Trace hand_trace() {
   tensor(L, "loss", 7, TensorClass::kTemporary, false, 2, kNoOp);
   tensor(G, "w.grad", 200, TensorClass::kGradient, true, kNoOp, kNoOp);
   tensor(S, "w.exp_avg", 400, TensorClass::kOptimizerState, true, kNoOp, kNoOp);
-  double now = 0;
-  auto op = [&](const char* name, Phase phase, std::vector<TensorId> in,
-                std::vector<TensorId> out) {
-    const double dur = std::ldexp(1.0, static_cast<int>(t.ops.size()));
-    t.ops.push_back(
-        Op{static_cast<OpIndex>(t.ops.size()), name, phase, now, now + dur, in, out, 0});
-    now += dur;
-  };
-  op("linear", Phase::kForward, {X, W}, {A});
-  op("gelu", Phase::kForward, {A}, {T});
-  op("linear2", Phase::kForward, {T, W}, {L});
-  op("loss.backward", Phase::kBackward, {L}, {});
-  op("linear.backward", Phase::kBackward, {A, X}, {G});
-  op("adamw", Phase::kOptimizer, {W, G, S}, {W, S});
+  add_op(t, "linear", Phase::kForward, {X, W}, {A});
+  add_op(t, "gelu", Phase::kForward, {A}, {T});
+  add_op(t, "linear2", Phase::kForward, {T, W}, {L});
+  add_op(t, "loss.backward", Phase::kBackward, {L}, {});
+  add_op(t, "linear.backward", Phase::kBackward, {A, X}, {G});
+  add_op(t, "adamw", Phase::kOptimizer, {W, G, S}, {W, S});
   return t;
 }
 
@@ -99,20 +100,12 @@ Trace deferred_trace() {
   t.tensors[L].producer = 2;
   t.tensors[G].producer = 4;     // made anew by backward ...
   t.tensors[G].freed_after = 0;  // ... and dead once the update has read it
-  double now = 0;
-  auto op = [&](const char* name, Phase phase, std::vector<TensorId> in,
-                std::vector<TensorId> out) {
-    const double dur = std::ldexp(1.0, static_cast<int>(t.ops.size()));
-    t.ops.push_back(
-        Op{static_cast<OpIndex>(t.ops.size()), name, phase, now, now + dur, in, out, 0});
-    now += dur;
-  };
-  op("adamw", Phase::kOptimizer, {W, G, S}, {W, S});
-  op("linear", Phase::kForward, {X, W}, {A});
-  op("linear2", Phase::kForward, {A, W}, {L});
-  op("loss.backward", Phase::kBackward, {L}, {});
-  op("linear.backward", Phase::kBackward, {A, X}, {G});
-  op("tail", Phase::kBackward, {X}, {});
+  add_op(t, "adamw", Phase::kOptimizer, {W, G, S}, {W, S});
+  add_op(t, "linear", Phase::kForward, {X, W}, {A});
+  add_op(t, "linear2", Phase::kForward, {A, W}, {L});
+  add_op(t, "loss.backward", Phase::kBackward, {L}, {});
+  add_op(t, "linear.backward", Phase::kBackward, {A, X}, {G});
+  add_op(t, "tail", Phase::kBackward, {X}, {});
   return t;
 }
 
