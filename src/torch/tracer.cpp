@@ -158,6 +158,25 @@ TensorId Tracer::lookup_or_add_input(const at::Tensor& t) {
   const auto* impl = t.storage().unsafeGetStorageImpl();
   auto it = ids_.find(impl);
   if (it != ids_.end()) return it->second;
+  if (auto c = carry_index_.find(impl); c != carry_index_.end()) {
+    const Carried& from = carry_[c->second];
+    auto strong = from.storage.lock();
+    if (strong && strong.get() == impl && carried_by_slot_.count({from.producer, from.slot}) == 0) {
+      // Made by op `producer` of the last iteration: the same tensor as what that op makes in
+      // this one, alive across the boundary. A tensor with a gap if it dies before the op makes
+      // it anew (join_carried() decides at the end).
+      const auto id =
+          add_tensor(t.storage(), t.device(),
+                     "op" + std::to_string(from.producer) + ":" + std::to_string(from.slot),
+                     TensorClass::kTemporary, true, from.producer, from.slot);
+      auto& x = extra_[static_cast<std::size_t>(id)];
+      x.carried = true;
+      x.first_use = static_cast<OpIndex>(current_.ops.size());
+      live_.push_back(Live{t.storage().getWeakStorageImpl(), id});
+      carried_by_slot_[{from.producer, from.slot}] = id;
+      return id;
+    }
+  }
   // Not registered and not made by a recorded op: created before the iteration or outside the
   // observed ops. Kept as an input; it becomes persistent if it outlives the iteration.
   const auto id = add_tensor(t.storage(), t.device(), "extern:" + std::to_string(extern_count_++),
@@ -253,6 +272,20 @@ void Tracer::on_op_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   const bool in_place = writes_in_place(fn, op.name.c_str());
   std::int32_t slot = 0;
   auto add_output = [&](const c10::Storage& storage, const c10::Device& device) {
+    // A carried tensor whose last-iteration storage has died is made anew here: same tensor.
+    if (auto c = carried_by_slot_.find({index, slot}); c != carried_by_slot_.end()) {
+      const auto id = c->second;
+      auto& x = extra_[static_cast<std::size_t>(id)];
+      if (!x.reproduced &&
+          current_.tensors[static_cast<std::size_t>(id)].freed_after != trace::kNoOp) {
+        x.reproduced = true;
+        x.remade = storage.getWeakStorageImpl();
+        x.producer_phase = op.phase;
+        ids_.emplace(storage.unsafeGetStorageImpl(), id);
+        op.outputs.push_back(id);
+        return;
+      }
+    }
     const auto id =
         add_tensor(storage, device, "op" + std::to_string(index) + ":" + std::to_string(slot),
                    TensorClass::kTemporary, false, index, slot);
@@ -313,6 +346,11 @@ void Tracer::begin_step(std::int64_t step, const std::vector<torch::Tensor>& inp
   nested_outputs_.clear();
   forward_seq_layer_.clear();
   extern_count_ = 0;
+  carried_by_slot_.clear();
+  carry_index_.clear();
+  for (std::size_t i = 0; i < carry_.size(); ++i) {
+    if (!carry_[i].storage.expired()) carry_index_[carry_[i].storage._unsafe_get_target()] = i;
+  }
   for (const auto& p : persistent_) {
     auto strong = p.storage.lock();
     if (!strong) continue;
@@ -344,7 +382,51 @@ void Tracer::end_step(std::int64_t /*step*/) {
   finish_iteration();
 }
 
+// Carried tensors: those that died here before their producer made them anew are tensors with a
+// gap (persistent, freed after their last old use, made anew by their producer); the others are
+// what they would have been without the carry (inputs of unknown origin). Then the carry for
+// the next iteration: what this one's ops made and left alive.
+void Tracer::join_carried() {
+  for (auto& t : current_.tensors) {
+    auto& x = extra_[static_cast<std::size_t>(t.id)];
+    if (!x.carried) continue;
+    if (x.reproduced && !x.remade.expired() && t.freed_after != trace::kNoOp &&
+        t.freed_after < t.producer) {
+      t.cls =
+          x.producer_phase == Phase::kBackward ? TensorClass::kGradient : TensorClass::kTemporary;
+      continue;
+    }
+    if (x.reproduced) {  // its new storage died too: that op's output goes untracked
+      auto& outs = current_.ops[static_cast<std::size_t>(t.producer)].outputs;
+      outs.erase(std::remove(outs.begin(), outs.end(), t.id), outs.end());
+    }
+    t.persistent = false;
+    t.producer = trace::kNoOp;
+    t.output_slot = -1;
+    t.freed_after = trace::kNoOp;
+    t.cls = TensorClass::kInput;
+    t.name = "extern:" + std::to_string(extern_count_++);
+    x.external = true;
+  }
+  std::vector<Carried> next;
+  for (const auto& l : live_) {
+    const auto& t = current_.tensors[static_cast<std::size_t>(l.id)];
+    const auto& x = extra_[static_cast<std::size_t>(l.id)];
+    if (t.producer != trace::kNoOp && !x.external && !x.carried && !l.storage.expired()) {
+      next.push_back(Carried{l.storage, t.producer, t.output_slot});
+    }
+  }
+  for (const auto& t : current_.tensors) {
+    const auto& x = extra_[static_cast<std::size_t>(t.id)];
+    if (x.carried && x.reproduced && t.has_gap()) {
+      next.push_back(Carried{x.remade, t.producer, t.output_slot});
+    }
+  }
+  carry_ = std::move(next);
+}
+
 void Tracer::finish_iteration() {
+  join_carried();
   std::vector<bool> alive(current_.tensors.size(), false);
   for (const auto& l : live_) alive[static_cast<std::size_t>(l.id)] = true;
   std::unordered_map<OpIndex, int> made_before;

@@ -252,6 +252,52 @@ TEST(Tracer, ReportsTheFirstDivergence) {
       << r.divergence;
 }
 
+// With the deferred optimizer schedule each gradient is made in backward and read (then dropped)
+// by its update in the next step's forward: the tracer joins the two into one tensor with a gap
+// per parameter, made by a backward op and freed after an op of forward.
+TEST(Tracer, DeferredGradientsBecomeTensorsWithAGap) {
+  tidal::models::TrainerOptions o;
+  o.config = tidal::models::model_config("llama-tiny");
+  o.batch = 2;
+  o.seq = 32;
+  o.seed = 3;
+  o.optimizer_deferred = true;
+  o.clip_grad_norm = 0.5;
+  tidal::models::Trainer trainer(o);
+  trainer.step();  // warm-up
+  Tracer tracer({"llama-tiny", o.batch, o.seq});
+  const auto named = trainer.persistent_tensors();
+  for (const auto& [n, x] : named.parameters)
+    tracer.register_persistent(x, n, TensorClass::kParameter);
+  for (const auto& [n, x] : named.optimizer_state)
+    tracer.register_persistent(x, n, TensorClass::kOptimizerState);
+  tracer.start();
+  trainer.add_observer(&tracer);
+  for (int i = 0; i < 3; ++i) trainer.step();
+  trainer.remove_observer(&tracer);
+  tracer.stop();
+  const auto r = tracer.result();
+  ASSERT_TRUE(r.consistent) << r.divergence;
+  const auto& t = r.trace;
+  ASSERT_NO_THROW(tidal::trace::validate(t));
+  std::uint64_t gap_bytes = 0;
+  int gaps = 0;
+  for (const auto& x : t.tensors) {
+    if (!x.has_gap()) continue;
+    ++gaps;
+    gap_bytes += x.bytes;
+    EXPECT_EQ(x.cls, TensorClass::kGradient) << x.name;
+    EXPECT_EQ(t.ops[static_cast<std::size_t>(x.producer)].phase, Phase::kBackward) << x.name;
+    EXPECT_EQ(t.ops[static_cast<std::size_t>(x.freed_after)].phase, Phase::kForward) << x.name;
+  }
+  std::uint64_t param_bytes = 0;
+  for (const auto& p : trainer.model()->parameters()) {
+    param_bytes += static_cast<std::uint64_t>(p.numel() * p.element_size());
+  }
+  EXPECT_EQ(gaps, static_cast<int>(trainer.model()->parameters().size()));
+  EXPECT_EQ(gap_bytes, param_bytes);  // one gradient per parameter, no 4 KiB padding in nbytes
+}
+
 TEST(Tracer, ProfiledGptTinyTrainsExactlyLikeAnUnprofiledOne) {
   tidal::models::TrainerOptions o;
   o.config = tidal::models::model_config("gpt-tiny");

@@ -108,6 +108,14 @@ class Tracer : public StepObserver {
     bool read_in_backward = false;
     bool external = false;  // first seen as an input, origin unknown
     trace::OpIndex first_use = trace::kNoOp;
+    bool carried = false;     // made by an op of the last iteration and first seen here as input
+    bool reproduced = false;  // carried, and made anew by the same op (and slot) here
+    c10::weak_intrusive_ptr<c10::StorageImpl> remade{c10::intrusive_ptr<c10::StorageImpl>()};
+  };
+  struct Carried {  // a storage an op made in the last iteration that outlived it
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    trace::OpIndex producer;
+    std::int32_t slot;
   };
   struct Live {
     c10::weak_intrusive_ptr<c10::StorageImpl> storage;
@@ -120,6 +128,7 @@ class Tracer : public StepObserver {
                              trace::OpIndex producer, std::int32_t slot);
   trace::TensorId lookup_or_add_input(const at::Tensor& t);
   void collect_frees();
+  void join_carried();
   void finish_iteration();
 
   Options options_;
@@ -147,6 +156,12 @@ class Tracer : public StepObserver {
   std::map<std::int64_t, std::int32_t> forward_seq_layer_;  // autograd seq at op start -> layer
   std::chrono::steady_clock::time_point iteration_start_;
   std::int32_t extern_count_ = 0;
+  // Tensors crossing the iteration boundary (a gradient made in backward that a deferred
+  // optimizer step reads in the next forward): what the last iteration's ops made and left
+  // alive, and this iteration's tensors for them by (producer, slot).
+  std::vector<Carried> carry_;
+  std::unordered_map<const c10::StorageImpl*, std::size_t> carry_index_;
+  std::map<std::pair<trace::OpIndex, std::int32_t>, trace::TensorId> carried_by_slot_;
 
   std::vector<trace::Trace> iterations_;
   std::vector<std::string> reference_names_;
