@@ -252,6 +252,19 @@ TEST(Tracer, ReportsTheFirstDivergence) {
       << r.divergence;
 }
 
+// Registers the trainer's parameters, optimizer states and, with `gradients`, its gradients.
+void register_trainer(Tracer& tracer, tidal::models::Trainer& trainer, bool gradients) {
+  const auto named = trainer.persistent_tensors();
+  for (const auto& [n, x] : named.parameters)
+    tracer.register_persistent(x, n, TensorClass::kParameter);
+  if (gradients) {
+    for (const auto& [n, x] : named.gradients)
+      tracer.register_persistent(x, n, TensorClass::kGradient);
+  }
+  for (const auto& [n, x] : named.optimizer_state)
+    tracer.register_persistent(x, n, TensorClass::kOptimizerState);
+}
+
 // With the deferred optimizer schedule each gradient is made in backward and read (then dropped)
 // by its update in the next step's forward: the tracer joins the two into one tensor with a gap
 // per parameter, made by a backward op and freed after an op of forward.
@@ -266,11 +279,8 @@ TEST(Tracer, DeferredGradientsBecomeTensorsWithAGap) {
   tidal::models::Trainer trainer(o);
   trainer.step();  // warm-up
   Tracer tracer({"llama-tiny", o.batch, o.seq});
-  const auto named = trainer.persistent_tensors();
-  for (const auto& [n, x] : named.parameters)
-    tracer.register_persistent(x, n, TensorClass::kParameter);
-  for (const auto& [n, x] : named.optimizer_state)
-    tracer.register_persistent(x, n, TensorClass::kOptimizerState);
+  // Its gradients are dropped by their updates: not persistent, so not registered.
+  register_trainer(tracer, trainer, false);
   tracer.start();
   trainer.add_observer(&tracer);
   for (int i = 0; i < 3; ++i) trainer.step();
@@ -311,14 +321,7 @@ TEST(Tracer, ProfiledGptTinyTrainsExactlyLikeAnUnprofiledOne) {
   b.push_back(profiled.step().loss);  // warm-up
 
   Tracer tracer({"gpt-tiny", o.batch, o.seq});
-  const auto named = profiled.persistent_tensors();
-  for (const auto& [n, x] : named.parameters)
-    tracer.register_persistent(x, n, TensorClass::kParameter);
-  for (const auto& [n, x] : named.gradients)
-    tracer.register_persistent(x, n, TensorClass::kGradient);
-  for (const auto& [n, x] : named.optimizer_state) {
-    tracer.register_persistent(x, n, TensorClass::kOptimizerState);
-  }
+  register_trainer(tracer, profiled, true);
   tracer.start();
   profiled.add_observer(&tracer);
   for (int i = 0; i < 3; ++i) {
