@@ -54,7 +54,7 @@ class FaultBackend final : public Backend {
   [[nodiscard]] const char* name() const override { return inner_->name(); }
 
   void submit(IoOp* op) override {
-    if (plan_.only_writes && !op->write) {
+    if ((plan_.only_writes && !op->write) || (plan_.only_reads && op->write)) {
       inner_->submit(op);
       return;
     }

@@ -8,8 +8,10 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <deque>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -64,8 +66,11 @@ struct ActivationOffloader::Impl : std::enable_shared_from_this<Impl> {
   double forward_seconds = 0;
   std::int64_t prefetch_cursor = -1;  // next record (downwards) to prefetch
   std::uint64_t prefetch_in_flight = 0;
-  std::int64_t keep_from = -1;  // adaptive decision for this step
-  std::uint64_t lookahead = 0;  // read-ahead bytes for this step's backward
+  std::int64_t keep_from = -1;   // adaptive decision for this step
+  std::uint64_t lookahead = 0;   // read-ahead bytes for this step's backward
+  std::int64_t limit_from = -1;  // step-scale rule: tensors from this index on stay (-1: none)
+  int slow_steps = 0;            // consecutive steps that waited over 10% of their time for reads
+  std::string notice;            // said once, when offloading stopped paying
   ActivationStats stats;
   ActivationStats last;
 
@@ -87,6 +92,9 @@ namespace {
 // The offloader whose step is running, if any: read by the engine on every saved tensor.
 // An atomic (not thread_local) because autograd's worker threads must see it too.
 std::atomic<ActivationOffloader::Impl*> g_active{nullptr};
+// Backward passes running in tidal's engine. A tensor saved while one runs belongs to a graph
+// built inside backward (recomputation, double backward) and is used at once: it stays.
+std::atomic<int> g_backward_running{0};
 std::mutex g_active_mu;  // keeps the active Impl alive while a hook is being created
 std::shared_ptr<ActivationOffloader::Impl> g_active_owner;
 
@@ -149,8 +157,19 @@ class TidalEngine final : public torch::autograd::Engine {
       std::lock_guard<std::mutex> lock(g_active_mu);
       impl = g_active_owner;
     }
-    if (!impl || impl->in_backward.load()) return nullptr;  // recompute in backward: keep
+    if (!impl || g_backward_running.load() > 0) return nullptr;  // saved inside backward: keep
     return std::make_unique<OffloadHooks>(std::move(impl));
+  }
+
+  torch::autograd::variable_list execute(const torch::autograd::edge_list& roots,
+                                         const torch::autograd::variable_list& inputs,
+                                         bool keep_graph, bool create_graph, bool accumulate_grad,
+                                         const torch::autograd::edge_list& outputs) override {
+    struct Running {
+      Running() { ++g_backward_running; }
+      ~Running() { --g_backward_running; }
+    } running;
+    return Engine::execute(roots, inputs, keep_graph, create_graph, accumulate_grad, outputs);
   }
 };
 
@@ -173,6 +192,14 @@ std::shared_ptr<Record> ActivationOffloader::Impl::pack(const at::Tensor& t, at:
     step_start = Clock::now();
   }
   ++stats.packed;
+  if (in_backward.load() && g_backward_running.load() == 0) {
+    // A forward pass after a backward in the same step (a GAN's second model, gradient
+    // accumulation): its tensors are offloaded and prefetched like the first pass's.
+    in_backward = false;
+    prefetch_cursor = -1;
+    prefetch_in_flight = 0;
+    ++stats.passes;
+  }
   poll_writes_locked(false);
   const auto keep = [&](std::uint64_t& counter) {
     ++counter;
@@ -277,6 +304,7 @@ void ActivationOffloader::Impl::prefetch_locked(std::size_t below) {
     auto& r = order[static_cast<std::size_t>(prefetch_cursor)];
     --prefetch_cursor;
     if (!r || r->state != Record::State::kOffloaded) continue;
+    if (!r->identity.expired()) continue;  // still in memory elsewhere: unpack forwards it
     start_read_locked(*r, io::Priority::kPrefetch);
     prefetch_in_flight += r->nbytes;
     ++stats.prefetched;
@@ -310,6 +338,25 @@ at::Tensor ActivationOffloader::Impl::unpack(Record& r, const c10::TensorOptions
                  "a saved activation was unpacked after its step ended; call "
                  "backward before end_step()");
     r.state = Record::State::kOffloaded;
+  }
+  if (r.state == Record::State::kOffloaded || r.state == Record::State::kReading) {
+    // Someone else (the caller's variables, another graph) kept the storage alive: its bytes
+    // are still in memory, unchanged (the version check above), so no read and no second copy.
+    if (auto live = r.identity.lock()) {
+      if (r.state == Record::State::kReading) {
+        const io::Ticket t = r.ticket;
+        lock.unlock();
+        try {
+          store->wait(t);
+        } catch (const IoError&) {
+        }
+        lock.lock();
+        prefetch_in_flight -= std::min(prefetch_in_flight, r.nbytes);
+      }
+      r.storage = c10::Storage(std::move(live));
+      r.state = Record::State::kRestored;
+      ++stats.forwarded;
+    }
   }
   switch (r.state) {
     case Record::State::kKept:
@@ -446,6 +493,28 @@ void ActivationOffloader::end_step(std::int64_t /*step*/) {
   m.calibrate_locked();
   // Read-ahead: as little as keeps backward from waiting.
   const double step_seconds = since(m.step_start);
+  // At step scale: when reads still stall the step after the read-ahead had three steps to
+  // adapt, offload half as many tensors (the first ones of forward, which backward needs last,
+  // keep going). When none is left, say so once: offloading does not pay here.
+  m.slow_steps = m.stats.stall_seconds > 0.1 * step_seconds ? m.slow_steps + 1 : 0;
+  if (m.slow_steps >= 3 && m.opt.adaptive) {
+    const std::int64_t n =
+        m.limit_from >= 0 ? m.limit_from : static_cast<std::int64_t>(m.order.size());
+    m.limit_from = n / 2;
+    m.slow_steps = 0;
+  }
+  if (m.limit_from >= 0 && (m.keep_from < 0 || m.limit_from < m.keep_from)) {
+    m.keep_from = m.limit_from;
+  }
+  if (m.opt.adaptive && m.keep_from == 0 && m.notice.empty() && !m.order.empty()) {
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "activation offloading does not pay here: the store (%.2f GB/s measured) "
+                  "cannot hide this step's writes behind a %.1f ms forward pass, or reads kept "
+                  "stalling backward; saved tensors stay in memory",
+                  m.bandwidth / 1e9, 1e3 * m.forward_seconds);
+    m.notice = line;
+  }
   const bool waited = m.stats.misses > 0 || m.stats.stall_seconds > 0.01 * step_seconds;
   const double next = static_cast<double>(m.lookahead) * (waited ? 2.0 : 0.75);
   m.lookahead = std::clamp<std::uint64_t>(static_cast<std::uint64_t>(next),
@@ -464,6 +533,11 @@ void ActivationOffloader::keep_storages_of(const std::vector<torch::Tensor>& ten
                                 t.storage().getWeakStorageImpl());
     }
   }
+}
+
+std::string ActivationOffloader::notice() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->notice;
 }
 
 ActivationStats ActivationOffloader::last_step() const {

@@ -1,12 +1,17 @@
 #include "tidal/torch/executor.hpp"
 
-#include <ATen/record_function.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <exception>
 #include <mutex>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -22,6 +27,8 @@ using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
+
+constexpr c10::DispatchKey kGuardKey = c10::DispatchKey::TESTING_ONLY_GenericMode;
 
 // Ops that only look at metadata or make views: their inputs need no bytes in memory.
 bool reads_no_data(std::string_view name) {
@@ -39,22 +46,37 @@ bool reads_no_data(std::string_view name) {
 using detail::for_each_tensor;
 
 std::atomic<PlanExecutor*> g_executor{nullptr};
-// Storages not in memory right now, over all executors: the safety net's fast path is a load.
-std::atomic<int> g_nonresident{0};
+// Storages not plainly resident (being written, offloaded, being read), over all executors: the
+// guard's fast path is one load.
+std::atomic<int> g_unsettled{0};
 
-std::unique_ptr<at::ObserverContext> safety_net(const at::RecordFunction& fn) {
-  if (g_nonresident.load(std::memory_order_acquire) == 0) return nullptr;
-  PlanExecutor* ex = g_executor.load(std::memory_order_acquire);
-  if (ex == nullptr || reads_no_data(fn.name())) return nullptr;
-  for (const auto& v : fn.inputs()) {
-    for_each_tensor(v, [&](const at::Tensor& t) {
-      if (t.defined() && t.has_storage()) ex->ensure_resident(t.storage().unsafeGetStorageImpl());
-    });
+// The residency guard (see executor.hpp): runs before every op of a guarded thread, at any
+// depth, and may throw, which a RecordFunction callback may not.
+void residency_guard(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                     torch::jit::Stack* stack) {
+  if (g_unsettled.load(std::memory_order_acquire) > 0) {
+    PlanExecutor* ex = g_executor.load(std::memory_order_acquire);
+    const auto& schema = op.schema();
+    if (ex != nullptr && !reads_no_data(schema.name())) {
+      for (const auto& v : torch::jit::last(*stack, schema.arguments().size())) {
+        for_each_tensor(v, [&](const at::Tensor& t) {
+          if (t.defined() && t.has_storage()) {
+            ex->ensure_resident(t.storage().unsafeGetStorageImpl());
+          }
+        });
+      }
+    }
   }
-  return nullptr;
+  op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kGuardKey), stack);
 }
 
 }  // namespace
+
+TORCH_LIBRARY_IMPL(_, TESTING_ONLY_GenericMode, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&residency_guard>());
+}
+
+void set_residency_guard(bool on) { c10::impl::tls_set_dispatch_key_included(kGuardKey, on); }
 
 struct PlanExecutor::Impl {
   enum class State { kResident, kWriting, kOffloaded, kReading };
@@ -64,22 +86,97 @@ struct PlanExecutor::Impl {
     io::Ticket ticket;
     std::uint64_t nbytes = 0;
     c10::Device device{c10::kCPU};
-    c10::DataPtr incoming;  // memory a read is filling
-    bool cancel = false;    // touched while its write was in flight: keep it
+    c10::DataPtr incoming;     // memory a read is filling
+    bool cancel = false;       // touched while its write was in flight: keep it
+    std::exception_ptr error;  // a read that failed; thrown to the next op that needs it
   };
+  // One step shape: the ops of a profiled step and the plan's actions by trigger op.
+  struct Shape {
+    std::vector<std::string> op_names;
+    std::vector<std::vector<plan::PlanAction>> at_trigger;
+    std::vector<std::uint64_t> new_bytes;  // by op: bytes of the tensors it makes
+    std::size_t num_tensors = 0;
+  };
+  // A prefetch held back by the budget, issued when memory allows or when an op needs it.
+  struct HeldPrefetch {
+    trace::OpIndex deadline;
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  };
+  std::vector<HeldPrefetch> held;  // sorted by deadline
 
   std::shared_ptr<io::TensorStore> store;
   ExecutorOptions opt;
-  std::vector<std::string> op_names;
-  std::vector<std::vector<plan::PlanAction>> at_trigger;  // by op index
-  std::recursive_mutex mu;  // the safety net can re-enter through ops run by the store? no; kept
-                            // recursive so restore paths may call ensure_resident freely
+  std::vector<Shape> shapes;
+  int current = 0;                         // shape of the step running
+  int last_completed = 0;                  // shape the last step ended with
+  std::vector<std::string> seen;           // this step's op names so far
+  std::vector<plan::PlanAction> deferred;  // actions triggered by the step-end op: next step
+  std::recursive_mutex mu;  // recursive: restore paths call make_resident under the lock
   std::unordered_map<c10::StorageImpl*, Slot> slots;
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> bound;  // by tensor id
   ExecutorStats stats;
   ExecutorStats last;
   bool diverged = false;
-  std::uint64_t callback = 0;
+  std::thread::id guard_thread;
+
+  static Shape make_shape(const trace::Trace& trace, const plan::Plan& plan) {
+    TIDAL_EXPECT_AS(InvalidArgument,
+                    plan.num_ops == static_cast<std::int32_t>(trace.ops.size()) &&
+                        plan.num_tensors == static_cast<std::int32_t>(trace.tensors.size()),
+                    "the plan was made for a trace of ", plan.num_ops, " ops and ",
+                    plan.num_tensors, " tensors, not this one (", trace.ops.size(), " ops, ",
+                    trace.tensors.size(), " tensors); plan this trace again");
+    Shape s;
+    for (const auto& op : trace.ops) s.op_names.push_back(op.name);
+    s.at_trigger.resize(trace.ops.size());
+    for (const auto& a : plan.actions) {
+      if (a.trigger >= 0 && static_cast<std::size_t>(a.trigger) < trace.ops.size()) {
+        s.at_trigger[static_cast<std::size_t>(a.trigger)].push_back(a);
+      }
+    }
+    s.new_bytes.assign(trace.ops.size(), 0);
+    for (const auto& t : trace.tensors) {
+      if (t.producer >= 0 && static_cast<std::size_t>(t.producer) < trace.ops.size()) {
+        s.new_bytes[static_cast<std::size_t>(t.producer)] += t.bytes;
+      }
+    }
+    s.num_tensors = trace.tensors.size();
+    return s;
+  }
+
+  void grow_bound(std::size_t n) {
+    if (bound.size() < n) {
+      bound.resize(
+          n, c10::weak_intrusive_ptr<c10::StorageImpl>(c10::intrusive_ptr<c10::StorageImpl>()));
+    }
+  }
+
+  // Op `index` named `name` is next: follow it in the current shape, or move to another known
+  // shape with the same ops so far, or go on-demand for the rest of the step.
+  void advance(trace::OpIndex index, const std::string& name) {
+    seen.push_back(name);
+    if (diverged) return;
+    const auto k = static_cast<std::size_t>(index);
+    const auto matches = [&](const Shape& s) {
+      if (index < 0 || k >= s.op_names.size() || k + 1 != seen.size()) return false;
+      return std::equal(seen.begin(), seen.end(), s.op_names.begin());
+    };
+    const Shape& cur = shapes[static_cast<std::size_t>(current)];
+    if (index >= 0 && k < cur.op_names.size() && cur.op_names[k] == name) return;
+    for (std::size_t j = 0; j < shapes.size(); ++j) {
+      if (static_cast<int>(j) != current && matches(shapes[j])) {
+        current = static_cast<int>(j);
+        ++stats.shape_switches;
+        grow_bound(shapes[j].num_tensors);
+        return;
+      }
+    }
+    diverged = true;
+    stats.diverged = true;
+    stats.divergence = ::tidal::detail::concat(
+        "op ", index, " is ", name, " but the profile has ",
+        index >= 0 && k < cur.op_names.size() ? cur.op_names[k] : std::string("no such op"));
+  }
 
   void bind(const std::vector<TensorRef>& refs) {
     for (const auto& r : refs) {
@@ -91,29 +188,34 @@ struct PlanExecutor::Impl {
     }
   }
 
-  // Slots whose storage died: their store space goes back.
+  void settle(Slot& s, State next) {
+    const bool was = s.state != State::kResident;
+    const bool now = next != State::kResident;
+    s.state = next;
+    if (was && !now) g_unsettled--;
+    if (!was && now) g_unsettled++;
+  }
+
+  // Slots whose storage died give their store space back; finished I/O is retired. Never
+  // throws: a failed read is kept in its slot for the op that needs the tensor.
   void poll() {
     for (auto it = slots.begin(); it != slots.end();) {
       Slot& s = it->second;
       c10::intrusive_ptr<c10::StorageImpl> live = s.weak.lock();
       if (!live) {
-        if (s.ticket.valid()) {
-          if (s.state == State::kOffloaded || s.state == State::kResident) {
-            store->free(s.ticket);
-          } else {
-            try {
-              store->wait(s.ticket);
-            } catch (const IoError&) {
-            }
-            store->free(s.ticket);
-          }
-        }
-        if (s.state == State::kOffloaded || s.state == State::kReading) g_nonresident--;
+        if (s.ticket.valid()) store->free(s.ticket);  // waits; errors of discarded data drop
+        settle(s, State::kResident);
         it = slots.erase(it);
         continue;
       }
       if (s.state == State::kWriting && store->ready(s.ticket)) finish_write(*live, s);
-      if (s.state == State::kReading && store->ready(s.ticket)) finish_read(*live, s);
+      if (s.state == State::kReading && store->ready(s.ticket)) {
+        try {
+          finish_read(*live, s);
+        } catch (const Error&) {
+          s.error = std::current_exception();
+        }
+      }
       ++it;
     }
   }
@@ -125,7 +227,7 @@ struct PlanExecutor::Impl {
       ++stats.write_failures;  // the tensor keeps its memory: nothing is lost
       store->free(s.ticket);
       s.ticket = io::Ticket{};
-      s.state = State::kResident;
+      settle(s, State::kResident);
       return;
     }
     stats.bytes_written += s.nbytes;
@@ -133,38 +235,51 @@ struct PlanExecutor::Impl {
       ++stats.cancelled;
       store->free(s.ticket);
       s.ticket = io::Ticket{};
-      s.state = State::kResident;
+      settle(s, State::kResident);
       return;
     }
     impl.set_data_ptr_noswap(c10::DataPtr(nullptr, s.device));  // frees the memory
-    s.state = State::kOffloaded;
+    settle(s, State::kOffloaded);
     ++stats.released;
-    g_nonresident++;
   }
 
   void start_read(c10::StorageImpl& impl, Slot& s, io::Priority p) {
     c10::Allocator* alloc = impl.allocator();
     s.incoming = alloc->allocate(s.nbytes);
     store->read(s.ticket, s.incoming.get(), p);
-    s.state = State::kReading;
+    settle(s, State::kReading);
     stats.bytes_read += s.nbytes;
   }
 
+  // Waits for the slot's read. On failure the memory it was filling goes back, the tensor stays
+  // offloaded (a later access reads it again) and the store's error propagates.
   void finish_read(c10::StorageImpl& impl, Slot& s) {
     const auto t0 = Clock::now();
-    store->wait(s.ticket);  // a failed or corrupt read throws: the op must not see wrong bytes
+    try {
+      store->wait(s.ticket);
+    } catch (const Error&) {
+      stats.stall_seconds += since(t0);
+      s.incoming.clear();
+      settle(s, State::kOffloaded);
+      throw;
+    }
     stats.stall_seconds += since(t0);
     impl.set_data_ptr_noswap(std::move(s.incoming));
     store->free(s.ticket);
     s.ticket = io::Ticket{};
-    s.state = State::kResident;
-    g_nonresident--;
+    settle(s, State::kResident);
   }
 
+  // Never leaves the storage without its bytes: either it is resident on return, or this throws.
   void make_resident(c10::StorageImpl* storage) {
     auto it = slots.find(storage);
     if (it == slots.end()) return;
     Slot& s = it->second;
+    if (s.error) {
+      std::exception_ptr e = std::move(s.error);
+      s.error = nullptr;
+      std::rethrow_exception(e);
+    }
     switch (s.state) {
       case State::kResident:
         return;
@@ -182,6 +297,58 @@ struct PlanExecutor::Impl {
     }
   }
 
+  std::uint64_t meter_bytes() const { return opt.current_bytes ? opt.current_bytes() : 0; }
+  bool over(std::uint64_t more) const {
+    return opt.budget != 0 && opt.current_bytes && meter_bytes() + more > opt.budget;
+  }
+
+  // Waits for writes in flight, oldest first, until `more` bytes fit under the budget or none is
+  // left: their memory goes back as each completes. A write stall, counted as such.
+  void wait_for_room(std::uint64_t more) {
+    if (!over(more)) return;
+    const auto t0 = Clock::now();
+    bool waited = false;
+    while (over(more)) {
+      Slot* oldest = nullptr;
+      for (auto& entry : slots) {
+        Slot& s = entry.second;
+        if (s.state == State::kWriting && !s.cancel &&
+            (oldest == nullptr || s.ticket.id < oldest->ticket.id)) {
+          oldest = &s;
+        }
+      }
+      if (oldest == nullptr) break;
+      c10::intrusive_ptr<c10::StorageImpl> live = oldest->weak.lock();
+      if (!live) break;
+      waited = true;
+      finish_write(*live, *oldest);
+    }
+    if (waited) {
+      ++stats.budget_waits;
+      stats.write_stall_seconds += since(t0);
+    }
+  }
+
+  // Issues held prefetches, earliest deadline first, while they fit.
+  void issue_held() {
+    while (!held.empty()) {
+      auto live = held.front().storage.lock();
+      if (!live) {
+        held.erase(held.begin());
+        continue;
+      }
+      auto it = slots.find(live.get());
+      if (it == slots.end() || it->second.state != State::kOffloaded) {
+        held.erase(held.begin());
+        continue;
+      }
+      if (over(it->second.nbytes)) return;
+      held.erase(held.begin());
+      start_read(*live, it->second, io::Priority::kPrefetch);
+      ++stats.prefetches;
+    }
+  }
+
   void run_action(const plan::PlanAction& a) {
     if (a.tensor < 0 || static_cast<std::size_t>(a.tensor) >= bound.size()) return;
     c10::intrusive_ptr<c10::StorageImpl> impl = bound[static_cast<std::size_t>(a.tensor)].lock();
@@ -195,21 +362,38 @@ struct PlanExecutor::Impl {
         return;
       }
       Slot& s = slots[impl.get()];
-      if (s.state != State::kResident) return;
+      if (s.state != State::kResident || s.error) return;
       s.weak = c10::weak_intrusive_ptr<c10::StorageImpl>(impl);
       s.nbytes = impl->nbytes();
       s.device = impl->device();
       s.cancel = false;
       detail::sync_current_stream(s.device);  // the producing kernels must have finished
       s.ticket = store->write(impl->data(), s.nbytes, io::Priority::kOffload);
-      s.state = State::kWriting;
+      settle(s, State::kWriting);
       ++stats.offloads;
     } else {
       auto it = slots.find(impl.get());
       if (it == slots.end() || it->second.state != State::kOffloaded) return;
+      wait_for_room(it->second.nbytes);
+      if (over(it->second.nbytes)) {
+        // No room yet: hold it, in deadline order, until memory allows or an op needs it.
+        HeldPrefetch h{a.deadline, c10::weak_intrusive_ptr<c10::StorageImpl>(impl)};
+        auto pos = std::upper_bound(held.begin(), held.end(), h, [](const auto& x, const auto& y) {
+          return x.deadline < y.deadline;
+        });
+        held.insert(pos, std::move(h));
+        ++stats.delayed_prefetches;
+        return;
+      }
       start_read(*impl, it->second, io::Priority::kPrefetch);
       ++stats.prefetches;
     }
+  }
+
+  void run_trigger(trace::OpIndex index) {
+    const Shape& s = shapes[static_cast<std::size_t>(current)];
+    if (index < 0 || static_cast<std::size_t>(index) >= s.at_trigger.size()) return;
+    for (const auto& a : s.at_trigger[static_cast<std::size_t>(index)]) run_action(a);
   }
 };
 
@@ -217,43 +401,52 @@ PlanExecutor::PlanExecutor(std::shared_ptr<io::TensorStore> store, const trace::
                            const plan::Plan& plan, ExecutorOptions options)
     : impl_(std::make_unique<Impl>()) {
   TIDAL_EXPECT(store != nullptr, "PlanExecutor needs a TensorStore");
-  TIDAL_EXPECT_AS(InvalidArgument,
-                  plan.num_ops == static_cast<std::int32_t>(trace.ops.size()) &&
-                      plan.num_tensors == static_cast<std::int32_t>(trace.tensors.size()),
-                  "the plan was made for a trace of ", plan.num_ops, " ops and ", plan.num_tensors,
-                  " tensors, not this one (", trace.ops.size(), " ops, ", trace.tensors.size(),
-                  " tensors); plan this trace again");
+  impl_->shapes.push_back(Impl::make_shape(trace, plan));
+  impl_->grow_bound(trace.tensors.size());
   impl_->store = std::move(store);
   impl_->opt = options;
-  for (const auto& op : trace.ops) impl_->op_names.push_back(op.name);
-  impl_->at_trigger.resize(trace.ops.size());
-  for (const auto& a : plan.actions) {
-    if (a.trigger >= 0 && static_cast<std::size_t>(a.trigger) < trace.ops.size()) {
-      impl_->at_trigger[static_cast<std::size_t>(a.trigger)].push_back(a);
-    }
-  }
-  impl_->bound.assign(trace.tensors.size(), c10::weak_intrusive_ptr<c10::StorageImpl>(
-                                                c10::intrusive_ptr<c10::StorageImpl>()));
   PlanExecutor* expected = nullptr;
   TIDAL_EXPECT(g_executor.compare_exchange_strong(expected, this),
                "another PlanExecutor is active in this process");
-  impl_->callback = at::addGlobalCallback(at::RecordFunctionCallback(&safety_net)
-                                              .needsInputs(true)
-                                              .scopes({at::RecordScope::FUNCTION}));
 }
 
 PlanExecutor::~PlanExecutor() {
-  at::removeCallback(impl_->callback);
   try {
     restore_all();
   } catch (const std::exception&) {
-    // A read that fails here leaves that tensor's storage empty; nothing more can be done.
+    // A tensor that cannot be read back keeps an empty storage; the error reached the caller
+    // of the op that needed it, or of restore_all() or end_step(), before.
   }
+  {
+    std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+    for (auto& [storage, s] : impl_->slots) {
+      if (s.ticket.valid()) impl_->store->free(s.ticket);
+      impl_->settle(s, Impl::State::kResident);
+    }
+    impl_->slots.clear();
+  }
+  if (impl_->guard_thread == std::this_thread::get_id()) set_residency_guard(false);
   g_executor.store(nullptr);
+}
+
+int PlanExecutor::add_shape(const trace::Trace& trace, const plan::Plan& plan) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  impl_->shapes.push_back(Impl::make_shape(trace, plan));
+  impl_->grow_bound(trace.tensors.size());
+  return static_cast<int>(impl_->shapes.size()) - 1;
+}
+
+void PlanExecutor::replace_plan(int index, const trace::Trace& trace, const plan::Plan& plan) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  TIDAL_EXPECT(index >= 0 && static_cast<std::size_t>(index) < impl_->shapes.size(),
+               "replace_plan: no step shape ", index);
+  impl_->shapes[static_cast<std::size_t>(index)] = Impl::make_shape(trace, plan);
+  impl_->grow_bound(trace.tensors.size());
 }
 
 void PlanExecutor::restore_all() {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  std::exception_ptr first;
   for (auto& [storage, s] : impl_->slots) {
     c10::intrusive_ptr<c10::StorageImpl> live = s.weak.lock();
     if (!live) continue;
@@ -261,9 +454,14 @@ void PlanExecutor::restore_all() {
       s.cancel = true;
       impl_->finish_write(*live, s);
     }
-    impl_->make_resident(live.get());
+    try {
+      impl_->make_resident(live.get());
+    } catch (const Error&) {
+      if (!first) first = std::current_exception();
+    }
   }
   impl_->poll();
+  if (first) std::rethrow_exception(first);
 }
 
 void PlanExecutor::ensure_resident(c10::StorageImpl* storage) {
@@ -275,41 +473,106 @@ void PlanExecutor::before_op(trace::OpIndex index, const std::string& name,
                              const std::vector<TensorRef>& inputs) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   Impl& m = *impl_;
-  if (!m.diverged && (index < 0 || static_cast<std::size_t>(index) >= m.op_names.size() ||
-                      m.op_names[static_cast<std::size_t>(index)] != name)) {
-    m.diverged = true;
-    m.stats.diverged = true;
-    m.stats.divergence =
-        ::tidal::detail::concat("op ", index, " is ", name, " but the profile has ",
-                                index >= 0 && static_cast<std::size_t>(index) < m.op_names.size()
-                                    ? m.op_names[static_cast<std::size_t>(index)]
-                                    : std::string("no such op"));
-  }
+  m.advance(index, name);
   if (!m.diverged) m.bind(inputs);
-  for (const auto& r : inputs) m.make_resident(r.storage);
+  // No reads here (this runs in a RecordFunction callback, where a failure could not stop the
+  // op): the residency guard reads what the op needs. A write in flight is cancelled, though, so
+  // that an op changing the tensor in place never loses its change.
+  for (const auto& r : inputs) {
+    auto it = m.slots.find(r.storage);
+    if (it != m.slots.end() && it->second.state == Impl::State::kWriting) it->second.cancel = true;
+  }
   m.poll();
+  if (!m.diverged && index >= 0) {
+    const auto& shape = m.shapes[static_cast<std::size_t>(m.current)];
+    if (static_cast<std::size_t>(index) < shape.new_bytes.size()) {
+      m.wait_for_room(shape.new_bytes[static_cast<std::size_t>(index)]);
+    }
+  }
+  m.issue_held();
 }
 
 void PlanExecutor::after_op(trace::OpIndex index, const std::vector<TensorRef>& outputs) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   Impl& m = *impl_;
-  if (m.diverged) return;  // on-demand only: the safety net still serves every op
+  if (m.diverged) return;  // on-demand only: the guard still serves every op
   m.bind(outputs);
-  if (index >= 0 && static_cast<std::size_t>(index) < m.at_trigger.size()) {
-    for (const auto& a : m.at_trigger[static_cast<std::size_t>(index)]) m.run_action(a);
+  try {
+    m.run_trigger(index);
+  } catch (const Error&) {
+    // Starting an offload or a prefetch failed (no memory for a read, say): the tensors stay
+    // where they are, and the guard fetches what an op needs.
   }
+}
+
+void PlanExecutor::step_end(trace::OpIndex index, const std::vector<TensorRef>& alive) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  Impl& m = *impl_;
+  m.advance(index, kStepEndOp);
+  if (!m.diverged) m.bind(alive);
+  m.poll();
+  std::exception_ptr first;
+  for (const auto& r : alive) {
+    try {
+      m.make_resident(r.storage);
+    } catch (const Error&) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  m.deferred.clear();
+  const auto& shape = m.shapes[static_cast<std::size_t>(m.current)];
+  if (!m.diverged && index >= 0 && static_cast<std::size_t>(index) < shape.at_trigger.size()) {
+    m.deferred = shape.at_trigger[static_cast<std::size_t>(index)];
+  }
+  if (first) std::rethrow_exception(first);
 }
 
 void PlanExecutor::begin_step(std::int64_t /*step*/, const std::vector<torch::Tensor>& /*in*/) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
-  impl_->stats = ExecutorStats{};
-  impl_->diverged = false;
+  Impl& m = *impl_;
+  m.stats = ExecutorStats{};
+  m.diverged = false;
+  m.seen.clear();
+  m.held.clear();
+  m.current = m.last_completed;
+  set_residency_guard(true);
+  m.guard_thread = std::this_thread::get_id();
+  // What the plan moves after the last step's end (the step-end op's actions) starts now, so
+  // that between steps everything stays the caller's.
+  try {
+    for (const auto& a : m.deferred) m.run_action(a);
+  } catch (const Error&) {
+  }
+  m.deferred.clear();
 }
 
 void PlanExecutor::end_step(std::int64_t /*step*/) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
-  impl_->poll();
-  impl_->last = impl_->stats;
+  Impl& m = *impl_;
+  m.poll();
+  const auto& shape = m.shapes[static_cast<std::size_t>(m.current)];
+  if (!m.diverged && m.seen.size() != shape.op_names.size()) {
+    // The step stopped early: it is the prefix of a known shape, or a shape of its own.
+    bool found = false;
+    for (std::size_t j = 0; j < m.shapes.size() && !found; ++j) {
+      if (m.shapes[j].op_names == m.seen) {
+        m.current = static_cast<int>(j);
+        found = true;
+      }
+    }
+    if (!found) {
+      m.diverged = true;
+      m.stats.diverged = true;
+      m.stats.divergence = ::tidal::detail::concat("the step ended after ", m.seen.size(),
+                                                   " ops; the profile has ", shape.op_names.size());
+    }
+  }
+  if (!m.diverged) {
+    m.stats.shape = m.current;
+    m.last_completed = m.current;
+  }
+  m.stats.ops = m.seen;
+  m.last = m.stats;
 }
 
 ExecutorStats PlanExecutor::last_step() const {

@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <iostream>
+#include <map>
 
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/io/measure.hpp"
 #include "tidal/plan/planner.hpp"
+#include "tidal/torch/memory.hpp"
 #include "tidal/torch/tracer.hpp"
 #include "tidal/trace/lifetime.hpp"
 
@@ -20,6 +23,20 @@ const char* to_string(OffloadMode m) {
       return "activations";
     case OffloadMode::kPlan:
       return "plan";
+  }
+  return "?";
+}
+
+const char* to_string(SessionState s) {
+  switch (s) {
+    case SessionState::kOff:
+      return "off";
+    case SessionState::kWarmup:
+      return "warmup";
+    case SessionState::kProfiling:
+      return "profiling";
+    case SessionState::kExecuting:
+      return "executing";
   }
   return "?";
 }
@@ -45,14 +62,27 @@ void take_io_stats(SessionStats& s, const Stats& x) {
   s.stall_seconds = x.stall_seconds;
 }
 
+std::string bytes_text(std::uint64_t b) { return format_bytes(static_cast<double>(b)); }
+
+// Bytes of the trace's tensors that exist when the step starts (made before its first op).
+std::uint64_t bytes_at_start(const trace::Trace& t) {
+  std::uint64_t sum = 0;
+  for (const auto& x : t.tensors) {
+    if (x.producer == trace::kNoOp && x.persistent) sum += x.bytes;
+  }
+  return sum;
+}
+
+constexpr int kMaxTightenings = 4;  // consecutive, per step shape
+constexpr std::size_t kMaxPendingShapes = 16;
+
 }  // namespace
 
 struct Session::Impl {
-  enum class State { kOff, kWarmup, kProfiling, kExecuting };
-
   SessionOptions opt;
-  State state = State::kOff;
+  SessionState state = SessionState::kOff;
   std::shared_ptr<io::TensorStore> store;
+  std::unique_ptr<MemoryMeter> meter;
   std::unique_ptr<ActivationOffloader> offloader;
   std::unique_ptr<Tracer> tracer;
   std::unique_ptr<PlanExecutor> executor;
@@ -62,52 +92,54 @@ struct Session::Impl {
     trace::TensorClass cls;
   };
   std::vector<Registered> persistent;
-  std::optional<trace::Trace> trace;
+  std::optional<trace::Trace> trace;  // shape 0's
   std::optional<plan::Plan> plan;
   int steps_in_state = 0;
+  bool in_step = false;
   SessionStats stats;
-  io::StoreStats store_before;
+  std::uint64_t current_at_start = 0;  // meter bytes when the step began
+
+  // One step shape: its ops, its profile, the capacity its plan was made for and the plan.
+  struct Shape {
+    trace::Trace trace;
+    plan::Plan plan;
+    double capacity = 0;    // planner units (trace bytes)
+    int tightenings = 0;    // consecutive
+    bool at_floor = false;  // no plan can go lower
+  };
+  std::vector<Shape> shapes;  // index = the executor's shape index
+  std::map<std::vector<std::string>, std::vector<trace::Trace>> pending;  // seen, not planned
+  std::string measured_ssd;            // cpu-here: the store's measured figures, as an --ssd spec
+  std::uint64_t profiled_current = 0;  // max meter bytes at the start of the profiled steps
+  bool budget_known = false;
+  bool all_within = true;
+
+  std::uint64_t peak_now() const { return opt.peak_bytes ? opt.peak_bytes() : 0; }
+  std::uint64_t current_now() const { return opt.current_bytes ? opt.current_bytes() : 0; }
+  void reset_peak() const {
+    if (opt.reset_peak) opt.reset_peak();
+  }
+
+  static std::vector<std::string> names_of(const trace::Trace& t) {
+    std::vector<std::string> n;
+    n.reserve(t.ops.size());
+    for (const auto& op : t.ops) n.push_back(op.name);
+    return n;
+  }
 
   void start_profiling() {
     executor.reset();  // brings every moved tensor back
     tracer.reset();
-    tracer = std::make_unique<Tracer>(Tracer::Options{opt.model_name, opt.batch, opt.seq});
+    Tracer::Options to{opt.model_name, opt.batch, opt.seq,
+                       opt.between_steps == BetweenSteps::kResident};
+    tracer = std::make_unique<Tracer>(to);
     for (const auto& r : persistent) tracer->register_persistent(r.tensor, r.name, r.cls);
     tracer->start();
-    state = State::kProfiling;
+    state = SessionState::kProfiling;
     steps_in_state = 0;
-    if (opt.reset_peak) opt.reset_peak();
   }
 
-  void make_plan_and_execute() {
-    ProfileResult profile = tracer->result();
-    TIDAL_EXPECT(profile.consistent, "the profiled steps ran different op sequences (",
-                 profile.divergence, "); plan mode needs the same ops every step");
-    const auto lifetimes = trace::analyze_lifetimes(profile.trace);
-    const std::uint64_t measured = opt.peak_bytes ? opt.peak_bytes() : 0;
-    stats.profiled_peak = measured;
-    std::uint64_t budget = opt.memory_budget;
-    if (budget == 0) {
-      TIDAL_EXPECT_AS(InvalidArgument, measured > 0,
-                      "plan mode needs a memory budget in bytes, or a memory meter to take a "
-                      "share of the measured peak");
-      budget = static_cast<std::uint64_t>(opt.budget_fraction * static_cast<double>(measured));
-    }
-    stats.memory_budget = budget;
-    // The planner counts the trace's tensors; the meter counts every allocation (padding,
-    // allocator slack, tensors nested inside ops). Scale the budget into trace units.
-    const double peak_live = static_cast<double>(lifetimes.summary.peak_live_bytes);
-    unit_scale = measured > 0 && peak_live > 0
-                     ? std::min(1.0, peak_live / static_cast<double>(measured))
-                     : 1.0;
-    tighten = 1.0;
-    trace = std::move(profile.trace);
-    replan();
-  }
-
-  // Plans the kept trace for budget x unit_scale x tighten and starts executing it.
-  void replan() {
-    executor.reset();  // brings back whatever the previous plan moved
+  plan::Hardware hardware() {
     plan::Hardware hw = plan::hardware_preset(opt.hardware);
     plan::HardwareOverrides overrides = opt.hardware_overrides;
     if (!overrides.ssd && opt.hardware == "cpu-here") {
@@ -122,85 +154,227 @@ struct Session::Impl {
       }
       if (measured_ssd != "preset") overrides.ssd = measured_ssd;
     }
-    overrides.gpu_mem = std::to_string(static_cast<std::uint64_t>(
-        static_cast<double>(stats.memory_budget) * unit_scale * tighten));
+    // The capacity is set per planning call; this only satisfies the preset's check.
+    overrides.gpu_mem = std::to_string(std::max<std::uint64_t>(stats.memory_budget, 1));
     plan::apply_overrides(hw, overrides);
+    hw.memory_margin = 0;  // the session measures every step: no blind margin
+    return hw;
+  }
+
+  // Plans `t` for `capacity` (trace bytes). When no plan fits, the smallest capacity that plans
+  // (bisection), and the reason, unless the budget is strict.
+  plan::Plan plan_for(const trace::Trace& t, double& capacity, bool& at_floor) {
+    plan::Hardware hw = hardware();
     plan::PlannerOptions po;
     po.min_bytes = opt.executor.min_bytes;
     po.more_memory_hint =
-        "a larger memory budget (tidal train --mem-budget; SessionOptions::memory_budget or "
+        "a larger memory budget (SessionOptions::memory_budget or "
         "budget_fraction; now " +
-        format_bytes(static_cast<double>(stats.memory_budget)) + " of a profiled peak of " +
-        format_bytes(static_cast<double>(stats.profiled_peak)) + ")";
-    plan::Plan p = plan::make_plan(*trace, hw, po);
-    char line[256];
-    std::snprintf(line, sizeof line,
-                  "plan: %zu actions, %s to SSD per step, planned peak %s of %s (trace units), "
-                  "planned stall %.3f s, planned in %.2f s, SSD %s",
-                  p.actions.size(),
-                  format_bytes(static_cast<double>(p.summary.bytes_to_ssd)).c_str(),
-                  format_bytes(static_cast<double>(p.summary.peak_after_bytes)).c_str(),
-                  format_bytes(static_cast<double>(hw.device_memory)).c_str(),
-                  p.summary.planned_stall_seconds, p.summary.planning_seconds,
-                  overrides.ssd ? overrides.ssd->c_str() : "preset");
-    stats.plan_summary = line;
-    plan = std::move(p);
-    executor = std::make_unique<PlanExecutor>(store, *trace, *plan, opt.executor);
-    tracer->set_keep_iterations(false);
-    tracer->set_listener(executor.get());
-    state = State::kExecuting;
-    steps_in_state = 0;
-    stats.executed_peak = 0;
-  }
-
-  // After an executed step: the meter's peak for it against the budget. Over it, the plan is
-  // made again for a smaller capacity (what the trace cannot see, the meter can).
-  void check_budget() {
-    if (!opt.peak_bytes) return;
-    const std::uint64_t peak = opt.peak_bytes();
-    if (opt.reset_peak) opt.reset_peak();
-    // The first step of a plan starts with everything resident (the previous plan's moves were
-    // undone), so only the steps after it show the plan's steady state.
-    if (steps_in_state < 2) return;
-    stats.executed_peak = std::max(stats.executed_peak, peak);
-    if (peak <= stats.memory_budget || stats.tightenings >= kMaxTightenings) return;
-    const double before = tighten;
-    tighten *= 0.97 * static_cast<double>(stats.memory_budget) / static_cast<double>(peak);
-    ++stats.tightenings;
+        bytes_text(stats.memory_budget) + " for the whole process)";
+    const auto try_plan = [&](double cap) {
+      hw.device_memory = static_cast<std::uint64_t>(std::max(cap, 1.0));
+      return plan::make_plan(t, hw, po);
+    };
+    at_floor = false;
     try {
-      replan();
-    } catch (const InvalidArgument&) {
-      // Even the tensors that cannot move do not fit the smaller capacity: keep the last plan.
-      tighten = before;
-      stats.tightenings = kMaxTightenings;
-      replan();
+      plan::Plan p = try_plan(capacity);
+      if (p.summary.fits) return p;
+      at_floor = true;
+      return p;
+    } catch (const InvalidArgument& e) {
+      if (opt.strict_budget) throw;
+      stats.budget_reason = e.what();
     }
+    // The active tensors alone exceed the capacity somewhere: find the least capacity that plans.
+    at_floor = true;
+    double lo = capacity;
+    double hi = static_cast<double>(trace::analyze_lifetimes(t).summary.peak_live_bytes) + 1;
+    std::optional<plan::Plan> best;
+    try {
+      best = try_plan(hi);
+    } catch (const InvalidArgument&) {
+    }
+    for (int i = 0; i < 12 && hi - lo > 4096; ++i) {
+      const double mid = 0.5 * (lo + hi);
+      try {
+        best = try_plan(mid);
+        hi = mid;
+      } catch (const InvalidArgument&) {
+        lo = mid;
+      }
+    }
+    capacity = hi;
+    if (!best) best = try_plan(hi);
+    return *best;
   }
 
-  static constexpr int kMaxTightenings = 4;
-  std::string measured_ssd;  // cpu-here: the store's measured figures, as an --ssd spec
-  double unit_scale = 1.0;
-  double tighten = 1.0;
+  void summarise(const Shape& s) {
+    const auto& p = s.plan;
+    char line[320];
+    std::snprintf(line, sizeof line,
+                  "plan %zu: %zu actions, %s to SSD per step, planned peak %s of %s (trace "
+                  "units), planned stall %.3f s, planned in %.2f s, SSD %s",
+                  shapes.size() - 1, p.actions.size(), bytes_text(p.summary.bytes_to_ssd).c_str(),
+                  bytes_text(p.summary.peak_after_bytes).c_str(),
+                  bytes_text(static_cast<std::uint64_t>(s.capacity)).c_str(),
+                  p.summary.planned_stall_seconds, p.summary.planning_seconds,
+                  measured_ssd.empty() ? "preset" : measured_ssd.c_str());
+    stats.plan_summary = line;
+  }
+
+  // The planner counts the trace's tensors; the meter counts every allocation (memory no op
+  // touches, allocator padding, tensors made and dropped inside an op). The difference is
+  // subtracted from the budget: what the planner may use is what the meter leaves it.
+  double capacity_for(const trace::Trace& t) const {
+    const auto peak_live = static_cast<double>(trace::analyze_lifetimes(t).summary.peak_live_bytes);
+    const auto unseen = std::max(0.0, static_cast<double>(stats.profiled_peak) - peak_live);
+    return std::max(0.0, static_cast<double>(stats.memory_budget) - unseen);
+  }
+
+  // A new step shape: plan it and hand it to the executor (made on the first).
+  void add_shape(trace::Trace t) {
+    Shape s;
+    s.capacity = capacity_for(t);
+    s.plan = plan_for(t, s.capacity, s.at_floor);
+    s.trace = std::move(t);
+    if (executor) {
+      executor->add_shape(s.trace, s.plan);
+      ++stats.replans;
+    } else {
+      ExecutorOptions eo = opt.executor;
+      eo.budget = stats.memory_budget;  // hard: the executor waits rather than go over
+      eo.current_bytes = opt.current_bytes;
+      executor = std::make_unique<PlanExecutor>(store, s.trace, s.plan, eo);
+      tracer->set_keep_iterations(false);
+      tracer->set_listener(executor.get());
+      trace = s.trace;
+      plan = s.plan;
+    }
+    shapes.push_back(std::move(s));
+    summarise(shapes.back());
+    stats.shapes = static_cast<int>(shapes.size());
+  }
+
+  void make_first_plan() {
+    // Group the profiled steps by their ops: the shape seen most (the latest on a tie) is
+    // planned now, the others wait until they are seen again.
+    std::map<std::vector<std::string>, std::vector<trace::Trace>> by_shape;
+    for (const auto& it : tracer->iterations()) by_shape[names_of(it)].push_back(it);
+    auto best = by_shape.end();
+    for (auto it = by_shape.begin(); it != by_shape.end(); ++it) {
+      if (best == by_shape.end() || it->second.size() >= best->second.size()) best = it;
+    }
+    const std::uint64_t measured = stats.profiled_peak;
+    const trace::Trace& last = best->second.back();
+    const std::uint64_t traced_at_start = bytes_at_start(last);
+    stats.untouched_bytes =
+        profiled_current > traced_at_start ? profiled_current - traced_at_start : 0;
+    std::uint64_t budget = opt.memory_budget;
+    if (budget == 0) {
+      TIDAL_EXPECT_AS(InvalidArgument, measured > 0,
+                      "plan mode needs a memory budget in bytes, or a memory meter to take a "
+                      "share of the measured peak");
+      const std::uint64_t used =
+          measured > stats.untouched_bytes ? measured - stats.untouched_bytes : 0;
+      budget = stats.untouched_bytes +
+               static_cast<std::uint64_t>(opt.budget_fraction * static_cast<double>(used));
+    }
+    stats.memory_budget = budget;
+    budget_known = true;
+    trace::Trace folded = fold_iterations(best->second).trace;
+    for (auto& [names, traces] : by_shape) {
+      if (names != best->first) pending[names] = std::move(traces);
+    }
+    add_shape(std::move(folded));
+    state = SessionState::kExecuting;
+    steps_in_state = 0;
+  }
+
+  // After an executed step: a step of an unknown shape is kept until its shape is seen again,
+  // then planned; a known shape over the budget is planned again for less.
+  void after_executed_step(const ExecutorStats& e, std::uint64_t peak) {
+    if (e.diverged || e.shape < 0) {
+      const trace::Trace* t = tracer->last_iteration();
+      if (t == nullptr) return;
+      auto names = names_of(*t);
+      auto it = pending.find(names);
+      if (it == pending.end()) {
+        if (pending.size() >= kMaxPendingShapes) pending.erase(pending.begin());
+        pending[names].push_back(*t);
+        return;
+      }
+      it->second.push_back(*t);
+      trace::Trace folded = fold_iterations(it->second).trace;
+      pending.erase(it);
+      add_shape(std::move(folded));
+      return;
+    }
+    // A known shape ran to its end: its peak counts against the budget.
+    ++stats.steps_measured;
+    stats.executed_peak = std::max(stats.executed_peak, peak);
+    Shape& s = shapes[static_cast<std::size_t>(e.shape)];
+    if (peak <= stats.memory_budget) {
+      s.tightenings = 0;
+      return;
+    }
+    all_within = false;
+    ++stats.steps_over_budget;
+    if (s.at_floor || s.tightenings >= kMaxTightenings) {
+      if (stats.budget_reason.empty()) {
+        stats.budget_reason = "step shape " + std::to_string(e.shape) + " peaked at " +
+                              bytes_text(peak) + " over the budget of " +
+                              bytes_text(stats.memory_budget) +
+                              " and its plan cannot be made tighter";
+      }
+      return;
+    }
+    // What the meter saw over the budget is taken off the planner's capacity, and a little more.
+    const double over = static_cast<double>(peak - stats.memory_budget);
+    double cap = std::max(0.0, s.capacity - over - 0.01 * static_cast<double>(stats.memory_budget));
+    bool floor = false;
+    plan::Plan p = plan_for(s.trace, cap, floor);
+    s.capacity = cap;
+    s.at_floor = floor;
+    s.plan = std::move(p);
+    ++s.tightenings;
+    ++stats.tightenings;
+    ++stats.replans;
+    // The new plan is judged on its own steps.
+    all_within = true;
+    stats.steps_measured = 0;
+    stats.executed_peak = 0;
+    executor->replace_plan(e.shape, s.trace, s.plan);
+    if (e.shape == 0) plan = s.plan;
+    summarise(s);
+  }
 };
 
 Session::Session(SessionOptions options) : impl_(std::make_unique<Impl>()) {
   impl_->opt = std::move(options);
   Impl& m = *impl_;
   m.stats.mode = m.opt.mode;
+  if (!m.opt.peak_bytes) {
+    m.meter = std::make_unique<MemoryMeter>(m.opt.device);
+    MemoryMeter* meter = m.meter.get();
+    m.opt.peak_bytes = [meter] { return meter->peak_bytes(); };
+    m.opt.current_bytes = [meter] { return meter->current_bytes(); };
+    m.opt.reset_peak = [meter] { meter->reset_peak(); };
+  }
   if (m.opt.mode == OffloadMode::kNone) {
-    m.stats.state = "off";
+    m.state = SessionState::kOff;
     return;
   }
+  TIDAL_EXPECT_AS(InvalidArgument, m.opt.profile_steps >= 1,
+                  "plan mode needs at least one profiled step (profile_steps >= 1)");
+  TIDAL_EXPECT_AS(InvalidArgument, m.opt.warmup_steps >= 0, "warmup_steps must be 0 or more");
+  TIDAL_EXPECT_AS(InvalidArgument, m.opt.budget_fraction > 0 && m.opt.budget_fraction <= 1,
+                  "the memory budget fraction must be in (0, 1]");
   m.store = std::make_shared<io::TensorStore>(m.opt.store);
   if (m.opt.mode == OffloadMode::kActivations) {
     m.offloader = std::make_unique<ActivationOffloader>(m.store, m.opt.activations);
-    m.state = Impl::State::kExecuting;
+    m.state = SessionState::kExecuting;
   } else {
-    TIDAL_EXPECT_AS(InvalidArgument, m.opt.profile_steps >= 1 && m.opt.warmup_steps >= 0,
-                    "plan mode needs at least one profiled step");
-    TIDAL_EXPECT_AS(InvalidArgument, m.opt.budget_fraction > 0 && m.opt.budget_fraction <= 1,
-                    "the memory budget fraction must be in (0, 1]");
-    m.state = Impl::State::kWarmup;
+    m.state = SessionState::kWarmup;
   }
 }
 
@@ -220,7 +394,7 @@ void Session::register_persistent(const std::vector<torch::Tensor>& tensors, tra
 
 void Session::register_persistent(const torch::Tensor& tensor, const std::string& name,
                                   trace::TensorClass cls) {
-  if (!tensor.defined()) return;
+  if (!tensor.defined() || !tensor.has_storage()) return;
   impl_->persistent.push_back({tensor, name, cls});
   if (impl_->offloader) impl_->offloader->keep_storages_of({tensor});
   if (impl_->tracer) impl_->tracer->register_persistent(tensor, name, cls);
@@ -228,10 +402,19 @@ void Session::register_persistent(const torch::Tensor& tensor, const std::string
 
 void Session::begin_step(std::int64_t step, const std::vector<torch::Tensor>& inputs) {
   Impl& m = *impl_;
+  TIDAL_EXPECT(!m.in_step, "begin_step(", step, ") while step ", step_,
+               " is still open: call end_step() first");
+  m.in_step = true;
   step_ = step;
-  if (m.store) m.store_before = m.store->stats();
-  if (m.state == Impl::State::kWarmup && m.steps_in_state >= m.opt.warmup_steps) {
+  next_step_ = step + 1;
+  // Memory used between steps (evaluation, logging) is not charged to the step.
+  m.reset_peak();
+  m.current_at_start = m.current_now();
+  if (m.state == SessionState::kWarmup && m.steps_in_state >= m.opt.warmup_steps) {
     m.start_profiling();
+  }
+  if (m.state == SessionState::kProfiling) {
+    m.profiled_current = std::max(m.profiled_current, m.current_at_start);
   }
   if (m.offloader) m.offloader->begin_step(step, inputs);
   if (m.tracer) m.tracer->begin_step(step, inputs);
@@ -250,46 +433,55 @@ void Session::begin_layer(std::int64_t layer) {
 
 void Session::end_step(std::int64_t step) {
   Impl& m = *impl_;
-  if (m.tracer) m.tracer->end_step(step);
-  if (m.executor) m.executor->end_step(step);
-  if (m.offloader) m.offloader->end_step(step);
-  ++m.steps_in_state;
+  if (!m.in_step) return;
+  m.in_step = false;
   SessionStats& s = m.stats;
   s.bytes_written = s.bytes_read = s.misses = s.write_failures = 0;
   s.stall_seconds = 0;
-  if (m.offloader) take_io_stats(s, m.offloader->last_step());
-  if (m.executor) {
+  // The step's tensors come back here (BetweenSteps::kResident): a read that fails throws, after
+  // the session is left consistent for the next step.
+  std::exception_ptr error;
+  try {
+    if (m.tracer) m.tracer->end_step(step);
+  } catch (const Error&) {
+    error = std::current_exception();
+  }
+  if (m.executor) m.executor->end_step(step);
+  if (m.offloader) m.offloader->end_step(step);
+  const std::uint64_t peak = m.peak_now();
+  s.step_peak = peak;
+  ++m.steps_in_state;
+  if (m.offloader) {
+    take_io_stats(s, m.offloader->last_step());
+    if (s.notice.empty()) s.notice = m.offloader->notice();
+  }
+  if (m.state == SessionState::kProfiling) {
+    s.profiled_peak = std::max(s.profiled_peak, peak);
+    if (!error && m.steps_in_state >= m.opt.profile_steps) m.make_first_plan();
+  } else if (m.state == SessionState::kExecuting && m.executor) {
     const ExecutorStats e = m.executor->last_step();
     take_io_stats(s, e);
-    if (e.diverged) {
-      // The ops changed: what was planned no longer names the right tensors. Re-profile.
-      ++s.replans;
-      m.start_profiling();
-      return;
-    }
+    s.write_stall_seconds = e.write_stall_seconds;
+    s.shape = e.shape;
+    if (!error) m.after_executed_step(e, peak);
+    s.within_budget = s.steps_measured > 0 && m.all_within;
   }
-  if (m.state == Impl::State::kProfiling && m.steps_in_state >= m.opt.profile_steps) {
-    m.make_plan_and_execute();
-  } else if (m.state == Impl::State::kExecuting && m.executor) {
-    m.check_budget();
-  }
+  if (error) std::rethrow_exception(error);
+}
+
+void Session::make_resident() {
+  if (impl_->executor) impl_->executor->restore_all();
 }
 
 SessionStats Session::stats() const {
   SessionStats s = impl_->stats;
-  switch (impl_->state) {
-    case Impl::State::kOff:
-      s.state = "off";
-      break;
-    case Impl::State::kWarmup:
-      s.state = "warmup";
-      break;
-    case Impl::State::kProfiling:
-      s.state = "profiling";
-      break;
-    case Impl::State::kExecuting:
-      s.state = "executing";
-      break;
+  s.state = impl_->state;
+  if (s.mode == OffloadMode::kPlan && s.budget_reason.empty()) {
+    if (!impl_->budget_known) {
+      s.budget_reason = "no plan yet (warm-up and profiling steps run without one)";
+    } else if (s.steps_measured == 0) {
+      s.budget_reason = "no step has run a plan to its end yet";
+    }
   }
   return s;
 }

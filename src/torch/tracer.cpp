@@ -112,12 +112,12 @@ void Tracer::start() {
   TIDAL_EXPECT(g_tracer.compare_exchange_strong(expected, this),
                "another tidal Tracer is already recording in this process; stop it first");
   function_handle_ =
-      at::addGlobalCallback(at::RecordFunctionCallback(&function_start, &function_end)
-                                .needsInputs(true)
-                                .needsOutputs(true)
-                                .scopes({at::RecordScope::FUNCTION}));
-  backward_handle_ = at::addGlobalCallback(at::RecordFunctionCallback(&node_start, &node_end)
-                                               .scopes({at::RecordScope::BACKWARD_FUNCTION}));
+      at::addThreadLocalCallback(at::RecordFunctionCallback(&function_start, &function_end)
+                                     .needsInputs(true)
+                                     .needsOutputs(true)
+                                     .scopes({at::RecordScope::FUNCTION}));
+  backward_handle_ = at::addThreadLocalCallback(at::RecordFunctionCallback(&node_start, &node_end)
+                                                    .scopes({at::RecordScope::BACKWARD_FUNCTION}));
   started_ = true;
 }
 
@@ -215,7 +215,15 @@ std::unique_ptr<at::ObserverContext> Tracer::on_op_start(const at::RecordFunctio
   op.index = static_cast<OpIndex>(current_.ops.size());
   op.name = fn.name();
   const bool in_node = !tl_node_seq.empty();
-  op.phase = in_node ? Phase::kBackward : static_cast<Phase>(phase_.load());
+  if (in_node) {
+    op.phase = Phase::kBackward;
+  } else if (phase_told_) {
+    op.phase = static_cast<Phase>(phase_.load());
+  } else {
+    // A loop that says nothing of phases: ops that build a graph are forward, the rest (the
+    // optimizer runs under NoGradGuard) are "other".
+    op.phase = at::GradMode::is_enabled() ? Phase::kForward : Phase::kOther;
+  }
   if (in_node) {
     // The autograd node was created by the forward op whose starting sequence number is the
     // largest one not above the node's.
@@ -365,21 +373,53 @@ void Tracer::begin_step(std::int64_t step, const std::vector<torch::Tensor>& inp
   }
   if (!inputs.empty()) current_.device = inputs.front().device().str();
   phase_.store(static_cast<int>(Phase::kOther));
+  phase_told_ = false;
   layer_.store(-1);
   busy_.store(false);
   iteration_start_ = std::chrono::steady_clock::now();
   recording_.store(started_, std::memory_order_release);
 }
 
-void Tracer::begin_phase(Phase phase) { phase_.store(static_cast<int>(phase)); }
+void Tracer::begin_phase(Phase phase) {
+  phase_told_ = true;
+  phase_.store(static_cast<int>(phase));
+}
 
 void Tracer::begin_layer(std::int64_t layer) { layer_.store(layer); }
 
 void Tracer::end_step(std::int64_t /*step*/) {
   if (!recording_.exchange(false)) return;
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
   collect_frees();
+  std::vector<TensorRef> alive;
+  OpIndex end_op = trace::kNoOp;
+  if (options_.step_end_op) {
+    // Every traced tensor still alive is the caller's once the step ends: one op uses them all.
+    trace::Op op;
+    op.index = end_op = static_cast<OpIndex>(current_.ops.size());
+    op.name = kStepEndOp;
+    op.phase = Phase::kOther;
+    op.start_s = op.end_s = now();
+    const auto use = [&](TensorId id, c10::StorageImpl* impl) {
+      push_unique(op.inputs, id);
+      alive.push_back({id, impl});
+    };
+    for (const auto& p : persistent_) {
+      auto strong = p.storage.lock();
+      if (!strong) continue;
+      auto it = ids_.find(strong.get());
+      if (it != ids_.end()) use(it->second, strong.get());
+    }
+    for (const auto& l : live_) {
+      auto strong = l.storage.lock();
+      if (strong) use(l.id, strong.get());
+    }
+    current_.ops.push_back(std::move(op));
+  }
   finish_iteration();
+  lock.unlock();
+  // Outside the lock: the listener waits for reads, and may throw the store's error.
+  if (listener_ != nullptr && end_op != trace::kNoOp) listener_->step_end(end_op, alive);
 }
 
 // Carried tensors: those that died here before their producer made them anew are tensors with a
@@ -471,6 +511,8 @@ void Tracer::finish_iteration() {
                   " instead of " + at(reference_names_, k) + " (" + std::to_string(names.size()) +
                   " ops vs " + std::to_string(reference_names_.size()) + ")";
   }
+  last_ = current_;
+  has_last_ = true;
   if (keep_iterations_ || iterations_.empty()) iterations_.push_back(std::move(current_));
   current_ = trace::Trace{};
 }
@@ -479,10 +521,39 @@ ProfileResult Tracer::result() const {
   TIDAL_EXPECT(!iterations_.empty(),
                "the tracer recorded no iteration; run at least one step "
                "between start() and the call to result()");
+  ProfileResult r = fold_iterations(iterations_);
+  if (!divergence_.empty()) {
+    r.consistent = false;
+    r.divergence = divergence_;
+    r.trace.meta["consistent"] = "false";
+  }
+  return r;
+}
+
+ProfileResult fold_iterations(const std::vector<trace::Trace>& iterations_) {
+  TIDAL_EXPECT(!iterations_.empty(), "no iteration to fold into a profile");
   ProfileResult r;
   r.iterations = static_cast<std::int64_t>(iterations_.size());
-  r.consistent = divergence_.empty();
-  r.divergence = divergence_;
+  for (std::size_t i = 1; i < iterations_.size() && r.consistent; ++i) {
+    const auto& a = iterations_[i].ops;
+    const auto& b = iterations_[0].ops;
+    if (a.size() != b.size()) {
+      r.consistent = false;
+    } else {
+      for (std::size_t k = 0; k < a.size(); ++k) {
+        if (a[k].name != b[k].name) {
+          r.consistent = false;
+          r.divergence = "iteration " + std::to_string(i) + " differs from iteration 0 at op " +
+                         std::to_string(k) + ": '" + a[k].name + "' instead of '" + b[k].name + "'";
+          break;
+        }
+      }
+    }
+    if (!r.consistent && r.divergence.empty()) {
+      r.divergence = "iteration " + std::to_string(i) + " has " + std::to_string(a.size()) +
+                     " ops, iteration 0 has " + std::to_string(b.size());
+    }
+  }
   r.trace = iterations_.back();
   r.trace.meta["iterations"] = std::to_string(r.iterations);
   r.trace.meta["consistent"] = r.consistent ? "true" : "false";

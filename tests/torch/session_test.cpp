@@ -102,7 +102,7 @@ TEST_P(SessionModes, AllModesGiveBitIdenticalLossesAndParameters) {
   expect_same(none, act, "activations");
   expect_same(none, plan, "plan");
   EXPECT_GT(act.stats.bytes_written, 0u) << "activation mode moved nothing";
-  EXPECT_EQ(plan.stats.state, "executing") << plan.stats.plan_summary;
+  EXPECT_EQ(plan.stats.state, SessionState::kExecuting) << plan.stats.plan_summary;
   EXPECT_GT(plan.stats.bytes_written, 0u) << "the plan moved nothing: " << plan.stats.plan_summary;
   EXPECT_EQ(plan.stats.replans, 0);
 }
@@ -132,7 +132,7 @@ TEST(Session, OptimizerInBackwardIsBitIdenticalInEveryMode) {
   expect_same(after, act, "in-backward with activation offloading");
   expect_same(after, plan, "in-backward with the plan");
   EXPECT_GT(act.stats.bytes_written, 0u);
-  EXPECT_EQ(plan.stats.state, "executing") << plan.stats.plan_summary;
+  EXPECT_EQ(plan.stats.state, SessionState::kExecuting) << plan.stats.plan_summary;
   EXPECT_GT(plan.stats.bytes_written, 0u) << plan.stats.plan_summary;
   // The parameters really changed (the hooks ran): not the initial weights.
   models::TrainerOptions o;
@@ -164,7 +164,7 @@ TEST(Session, OptimizerDeferredWithClippingIsBitIdenticalInEveryMode) {
   expect_same(after, none, "deferred against after-backward, clipped");
   expect_same(after, act, "deferred with activation offloading");
   expect_same(after, plan, "deferred with the plan");
-  EXPECT_EQ(plan.stats.state, "executing") << plan.stats.plan_summary;
+  EXPECT_EQ(plan.stats.state, SessionState::kExecuting) << plan.stats.plan_summary;
   EXPECT_GT(plan.stats.bytes_written, 0u) << plan.stats.plan_summary;
   const RunResult unclipped = train("llama-tiny", OffloadMode::kNone, dir.path(), steps);
   EXPECT_NE(after.losses.back(), unclipped.losses.back()) << "the clipping changed nothing";

@@ -38,6 +38,8 @@ struct TrainArgs {
   std::string ssd;  // planner's SSD figures, e.g. "1x2.0/1.5GB/s"
   std::string save_trace;
   std::string save_plan;
+  std::string between_steps = "resident";
+  bool strict_budget = false;
 };
 
 std::vector<std::string> split_dirs(const std::string& text) {
@@ -103,7 +105,14 @@ void run_train(const TrainArgs& args) {
   }
   if (!args.ssd.empty()) so.hardware_overrides.ssd = args.ssd;
   so.peak_bytes = [&meter] { return meter.peak_bytes(); };
+  so.current_bytes = [&meter] { return meter.current_bytes(); };
   so.reset_peak = [&meter] { meter.reset_peak(); };
+  TIDAL_EXPECT_AS(InvalidArgument,
+                  args.between_steps == "resident" || args.between_steps == "offloaded",
+                  "--between-steps must be resident or offloaded, not '", args.between_steps, "'");
+  so.between_steps = args.between_steps == "resident" ? torch_layer::BetweenSteps::kResident
+                                                      : torch_layer::BetweenSteps::kOffloaded;
+  so.strict_budget = args.strict_budget;
   so.model_name = args.model.model;
   so.batch = args.model.batch;
   so.seq = args.model.seq;
@@ -147,6 +156,7 @@ void run_train(const TrainArgs& args) {
   std::vector<double> losses;
   std::vector<double> seconds;
   std::vector<double> offload_seconds;  // steps that ran with offloading on
+  std::vector<std::uint64_t> step_peaks;
   std::uint64_t bytes_written = 0;
   std::uint64_t bytes_read = 0;
   std::uint64_t misses = 0;
@@ -155,7 +165,7 @@ void run_train(const TrainArgs& args) {
   std::uint64_t offload_peak = 0;
   const double tokens_per_step = static_cast<double>(options.batch * options.seq);
   for (std::int64_t i = 0; i < args.model.steps; ++i) {
-    const bool executing = session.stats().state == "executing";
+    const bool executing = session.stats().state == torch_layer::SessionState::kExecuting;
     const auto r = trainer.step();
     // Gradients exist now; they stay (zeroed in place) only on the after-backward schedule.
     if (i == 0) {
@@ -165,6 +175,7 @@ void run_train(const TrainArgs& args) {
     const auto s = session.stats();
     losses.push_back(r.loss);
     seconds.push_back(r.seconds);
+    step_peaks.push_back(s.step_peak);
     if (executing) {
       offload_seconds.push_back(r.seconds);
       bytes_written += s.bytes_written;
@@ -175,7 +186,7 @@ void run_train(const TrainArgs& args) {
     }
     char text[160];
     std::snprintf(text, sizeof(text), "loss %.4f  %.0f tok/s  %s", r.loss,
-                  tokens_per_step / r.seconds, s.state.c_str());
+                  tokens_per_step / r.seconds, torch_layer::to_string(s.state));
     bar.update(i + 1, text);
   }
   trainer.remove_observer(&session);
@@ -199,12 +210,21 @@ void run_train(const TrainArgs& args) {
                  static_cast<unsigned long long>(failures));
   }
   if (so.mode == torch_layer::OffloadMode::kPlan) {
-    std::fprintf(stderr, "budget %s (of a profiled peak of %s), %s; %d re-plan(s) for memory; %s\n",
-                 format_bytes(static_cast<double>(st.memory_budget)).c_str(),
-                 format_bytes(static_cast<double>(st.profiled_peak)).c_str(),
-                 offload_peak <= st.memory_budget ? "kept" : "EXCEEDED", st.tightenings,
-                 st.plan_summary.c_str());
+    std::fprintf(
+        stderr,
+        "budget %s (of a profiled peak of %s; %s of it untouched by any step), %s over "
+        "the %lld step(s) of the current plan (%lld earlier step(s) over it; %d re-plan(s) "
+        "for memory); %s\n",
+        format_bytes(static_cast<double>(st.memory_budget)).c_str(),
+        format_bytes(static_cast<double>(st.profiled_peak)).c_str(),
+        format_bytes(static_cast<double>(st.untouched_bytes)).c_str(),
+        st.within_budget ? "kept" : "EXCEEDED", static_cast<long long>(st.steps_measured),
+        static_cast<long long>(st.steps_over_budget), st.tightenings, st.plan_summary.c_str());
+    if (!st.within_budget && !st.budget_reason.empty()) {
+      std::fprintf(stderr, "why: %s\n", st.budget_reason.c_str());
+    }
   }
+  if (!st.notice.empty()) std::fprintf(stderr, "note: %s\n", st.notice.c_str());
   if (!args.save_trace.empty() && session.trace()) {
     trace::write_trace(*session.trace(), args.save_trace);
   }
@@ -220,6 +240,7 @@ void run_train(const TrainArgs& args) {
     j["losses"] = losses;
     j["step_seconds"] = seconds;
     j["peak_bytes"] = offload_peak;
+    j["step_peak_bytes"] = step_peaks;
     j["tokens_per_second"] = tps;
     j["offload_mode"] = args.offload;
     j["recompute"] = args.recompute;
@@ -238,7 +259,12 @@ void run_train(const TrainArgs& args) {
       j["plan_summary"] = st.plan_summary;
       j["replans"] = st.replans;
       j["budget_replans"] = st.tightenings;
-      j["within_budget"] = offload_peak <= st.memory_budget;
+      j["within_budget"] = st.within_budget;
+      j["steps_measured"] = st.steps_measured;
+      j["steps_over_budget"] = st.steps_over_budget;
+      j["untouched_bytes"] = st.untouched_bytes;
+      j["budget_reason"] = st.budget_reason;
+      j["step_shapes"] = st.shapes;
     }
     std::cout << j.dump() << std::endl;
   }
@@ -277,6 +303,13 @@ void add_train_command(CLI::App& app) {
   cmd->add_flag("--recompute", args->recompute,
                 "activation checkpointing: recompute each block in backward instead of keeping "
                 "its activations");
+  cmd->add_option("--between-steps", args->between_steps,
+                  "plan mode: where the step's tensors are between steps: resident (readable by "
+                  "any code) or offloaded (more memory saved)")
+      ->capture_default_str();
+  cmd->add_flag("--strict-budget", args->strict_budget,
+                "plan mode: stop with an error when no plan can meet the budget (default: run "
+                "with the smallest peak a plan reaches and say why)");
   cmd->add_flag("--json", args->json, "print one JSON object with the results as the last line");
   cmd->callback([args] { run_train(*args); });
 }

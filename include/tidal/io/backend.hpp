@@ -69,6 +69,7 @@ struct FaultPlan {
   int fail_errno = 5;              ///< EIO by default; ENOSPC (28) to mimic a full disk
   bool fail_every_after = false;   ///< fail op k and every op after it (a dying disk)
   bool only_writes = false;        ///< count and fail writes only (reads pass untouched)
+  bool only_reads = false;         ///< count and fail reads only (writes pass untouched)
   std::uint64_t short_op = 0;      ///< report the k-th op as short by 512 bytes
   std::uint64_t corrupt_read = 0;  ///< flip a byte of the k-th read after it completes
   unsigned delay_us = 0;           ///< hold every completion this long (a slow disk)

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "tidal/io/store.hpp"
 #include "tidal/torch/step.hpp"
@@ -49,6 +50,7 @@ struct ActivationStats {
   std::uint64_t bytes_read = 0;
   double stall_seconds = 0;           ///< time unpack waited for reads
   double forward_seconds = 0;         ///< first pack to first unpack
+  std::int64_t passes = 1;            ///< forward passes that saved tensors (a GAN: several)
   std::int64_t keep_from = -1;        ///< adaptive: index of the first kept tensor, -1 none
   std::uint64_t lookahead_bytes = 0;  ///< read-ahead used in this step's backward
 };
@@ -75,6 +77,10 @@ class ActivationOffloader final : public StepObserver {
   void end_step() { end_step(0); }
 
   [[nodiscard]] ActivationStats last_step() const;
+
+  /// Empty, or one sentence saying that offloading stopped paying (the adaptive rules keep
+  /// every saved tensor in memory) and why.
+  [[nodiscard]] std::string notice() const;
 
   /// Tensors that live across steps anyway (parameters, optimizer state): saved tensors that
   /// share their storage stay in memory. Needed because autograd hands leaves to the pack hook

@@ -3,11 +3,21 @@
 // swapping their storages' DataPtrs. A wrong plan costs time, never correctness: before every op
 // its inputs are made resident (a "miss"), and a tensor touched while its write is in flight
 // keeps its memory.
+//
+// The residency guard. RecordFunction callbacks cannot stop an op (PyTorch logs what they throw
+// and runs the op anyway), so the check that an op's inputs are in memory runs in a boxed
+// dispatcher fallback on the dispatch key TESTING_ONLY_GenericMode, the one mode key that
+// libtorch 1.13 and 2.x both leave free for code outside PyTorch. The key is switched on in the
+// thread-local dispatch state of the thread that runs the step (autograd copies that state to
+// its worker threads), so the guard sees every op of the step, at any depth, and an I/O error
+// or a corrupt read propagates as a tidal::IoError out of the op that needed the tensor. Other
+// threads (data loader workers, logging) never pass through it.
 #pragma once
 
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -26,7 +36,8 @@ struct TensorRef {
 };
 
 /// Receives the top-level ops of a step as the tracer numbers them (Tracer::set_listener).
-/// Calls come from the thread running the op, between begin_step and end_step.
+/// before_op/after_op come from inside RecordFunction callbacks, where an exception cannot stop
+/// the op: they must not throw. step_end comes from Tracer::end_step and may throw.
 class OpListener {
  public:
   virtual ~OpListener() = default;
@@ -35,7 +46,14 @@ class OpListener {
                          const std::vector<TensorRef>& inputs) = 0;
   /// Op `index` returned; `outputs` are the tensors it created or wrote.
   virtual void after_op(trace::OpIndex index, const std::vector<TensorRef>& outputs) = 0;
+  /// The step's last op (kStepEndOp), which "uses" every traced tensor still alive: they are
+  /// the caller's again once end_step returns.
+  virtual void step_end(trace::OpIndex index, const std::vector<TensorRef>& alive) {}
 };
+
+/// Name of the zero-length op the tracer appends to every step when tensors must be resident
+/// between steps (Tracer::Options::step_end_op): its inputs are every tensor alive at the end.
+inline constexpr const char* kStepEndOp = "tidal::step_end";
 
 struct ExecutorStats {
   std::uint64_t offloads = 0;        ///< writes started by the plan
@@ -47,39 +65,69 @@ struct ExecutorStats {
   std::uint64_t unbound = 0;         ///< actions on a tensor not seen at run time (skipped)
   std::uint64_t bytes_written = 0;
   std::uint64_t bytes_read = 0;
-  double stall_seconds = 0;  ///< time ops waited for reads (misses and late prefetches)
-  bool diverged = false;     ///< the op sequence left the profiled one: on-demand from there
-  std::string divergence;    ///< where and how
+  double stall_seconds = 0;        ///< time ops waited for reads (misses and late prefetches)
+  double write_stall_seconds = 0;  ///< time ops waited for writes to free memory (the budget)
+  std::uint64_t budget_waits = 0;  ///< ops that waited for writes so as not to cross the budget
+  std::uint64_t delayed_prefetches = 0;  ///< prefetches held back until memory allowed them
+  int shape = -1;                ///< the step shape (add_shape order) the step ran to its end
+  int shape_switches = 0;        ///< times the step left one known shape for another
+  bool diverged = false;         ///< the op sequence matched no known shape: on-demand from there
+  std::string divergence;        ///< where and how
+  std::vector<std::string> ops;  ///< the op names the step ran (for the session's shape cache)
 };
 
 struct ExecutorOptions {
   std::uint64_t min_bytes = 64 * 1024;  ///< storages smaller than this are never moved
+  /// A hard memory budget in the meter's bytes (0: none). Before an op whose new tensors would
+  /// take the meter over it, the executor waits for the writes in flight (their memory goes
+  /// back when they complete) instead of going over, and holds back prefetches until memory
+  /// allows them (in deadline order; an op that needs one reads it at once).
+  std::uint64_t budget = 0;
+  /// The meter's bytes now; needed with a budget.
+  std::function<std::uint64_t()> current_bytes;
 };
 
-/// Executes one plan for one profiled trace. Thread-safe (one internal mutex); the safety net
-/// is a global RecordFunction callback installed for the executor's lifetime. Destroying it
-/// brings every tensor it moved back into memory.
+/// Executes plans for profiled traces: one per step shape (add_shape). A step starts with the
+/// shape the last step ended with; when its ops leave that shape, the executor moves to another
+/// known shape with the same ops so far, or goes on-demand for the rest of the step.
+///
+/// Threads: construct, begin_step, end_step and destroy on the thread that runs the training
+/// step (begin_step switches on the residency guard in that thread's dispatch state); ops may
+/// come from autograd's threads. Internal state is behind one mutex. At most one executor per
+/// process (the constructor throws otherwise). Destroying it brings every tensor it moved back
+/// into memory.
 class PlanExecutor final : public OpListener, public StepObserver {
  public:
+  /// Throws tidal::InvalidArgument when `plan` was not made for `trace`.
   PlanExecutor(std::shared_ptr<io::TensorStore> store, const trace::Trace& trace,
                const plan::Plan& plan, ExecutorOptions options = {});
   ~PlanExecutor() override;
   PlanExecutor(const PlanExecutor&) = delete;
   PlanExecutor& operator=(const PlanExecutor&) = delete;
 
+  /// Another step shape and its plan; returns its index. Call between steps.
+  int add_shape(const trace::Trace& trace, const plan::Plan& plan);
+  /// Replaces the plan of shape `index` (a tighter one). Call between steps.
+  void replace_plan(int index, const trace::Trace& trace, const plan::Plan& plan);
+
   void before_op(trace::OpIndex index, const std::string& name,
                  const std::vector<TensorRef>& inputs) override;
   void after_op(trace::OpIndex index, const std::vector<TensorRef>& outputs) override;
+  /// Makes `alive` resident (waiting for reads); throws tidal::IoError when one cannot be read.
+  void step_end(trace::OpIndex index, const std::vector<TensorRef>& alive) override;
 
   void begin_step(std::int64_t step, const std::vector<torch::Tensor>& inputs) override;
+  /// Retires finished I/O. Throws the first tidal::IoError that stopped an op of the step.
   void end_step(std::int64_t step) override;
 
-  /// Makes every moved tensor resident again (also done by the destructor).
+  /// Makes every moved tensor resident again (also done by the destructor). Throws
+  /// tidal::IoError when a tensor cannot be read back.
   void restore_all();
 
   [[nodiscard]] ExecutorStats last_step() const;
 
-  /// Internal: the safety net's entry point for any op's input tensor.
+  /// The residency guard's entry point for an op's input tensor: makes it resident, or throws
+  /// tidal::IoError when its bytes cannot be read back. Any thread.
   void ensure_resident(c10::StorageImpl* storage);
 
   struct Impl;  ///< opaque
@@ -87,5 +135,10 @@ class PlanExecutor final : public OpListener, public StepObserver {
  private:
   std::unique_ptr<Impl> impl_;
 };
+
+/// Switches the residency guard on or off in the calling thread's dispatch state (autograd's
+/// threads inherit it from the thread that calls backward). The executor does this itself in
+/// begin_step; exposed for tests and for code that runs ops on tidal's tensors between steps.
+void set_residency_guard(bool on);
 
 }  // namespace tidal::torch_layer

@@ -1,13 +1,16 @@
 // tidal::Session: the one object a training loop needs. Call begin_step()/end_step() around each
-// step (or register it as a StepObserver with models::Trainer, which also reports phases); the
-// session offloads tensors to the SSD store in the chosen mode and reports what it did.
+// step; the session offloads tensors to the SSD store in the chosen mode and reports what it did.
+// The smallest correct use needs nothing else: parameters, gradients and optimizer state are
+// found in the trace (tensors made before a step that outlive it), lazily created state (Adam's
+// first step) included, and the memory meter is the session's own unless one is given.
 //
 //   tidal::torch_layer::SessionOptions opt;
-//   opt.mode = tidal::torch_layer::OffloadMode::kActivations;
+//   opt.mode = tidal::torch_layer::OffloadMode::kPlan;
 //   opt.store.dirs = {"/mnt/nvme0"};
-//   tidal::torch_layer::Session session(opt);
-//   session.register_persistent(model->parameters(), trace::TensorClass::kParameter);
+//   tidal::torch_layer::Session session(opt);   // before the model: the meter sees every tensor
 //   for (...) { session.begin_step(); ...forward, backward, step...; session.end_step(); }
+//
+// What a loop may do, and what tidal does for each case: docs/runtime.md.
 #pragma once
 
 #include <torch/torch.h>
@@ -37,6 +40,26 @@ const char* to_string(OffloadMode m);
 /// "none", "activations", "plan"; throws tidal::InvalidArgument otherwise.
 OffloadMode offload_mode_from_string(const std::string& s);
 
+enum class SessionState : std::uint8_t {
+  kOff,        ///< mode none
+  kWarmup,     ///< plan mode: steps before profiling
+  kProfiling,  ///< plan mode: steps recorded for the first plan
+  kExecuting,  ///< activation mode, or plan mode with a plan
+};
+const char* to_string(SessionState s);
+
+/// Plan mode: where the tensors a step touched are between steps.
+enum class BetweenSteps : std::uint8_t {
+  /// In memory: after end_step() every tensor the step's ops used that is still alive is
+  /// resident, so any code (torch::save, data_ptr loops, evaluation) may read it. The plan keeps
+  /// memory for that at the step's end; tensors still leave memory during the step.
+  kResident,
+  /// Possibly on the SSD: more memory saved (optimizer state can stay out across the step
+  /// boundary), but only ATen ops on the session's thread bring them back by themselves; code
+  /// that reads raw bytes (torch::save, data_ptr) must call Session::make_resident() first.
+  kOffloaded,
+};
+
 struct SessionOptions {
   OffloadMode mode = OffloadMode::kNone;
   io::StoreOptions store;  ///< directories, capacity, backend (not opened in kNone)
@@ -46,17 +69,29 @@ struct SessionOptions {
   int warmup_steps = 1;
   /// Plan mode: steps profiled before planning (op times are their medians).
   int profile_steps = 2;
-  /// Plan mode: the memory the plan must stay under, in bytes. 0: a share of the peak measured
-  /// while profiling (budget_fraction).
+  /// Plan mode: the tensor memory the process may hold during a step, in bytes, as the meter
+  /// counts it (all of it: what a GPU's out-of-memory check would see). 0: from budget_fraction.
   std::uint64_t memory_budget = 0;
+  /// Plan mode, when memory_budget is 0: the share of the memory the steps themselves use. The
+  /// budget is untouched + fraction x (profiled peak - untouched), where "untouched" is memory
+  /// held when a step starts that no op of the step uses (a dataset in memory, say): offloading
+  /// cannot lower it, so it is not scaled. Both figures are in stats().
   double budget_fraction = 0.5;
+  /// Plan mode: when no plan can meet the budget, throw tidal::InvalidArgument from the
+  /// end_step() that would have started it (true), or run with the smallest peak a plan can
+  /// reach and say why in stats() (false, the default: a training loop is never stopped for it).
+  bool strict_budget = false;
+  BetweenSteps between_steps = BetweenSteps::kResident;
   /// Plan mode: the hardware model for the planner (device memory is set from the budget).
   std::string hardware = "cpu-here";
   plan::HardwareOverrides hardware_overrides;
-  /// Plan mode: a function returning the memory meter's peak since the last reset, and a reset;
-  /// used to turn a fraction into bytes and to calibrate the planner against real allocations.
+  /// The memory meter: its peak since the last reset, the bytes held now, and a reset. Unset:
+  /// the session makes a MemoryMeter for `device` (on CPU it installs tidal's tracking
+  /// allocator, which sees the tensors created after that: make the Session first).
   std::function<std::uint64_t()> peak_bytes;
+  std::function<std::uint64_t()> current_bytes;
   std::function<void()> reset_peak;
+  c10::Device device = c10::Device(c10::kCPU);
   std::string model_name;  ///< labels for the trace
   std::int64_t batch = 0;
   std::int64_t seq = 0;
@@ -65,18 +100,32 @@ struct SessionOptions {
 /// What the session did in the last step, and overall.
 struct SessionStats {
   OffloadMode mode = OffloadMode::kNone;
-  std::string state;                 ///< "off", "warmup", "profiling", "executing"
-  std::uint64_t bytes_written = 0;   ///< last step
-  std::uint64_t bytes_read = 0;      ///< last step
-  double stall_seconds = 0;          ///< last step: time computation waited for reads
-  std::uint64_t misses = 0;          ///< last step: reads not prefetched in time
-  std::uint64_t write_failures = 0;  ///< last step
-  std::uint64_t memory_budget = 0;   ///< plan mode, once known
-  std::uint64_t profiled_peak = 0;   ///< plan mode: peak measured while profiling
-  int replans = 0;                   ///< times the op sequence changed and the session re-profiled
+  SessionState state = SessionState::kOff;
+  std::uint64_t bytes_written = 0;    ///< last step
+  std::uint64_t bytes_read = 0;       ///< last step
+  double stall_seconds = 0;           ///< last step: time computation waited for reads
+  double write_stall_seconds = 0;     ///< last step, plan mode: time ops waited for writes to
+                                      ///< free memory rather than cross the budget
+  std::uint64_t misses = 0;           ///< last step: reads not prefetched in time
+  std::uint64_t write_failures = 0;   ///< last step
+  std::uint64_t step_peak = 0;        ///< last step: the meter's peak between begin and end
+  std::uint64_t memory_budget = 0;    ///< plan mode, once known: whole-process bytes
+  std::uint64_t untouched_bytes = 0;  ///< plan mode: memory no step touches (not offloadable)
+  std::uint64_t profiled_peak = 0;    ///< plan mode: peak measured while profiling
+  /// Plan mode: every step run to its end by the current plans (steps_measured of them, at
+  /// least one) had its peak at or under the budget. Steps before the last re-plan for memory
+  /// are not among them; steps_over_budget counts every executed step that went over.
+  bool within_budget = false;
+  std::int64_t steps_measured = 0;     ///< plan mode: steps of the current plans, measured
+  std::int64_t steps_over_budget = 0;  ///< plan mode: executed steps over the budget, all plans
+  std::string budget_reason;           ///< plan mode: why the budget is not met, when it is not
+  int shapes = 0;                      ///< plan mode: distinct step shapes with a plan
+  int shape = -1;                      ///< plan mode: the shape the last step ran (-1: none)
+  int replans = 0;      ///< plans made after the first (new step shapes, tighter plans)
   int tightenings = 0;  ///< plan mode: re-plans for a smaller capacity after a step over budget
-  std::uint64_t executed_peak = 0;  ///< plan mode: meter peak of the steps run by the current plan
+  std::uint64_t executed_peak = 0;  ///< plan mode: the highest peak of the current plans' steps
   std::string plan_summary;         ///< plan mode: one line from the planner
+  std::string notice;               ///< something the user should know, said once (or empty)
 };
 
 /// Owns the store, the offloader or the tracer + executor, and switches between them.
@@ -89,20 +138,31 @@ class Session final : public StepObserver {
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 
-  /// Tensors that live across steps (parameters, gradients, optimizer state, buffers). In plan
-  /// mode they are traced by storage and may be offloaded themselves; in activation mode they
-  /// are never written as activations. Register gradients once they exist (after a step).
+  /// Optional: names and classes for tensors that live across steps (parameters, gradients,
+  /// optimizer state, buffers); the session finds them without it. In activation mode they are
+  /// never written as activations. Never throws for a tensor without storage (ignored).
   void register_persistent(const std::vector<torch::Tensor>& tensors, trace::TensorClass cls,
                            const std::string& name_prefix = "");
   void register_persistent(const torch::Tensor& tensor, const std::string& name,
                            trace::TensorClass cls);
 
+  /// A step starts. Plan mode: may start profiling; starts what the plan moves at the step's
+  /// start. Throws tidal::Error only for misuse (a step already open).
   void begin_step(std::int64_t step, const std::vector<torch::Tensor>& inputs) override;
   void begin_phase(trace::Phase phase) override;
   void begin_layer(std::int64_t layer) override;
+  /// The step's ops have run. Plan mode: may plan (never throws for a budget it cannot meet
+  /// unless strict_budget), and makes the step's tensors resident (BetweenSteps::kResident).
+  /// Throws tidal::IoError when a tensor cannot be read back (the store's message: EIO, a
+  /// checksum mismatch); an op of the step that needed such a tensor threw it already.
   void end_step(std::int64_t step) override;
-  void begin_step() { begin_step(step_, {}); }
+  /// The same, numbering steps 0, 1, 2, ... by themselves.
+  void begin_step() { begin_step(next_step_, {}); }
   void end_step() { end_step(step_); }
+
+  /// Plan mode: brings every tensor the plan moved back into memory now (for code between
+  /// steps that reads raw bytes with BetweenSteps::kOffloaded). Throws tidal::IoError.
+  void make_resident();
 
   [[nodiscard]] SessionStats stats() const;
   /// Plan mode: the trace and plan in use (nullopt before planning).
@@ -115,6 +175,7 @@ class Session final : public StepObserver {
  private:
   std::unique_ptr<Impl> impl_;
   std::int64_t step_ = 0;
+  std::int64_t next_step_ = 0;
 };
 
 }  // namespace tidal::torch_layer

@@ -1,15 +1,18 @@
 // The tracer: records the ATen ops of training iterations and the tensors they read and write,
 // into tidal::trace::Trace (the torch-free model that the lifetime analysis and the planner use).
 //
-// It observes every op through one global at::RecordFunction callback (scope FUNCTION, with
-// inputs and outputs) plus one on autograd nodes (scope BACKWARD_FUNCTION, to label backward ops
-// with their phase and layer). Only top-level ops are recorded: an op called from inside another
-// op is part of the outer one. Tensors are identified by their storage: persistent ones
-// (parameters, gradients, optimizer state) are registered by the trainer; per-iteration ones are
-// named by (creating op, output slot). A storage created by an op nested in a recorded op and
-// still alive when that op returns (e.g. the statistics layer_norm saves for backward) counts as
-// an extra output of the recorded op. Frees are seen through weak references to the storages:
-// a per-iteration tensor is "freed after" the last op that started before its storage went away.
+// It observes ops through thread-local at::RecordFunction callbacks (scope FUNCTION, with inputs
+// and outputs, plus one on autograd nodes, scope BACKWARD_FUNCTION, to label backward ops with
+// their phase and layer), installed on the thread that calls start(): only that thread's ops,
+// and those of autograd's workers for backward passes it starts (autograd copies the thread-local
+// state to them), enter a trace. Data loader workers and other threads never do. Only top-level ops
+// are recorded: an op called from inside another op is part of the outer one. Tensors are
+// identified by their storage: persistent ones (parameters, gradients, optimizer state) are
+// registered by the trainer; per-iteration ones are named by (creating op, output slot). A storage
+// created by an op nested in a recorded op and still alive when that op returns (e.g. the
+// statistics layer_norm saves for backward) counts as an extra output of the recorded op. Frees are
+// seen through weak references to the storages: a per-iteration tensor is "freed after" the last op
+// that started before its storage went away.
 #pragma once
 
 #include <ATen/record_function.h>
@@ -39,6 +42,10 @@ struct ProfileResult {
   std::string divergence;       ///< the first difference when !consistent, else empty
 };
 
+/// Folds iterations that ran the same ops into one trace: the last, with each op's duration the
+/// median over them. Throws tidal::Error when `iterations` is empty.
+ProfileResult fold_iterations(const std::vector<trace::Trace>& iterations);
+
 /// Records iterations as traces. Drive it as a StepObserver (Trainer::add_observer) or call the
 /// same methods by hand around a hand-written step.
 ///
@@ -53,6 +60,10 @@ class Tracer : public StepObserver {
     std::string model;
     std::int64_t batch = 0;
     std::int64_t seq = 0;
+    /// Append a zero-length op named kStepEndOp to every iteration whose inputs are all traced
+    /// tensors still alive at end_step: the planner then keeps them resident between steps,
+    /// and the listener's step_end() makes them so.
+    bool step_end_op = false;
   };
 
   explicit Tracer(Options options);
@@ -65,10 +76,11 @@ class Tracer : public StepObserver {
   void register_persistent(const torch::Tensor& tensor, const std::string& name,
                            trace::TensorClass cls);
 
-  /// Installs the callbacks; ops are recorded between begin_step and end_step from now on.
-  /// Throws tidal::Error when another Tracer is recording.
+  /// Installs the callbacks on the calling thread; its ops are recorded between begin_step and
+  /// end_step from now on. Throws tidal::Error when another Tracer is recording.
   void start();
-  /// Removes the callbacks. Idempotent.
+  /// Removes the callbacks (call it on the thread that called start(); elsewhere the callbacks
+  /// stay installed there but record nothing). Idempotent.
   void stop();
   [[nodiscard]] bool started() const { return started_; }
 
@@ -87,6 +99,10 @@ class Tracer : public StepObserver {
 
   /// The iterations recorded so far, in order (each one validated).
   [[nodiscard]] const std::vector<trace::Trace>& iterations() const { return iterations_; }
+
+  /// The iteration that ended last, kept or not (nullptr before the first). Valid until the
+  /// next end_step.
+  [[nodiscard]] const trace::Trace* last_iteration() const { return has_last_ ? &last_ : nullptr; }
 
   /// Folds the recorded iterations: the last one, with each op's duration replaced by its median
   /// over the iterations when they are consistent. Throws tidal::Error if none was recorded.
@@ -164,6 +180,9 @@ class Tracer : public StepObserver {
   std::map<std::pair<trace::OpIndex, std::int32_t>, trace::TensorId> carried_by_slot_;
 
   std::vector<trace::Trace> iterations_;
+  trace::Trace last_;
+  bool has_last_ = false;
+  bool phase_told_ = false;  // begin_phase was called in this iteration
   std::vector<std::string> reference_names_;
   std::string divergence_;
 };

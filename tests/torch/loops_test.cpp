@@ -1,0 +1,285 @@
+// Ordinary libtorch training loops (not tidal's trainer) under a Session with the smallest
+// change a user makes: a Session, begin_step()/end_step() around each step, nothing registered.
+// Each case is one thing such loops do: threads that run ops during a step, torch::save between
+// steps, several backward passes per step, steps that are not all alike, a budget no plan can
+// meet, and a store that fails under a running step.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <filesystem>
+#include <thread>
+
+#include "io/test_dir.hpp"
+#include "tidal/common/error.hpp"
+#include "tidal/common/units.hpp"
+#include "tidal/torch/session.hpp"
+
+namespace tidal::torch_layer {
+namespace {
+
+SessionOptions options_for(OffloadMode mode, const std::string& dir) {
+  SessionOptions so;
+  so.mode = mode;
+  so.store.dirs = {dir};
+  so.store.capacity = 256 * kMiB;
+  so.activations.min_bytes = 16 * 1024;
+  so.executor.min_bytes = 16 * 1024;
+  so.budget_fraction = 0.5;
+  return so;
+}
+
+// A regression MLP with Adam, written as a user would; `extra` adds work to some steps.
+struct Mlp {
+  torch::nn::Sequential net{torch::nn::Linear(64, 256), torch::nn::ReLU(),
+                            torch::nn::Linear(256, 256), torch::nn::ReLU(),
+                            torch::nn::Linear(256, 1)};
+  std::unique_ptr<torch::optim::Adam> opt;
+  Mlp() { opt = std::make_unique<torch::optim::Adam>(net->parameters(), 1e-3); }
+  double step(const torch::Tensor& x, const torch::Tensor& y) {
+    opt->zero_grad();
+    auto loss = torch::mse_loss(net->forward(x), y);
+    loss.backward();
+    opt->step();
+    return loss.item<double>();
+  }
+};
+
+struct Data {
+  std::vector<torch::Tensor> x, y;
+  explicit Data(int n) {
+    torch::manual_seed(3);
+    for (int i = 0; i < n; ++i) {
+      x.push_back(torch::randn({128, 64}));
+      y.push_back(x.back().sum(1, true).sin());
+    }
+  }
+};
+
+struct LoopRun {
+  std::vector<double> losses;
+  SessionStats stats;
+  std::uint64_t peak = 0;  // highest step peak
+};
+
+// Trains the MLP for `steps` steps; `between(i, mlp)` runs after step i's end_step.
+template <typename Between>
+LoopRun train_mlp(SessionOptions so, int steps, Between between) {
+  LoopRun r;
+  Session session(so);  // first: its meter sees the model's tensors
+  torch::manual_seed(11);
+  Mlp mlp;
+  Data data(steps);
+  for (int i = 0; i < steps; ++i) {
+    session.begin_step();
+    r.losses.push_back(
+        mlp.step(data.x[static_cast<std::size_t>(i)], data.y[static_cast<std::size_t>(i)]));
+    session.end_step();
+    r.peak = std::max(r.peak, session.stats().step_peak);
+    between(i, mlp);
+  }
+  r.stats = session.stats();
+  return r;
+}
+
+LoopRun train_mlp(SessionOptions so, int steps) {
+  return train_mlp(std::move(so), steps, [](int, Mlp&) {});
+}
+
+// Ops on other threads during every step (a data loader's workers) never enter the trace: plan
+// mode plans once, executes to the end and changes no loss.
+TEST(Loops, OpsOfOtherThreadsNeverEnterTheTrace) {
+  testing::TestDir dir;
+  std::atomic<bool> stop{false};
+  std::atomic<long> background_ops{0};
+  std::thread worker([&] {
+    while (!stop) {
+      auto t = torch::ones({64, 64});  // not the shared generator: the losses must not move
+      (t * 2 + 1).sum();
+      ++background_ops;
+    }
+  });
+  const LoopRun none = train_mlp(options_for(OffloadMode::kNone, dir.path()), 12);
+  const LoopRun plan = train_mlp(options_for(OffloadMode::kPlan, dir.path()), 12);
+  stop = true;
+  worker.join();
+  EXPECT_GT(background_ops.load(), 100) << "the other thread hardly ran";
+  EXPECT_EQ(none.losses, plan.losses);
+  EXPECT_EQ(plan.stats.state, SessionState::kExecuting) << plan.stats.plan_summary;
+  EXPECT_EQ(plan.stats.shapes, 1) << "other threads' ops made the steps look different";
+  EXPECT_GT(plan.stats.steps_measured, 0);
+}
+
+// torch::save and torch::load of the model and of Adam between steps in plan mode: the files
+// hold the real values (a fresh model loaded from them computes the same loss), and training
+// goes on with the same losses as without offloading.
+TEST(Loops, SaveAndLoadBetweenStepsInPlanMode) {
+  testing::TestDir dir;
+  const auto model_file = dir.path() + "/model.pt";
+  const auto optim_file = dir.path() + "/optim.pt";
+  std::vector<double> reloaded_losses;
+  auto checkpoint = [&](int i, Mlp& mlp) {
+    if (i % 4 != 3) return;
+    torch::save(mlp.net, model_file);
+    torch::save(*mlp.opt, optim_file);
+    torch::load(mlp.net, model_file);
+    torch::load(*mlp.opt, optim_file);
+    // Every parameter is readable by raw pointer between steps.
+    for (const auto& p : mlp.net->parameters()) ASSERT_NE(p.data_ptr(), nullptr);
+    torch::NoGradGuard no_grad;
+    torch::nn::Sequential fresh{torch::nn::Linear(64, 256), torch::nn::ReLU(),
+                                torch::nn::Linear(256, 256), torch::nn::ReLU(),
+                                torch::nn::Linear(256, 1)};
+    torch::load(fresh, model_file);
+    torch::manual_seed(5);
+    auto x = torch::randn({16, 64});
+    reloaded_losses.push_back(torch::equal(fresh->forward(x), mlp.net->forward(x)) ? 1.0 : 0.0);
+  };
+  const LoopRun none = train_mlp(options_for(OffloadMode::kNone, dir.path()), 16, checkpoint);
+  const LoopRun plan = train_mlp(options_for(OffloadMode::kPlan, dir.path()), 16, checkpoint);
+  EXPECT_EQ(none.losses, plan.losses);
+  EXPECT_EQ(plan.stats.state, SessionState::kExecuting) << plan.stats.plan_summary;
+  EXPECT_GT(plan.stats.bytes_written, 0u) << plan.stats.plan_summary;
+  ASSERT_EQ(reloaded_losses.size(), 8u);
+  for (double same : reloaded_losses) EXPECT_EQ(same, 1.0) << "a saved model differs";
+}
+
+// Steps that log every third step (extra ops inside the step) form two shapes: each is planned
+// once, none is profiled again, and losses do not change.
+TEST(Loops, EachStepShapeIsPlannedOnce) {
+  testing::TestDir dir;
+  auto run = [&](OffloadMode mode) {
+    LoopRun r;
+    Session session(options_for(mode, dir.path()));
+    torch::manual_seed(11);
+    Mlp mlp;
+    Data data(30);
+    for (int i = 0; i < 30; ++i) {
+      session.begin_step();
+      r.losses.push_back(
+          mlp.step(data.x[static_cast<std::size_t>(i)], data.y[static_cast<std::size_t>(i)]));
+      if (i % 3 == 0) {
+        torch::NoGradGuard no_grad;
+        double norm = 0;
+        for (const auto& p : mlp.net->parameters()) norm += p.norm().item<double>();
+        r.losses.push_back(norm);
+      }
+      session.end_step();
+    }
+    r.stats = session.stats();
+    return r;
+  };
+  const LoopRun none = run(OffloadMode::kNone);
+  const LoopRun plan = run(OffloadMode::kPlan);
+  EXPECT_EQ(none.losses, plan.losses);
+  EXPECT_EQ(plan.stats.shapes, 2) << plan.stats.plan_summary;
+  EXPECT_EQ(plan.stats.replans, 1) << "only the second shape's plan";
+  EXPECT_GE(plan.stats.steps_measured, 20);
+}
+
+// A GAN-like step: two forward/backward passes with two optimizers. Activation mode offloads
+// the saved tensors of both passes and never holds more memory than no offloading.
+TEST(Loops, ActivationModeOffloadsEveryBackwardOfAStep) {
+  testing::TestDir dir;
+  auto run = [&](OffloadMode mode) {
+    LoopRun r;
+    SessionOptions so = options_for(mode, dir.path());
+    Session session(so);
+    torch::manual_seed(7);
+    torch::nn::Sequential g{torch::nn::Linear(32, 512), torch::nn::ReLU(),
+                            torch::nn::Linear(512, 64)};
+    torch::nn::Sequential d{torch::nn::Linear(64, 512), torch::nn::ReLU(),
+                            torch::nn::Linear(512, 1)};
+    torch::optim::Adam og(g->parameters(), 1e-3);
+    torch::optim::Adam od(d->parameters(), 1e-3);
+    for (int i = 0; i < 10; ++i) {
+      auto real = torch::randn({256, 64});
+      auto z = torch::randn({256, 32});
+      session.begin_step();
+      od.zero_grad();
+      auto fake = g->forward(z);
+      auto loss_d =
+          torch::binary_cross_entropy_with_logits(d->forward(real), torch::ones({256, 1})) +
+          torch::binary_cross_entropy_with_logits(d->forward(fake.detach()),
+                                                  torch::zeros({256, 1}));
+      loss_d.backward();
+      od.step();
+      og.zero_grad();
+      auto loss_g =
+          torch::binary_cross_entropy_with_logits(d->forward(fake), torch::ones({256, 1}));
+      loss_g.backward();
+      og.step();
+      r.losses.push_back(loss_d.item<double>());
+      r.losses.push_back(loss_g.item<double>());
+      session.end_step();
+      r.peak = std::max(r.peak, session.stats().step_peak);
+    }
+    r.stats = session.stats();
+    return r;
+  };
+  const LoopRun none = run(OffloadMode::kNone);
+  const LoopRun act = run(OffloadMode::kActivations);
+  EXPECT_EQ(none.losses, act.losses);
+  EXPECT_GT(act.stats.bytes_written, 0u);
+  EXPECT_LE(act.peak, none.peak) << "activation offloading raised the peak";
+}
+
+// A budget no plan can meet never stops training; it says why. With strict_budget it stops at
+// the first planned step with that reason.
+TEST(Loops, ABudgetThatCannotBeMetIsReportedNotThrown) {
+  testing::TestDir dir;
+  SessionOptions so = options_for(OffloadMode::kPlan, dir.path());
+  so.memory_budget = 64 * 1024;  // far below what one layer's tensors need
+  // Between steps on the SSD: the plan may then take even the optimizer state out across the
+  // boundary, so the smallest peak it reaches is below no offloading's.
+  so.between_steps = BetweenSteps::kOffloaded;
+  const LoopRun none = train_mlp(options_for(OffloadMode::kNone, dir.path()), 10);
+  const LoopRun plan = train_mlp(so, 10);
+  EXPECT_EQ(none.losses, plan.losses);
+  EXPECT_FALSE(plan.stats.within_budget);
+  EXPECT_NE(plan.stats.budget_reason.find("cannot fit"), std::string::npos)
+      << plan.stats.budget_reason;
+  // The warm-up and profiling steps run without offloading; the executed ones are measured.
+  EXPECT_LT(plan.stats.executed_peak, none.peak)
+      << "the smallest reachable peak should still be below none's: " << plan.stats.plan_summary
+      << "; " << plan.stats.budget_reason;
+
+  so.strict_budget = true;
+  EXPECT_THROW(train_mlp(so, 10), InvalidArgument);
+}
+
+// A corrupt read or a failing disk under a running plan: the step stops with the store's
+// message, as a tidal::IoError from the op that needed the tensor or from end_step().
+void expect_io_error(OffloadMode mode, io::FaultPlan faults, const std::string& says) {
+  testing::TestDir dir;
+  SessionOptions so = options_for(mode, dir.path());
+  so.store.faults = faults;
+  so.hardware_overrides.ssd = "1x2/1.5GB/s";  // no measurement: the faults hit training's I/O
+  bool thrown = false;
+  try {
+    train_mlp(so, 12);
+  } catch (const IoError& e) {
+    thrown = true;
+    EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(thrown) << to_string(mode) << ": no error reached the caller";
+}
+
+TEST(Loops, CorruptReadStopsTheStepWithTheStoresMessage) {
+  io::FaultPlan corrupt;
+  corrupt.corrupt_read = 3;
+  expect_io_error(OffloadMode::kPlan, corrupt, "checksum mismatch");
+  expect_io_error(OffloadMode::kActivations, corrupt, "checksum mismatch");
+}
+
+TEST(Loops, FailingDiskStopsTheStepWithTheStoresMessage) {
+  io::FaultPlan dying;
+  dying.fail_op = 2;
+  dying.fail_every_after = true;
+  dying.only_reads = true;
+  expect_io_error(OffloadMode::kPlan, dying, "Input/output error");
+  expect_io_error(OffloadMode::kActivations, dying, "Input/output error");
+}
+
+}  // namespace
+}  // namespace tidal::torch_layer
