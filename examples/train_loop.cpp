@@ -100,9 +100,10 @@ int run(int argc, char** argv) {
   }
 
   const auto s = session.stats();
-  // TODO(session): use SessionStats::within_budget
-  const bool within_budget = options.mode != tidal::torch_layer::OffloadMode::kPlan ||
-                             (s.memory_budget > 0 && s.executed_peak <= s.memory_budget);
+  // Plan mode: the session's own verdict over the steps its current plan ran (why, if not, in
+  // s.budget_reason); the other modes have no budget.
+  const bool within_budget =
+      options.mode != tidal::torch_layer::OffloadMode::kPlan || s.within_budget;
   std::printf(
       "summary mode=%s peak_bytes=%llu budget=%llu within_budget=%d bytes_written=%llu "
       "bytes_read=%llu misses=%llu step_seconds=%.4f steady_peak_bytes=%llu\n",

@@ -113,6 +113,12 @@ struct Session::Impl {
   std::uint64_t profiled_current = 0;  // max meter bytes at the start of the profiled steps
   bool budget_known = false;
   bool all_within = true;
+  // Activation mode, at step scale: the first step runs without offloading as the reference;
+  // when offloading does not lower the peak below it for two steps in a row, it stops.
+  std::uint64_t reference_peak = 0;
+  int steps_not_lower = 0;
+  bool offloading = false;  // the offloader runs in this step
+  bool offloading_off = false;
 
   std::uint64_t peak_now() const { return opt.peak_bytes ? opt.peak_bytes() : 0; }
   std::uint64_t current_now() const { return opt.current_bytes ? opt.current_bytes() : 0; }
@@ -416,14 +422,17 @@ void Session::begin_step(std::int64_t step, const std::vector<torch::Tensor>& in
   if (m.state == SessionState::kProfiling) {
     m.profiled_current = std::max(m.profiled_current, m.current_at_start);
   }
-  if (m.offloader) m.offloader->begin_step(step, inputs);
+  // The warm-up steps and one more run without offloading; the last of them is the reference
+  // (after the warm-up, lazily made state such as Adam's exists, as in every later step).
+  m.offloading = m.offloader && m.reference_peak > 0 && !m.offloading_off;
+  if (m.offloading) m.offloader->begin_step(step, inputs);
   if (m.tracer) m.tracer->begin_step(step, inputs);
   if (m.executor) m.executor->begin_step(step, inputs);
 }
 
 void Session::begin_phase(trace::Phase phase) {
   Impl& m = *impl_;
-  if (m.offloader) m.offloader->begin_phase(phase);
+  if (m.offloading) m.offloader->begin_phase(phase);
   if (m.tracer) m.tracer->begin_phase(phase);
 }
 
@@ -447,13 +456,25 @@ void Session::end_step(std::int64_t step) {
     error = std::current_exception();
   }
   if (m.executor) m.executor->end_step(step);
-  if (m.offloader) m.offloader->end_step(step);
+  if (m.offloading) m.offloader->end_step(step);
   const std::uint64_t peak = m.peak_now();
   s.step_peak = peak;
   ++m.steps_in_state;
-  if (m.offloader) {
+  if (m.offloading) {
     take_io_stats(s, m.offloader->last_step());
     if (s.notice.empty()) s.notice = m.offloader->notice();
+    m.steps_not_lower = peak >= m.reference_peak ? m.steps_not_lower + 1 : 0;
+    if (m.steps_not_lower >= 2 && m.opt.activations.adaptive) {
+      m.offloading_off = true;
+      if (s.notice.empty()) {
+        s.notice = "activation offloading did not lower this loop's peak (" + bytes_text(peak) +
+                   " with it, " + bytes_text(m.reference_peak) +
+                   " without, in the first step): its tensors are too small or its steps too "
+                   "short for the I/O to free memory in time; saved tensors stay in memory";
+      }
+    }
+  } else if (m.offloader && m.reference_peak == 0 && m.steps_in_state > m.opt.warmup_steps) {
+    m.reference_peak = std::max<std::uint64_t>(peak, 1);
   }
   if (m.state == SessionState::kProfiling) {
     s.profiled_peak = std::max(s.profiled_peak, peak);

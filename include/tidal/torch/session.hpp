@@ -63,9 +63,14 @@ enum class BetweenSteps : std::uint8_t {
 struct SessionOptions {
   OffloadMode mode = OffloadMode::kNone;
   io::StoreOptions store;  ///< directories, capacity, backend (not opened in kNone)
+  /// Activation mode. The warm-up steps and one more run without offloading, and the last one's
+  /// peak is the reference;
+  /// when offloading does not lower the peak below it two steps in a row, the session stops
+  /// offloading and says why in stats().notice (unless activations.adaptive is false).
   ActivationOptions activations;
   ExecutorOptions executor;
-  /// Plan mode: steps run without offloading before profiling (lazy state gets created).
+  /// Steps run without offloading before profiling (plan mode) or before the reference step
+  /// (activation mode): lazily made state (Adam's) gets created.
   int warmup_steps = 1;
   /// Plan mode: steps profiled before planning (op times are their medians).
   int profile_steps = 2;
