@@ -87,7 +87,8 @@ int run(int argc, char** argv) {
   const auto centres = torch::randn({kModes, kDim}) * 2;
 
   uint64_t peak = 0;
-  // Peak of the steps after the first 3, past plan mode's warmup and profiling steps (1 + 2).
+  // Peak of the steps after the first 4: past plan mode's warm-up and profiling steps (1 + 2),
+  // and activation mode's warm-up, reference and two trial steps (1 + 1 + 2).
   uint64_t steady_peak = 0;
   uint64_t written = 0;
   uint64_t read = 0;
@@ -127,7 +128,7 @@ int run(int argc, char** argv) {
     peak = std::max(peak, step_peak);
     session.end_step();
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (step >= 3) {
+    if (step >= 4) {
       seconds += dt;
       steady_peak = std::max(steady_peak, step_peak);
       ++timed;

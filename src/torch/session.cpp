@@ -113,8 +113,8 @@ struct Session::Impl {
   std::uint64_t profiled_current = 0;  // max meter bytes at the start of the profiled steps
   bool budget_known = false;
   bool all_within = true;
-  // Activation mode, at step scale: the first step runs without offloading as the reference;
-  // when offloading does not lower the peak below it for two steps in a row, it stops.
+  // Activation mode, at step scale: a step after the warm-up runs without offloading as the
+  // reference; the first offloaded step that does not peak lower than it stops offloading.
   std::uint64_t reference_peak = 0;
   int steps_not_lower = 0;
   bool offloading = false;  // the offloader runs in this step
@@ -463,8 +463,10 @@ void Session::end_step(std::int64_t step) {
   if (m.offloading) {
     take_io_stats(s, m.offloader->last_step());
     if (s.notice.empty()) s.notice = m.offloader->notice();
-    m.steps_not_lower = peak >= m.reference_peak ? m.steps_not_lower + 1 : 0;
-    if (m.steps_not_lower >= 2 && m.opt.activations.adaptive) {
+    // One step that does not peak lower than the reference is enough: offloading that pays
+    // lowers the peak clearly, and "never above no offloading" must not wait for a pattern.
+    if (peak >= m.reference_peak) ++m.steps_not_lower;
+    if (m.steps_not_lower >= 1 && m.opt.activations.adaptive) {
       m.offloading_off = true;
       if (s.notice.empty()) {
         s.notice = "activation offloading did not lower this loop's peak (" + bytes_text(peak) +

@@ -73,15 +73,15 @@ run_example() {
 
   if [[ -n ${summary[none]:-} && -n ${summary[activations]:-} ]]; then
     # Activation mode's first steps are its reference (no offloading) and the adaptive rule's
-    # trial; from the fourth step on its peak must not be above no offloading's.
+    # trial; from the fifth step on its peak must not be above no offloading's.
     local peak_none peak_act trial_act
     peak_none=$(field "${summary[none]}" steady_peak_bytes)
     peak_act=$(field "${summary[activations]}" steady_peak_bytes)
     trial_act=$(field "${summary[activations]}" peak_bytes)
     if ((peak_act > peak_none)); then
-      fail "$name: activations peak $peak_act B (after the first 3 steps) is above none's $peak_none B"
+      fail "$name: activations peak $peak_act B (after the first 4 steps) is above none's $peak_none B"
     else
-      echo "ok   $name: activations peak $peak_act B <= none's $peak_none B after the first 3" \
+      echo "ok   $name: activations peak $peak_act B <= none's $peak_none B after the first 4" \
         "steps ($trial_act B over all steps)"
     fi
   fi
@@ -90,7 +90,7 @@ run_example() {
     if [[ $(field "${summary[plan]}" within_budget) != 1 ]]; then
       echo "WARN $name: plan mode over its budget: budget $(field "${summary[plan]}" budget) B," \
         "peak $(field "${summary[plan]}" peak_bytes) B over all steps," \
-        "$(field "${summary[plan]}" steady_peak_bytes) B after the first 3"
+        "$(field "${summary[plan]}" steady_peak_bytes) B after the first 4"
     else
       echo "ok   $name: plan mode within its budget of $(field "${summary[plan]}" budget) B"
     fi

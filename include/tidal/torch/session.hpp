@@ -65,7 +65,7 @@ struct SessionOptions {
   io::StoreOptions store;  ///< directories, capacity, backend (not opened in kNone)
   /// Activation mode. The warm-up steps and one more run without offloading, and the last one's
   /// peak is the reference;
-  /// when offloading does not lower the peak below it two steps in a row, the session stops
+  /// when an offloaded step does not peak lower than it, the session stops
   /// offloading and says why in stats().notice (unless activations.adaptive is false).
   ActivationOptions activations;
   ExecutorOptions executor;
