@@ -109,7 +109,7 @@ struct PlanExecutor::Impl {
   std::vector<Shape> shapes;
   int current = 0;                         // shape of the step running
   int last_completed = 0;                  // shape the last step ended with
-  std::vector<std::string> seen;           // this step's op names so far
+  std::size_t ops_run = 0;                 // ops of this step so far
   std::vector<plan::PlanAction> deferred;  // actions triggered by the step-end op: next step
   std::recursive_mutex mu;  // recursive: restore paths call make_resident under the lock
   std::unordered_map<c10::StorageImpl*, Slot> slots;
@@ -127,7 +127,7 @@ struct PlanExecutor::Impl {
                     plan.num_tensors, " tensors, not this one (", trace.ops.size(), " ops, ",
                     trace.tensors.size(), " tensors); plan this trace again");
     Shape s;
-    for (const auto& op : trace.ops) s.op_names.push_back(op.name);
+    s.op_names = trace::op_names(trace);
     s.at_trigger.resize(trace.ops.size());
     for (const auto& a : plan.actions) {
       if (a.trigger >= 0 && static_cast<std::size_t>(a.trigger) < trace.ops.size()) {
@@ -151,23 +151,29 @@ struct PlanExecutor::Impl {
     }
   }
 
+  // True when shapes a and b run the same first n ops.
+  static bool same_start(const Shape& a, const Shape& b, std::size_t n) {
+    return a.op_names.size() >= n && b.op_names.size() >= n &&
+           std::equal(a.op_names.begin(), a.op_names.begin() + static_cast<std::ptrdiff_t>(n),
+                      b.op_names.begin());
+  }
+
   // Op `index` named `name` is next: follow it in the current shape, or move to another known
-  // shape with the same ops so far, or go on-demand for the rest of the step.
+  // shape with the same ops so far, or go on-demand for the rest of the step. Until the step
+  // diverges, the ops it ran are the current shape's first ones: no copy of their names is kept.
   void advance(trace::OpIndex index, const std::string& name) {
-    seen.push_back(name);
+    ++ops_run;
     if (diverged) return;
     const auto k = static_cast<std::size_t>(index);
-    const auto matches = [&](const Shape& s) {
-      if (index < 0 || k >= s.op_names.size() || k + 1 != seen.size()) return false;
-      return std::equal(seen.begin(), seen.end(), s.op_names.begin());
-    };
     const Shape& cur = shapes[static_cast<std::size_t>(current)];
     if (index >= 0 && k < cur.op_names.size() && cur.op_names[k] == name) return;
-    for (std::size_t j = 0; j < shapes.size(); ++j) {
-      if (static_cast<int>(j) != current && matches(shapes[j])) {
+    for (std::size_t j = 0; j < shapes.size() && index >= 0; ++j) {
+      const Shape& s = shapes[j];
+      if (static_cast<int>(j) != current && k < s.op_names.size() && s.op_names[k] == name &&
+          same_start(s, cur, k)) {
         current = static_cast<int>(j);
         ++stats.shape_switches;
-        grow_bound(shapes[j].num_tensors);
+        grow_bound(s.num_tensors);
         return;
       }
     }
@@ -532,7 +538,7 @@ void PlanExecutor::begin_step(std::int64_t /*step*/, const std::vector<torch::Te
   Impl& m = *impl_;
   m.stats = ExecutorStats{};
   m.diverged = false;
-  m.seen.clear();
+  m.ops_run = 0;
   m.held.clear();
   m.current = m.last_completed;
   set_residency_guard(true);
@@ -551,11 +557,12 @@ void PlanExecutor::end_step(std::int64_t /*step*/) {
   Impl& m = *impl_;
   m.poll();
   const auto& shape = m.shapes[static_cast<std::size_t>(m.current)];
-  if (!m.diverged && m.seen.size() != shape.op_names.size()) {
+  if (!m.diverged && m.ops_run != shape.op_names.size()) {
     // The step stopped early: it is the prefix of a known shape, or a shape of its own.
     bool found = false;
     for (std::size_t j = 0; j < m.shapes.size() && !found; ++j) {
-      if (m.shapes[j].op_names == m.seen) {
+      if (m.shapes[j].op_names.size() == m.ops_run &&
+          Impl::same_start(m.shapes[j], shape, m.ops_run)) {
         m.current = static_cast<int>(j);
         found = true;
       }
@@ -563,7 +570,7 @@ void PlanExecutor::end_step(std::int64_t /*step*/) {
     if (!found) {
       m.diverged = true;
       m.stats.diverged = true;
-      m.stats.divergence = ::tidal::detail::concat("the step ended after ", m.seen.size(),
+      m.stats.divergence = ::tidal::detail::concat("the step ended after ", m.ops_run,
                                                    " ops; the profile has ", shape.op_names.size());
     }
   }
@@ -571,7 +578,6 @@ void PlanExecutor::end_step(std::int64_t /*step*/) {
     m.stats.shape = m.current;
     m.last_completed = m.current;
   }
-  m.stats.ops = m.seen;
   m.last = m.stats;
 }
 

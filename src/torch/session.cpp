@@ -15,14 +15,24 @@
 
 namespace tidal::torch_layer {
 
+namespace {
+
+// One table gives to_string and offload_mode_from_string (policies.cpp's pattern).
+struct ModeName {
+  OffloadMode mode;
+  const char* name;
+};
+constexpr ModeName kModeNames[] = {
+    {OffloadMode::kNone, "none"},
+    {OffloadMode::kActivations, "activations"},
+    {OffloadMode::kPlan, "plan"},
+};
+
+}  // namespace
+
 const char* to_string(OffloadMode m) {
-  switch (m) {
-    case OffloadMode::kNone:
-      return "none";
-    case OffloadMode::kActivations:
-      return "activations";
-    case OffloadMode::kPlan:
-      return "plan";
+  for (const auto& n : kModeNames) {
+    if (n.mode == m) return n.name;
   }
   return "?";
 }
@@ -42,9 +52,9 @@ const char* to_string(SessionState s) {
 }
 
 OffloadMode offload_mode_from_string(const std::string& s) {
-  if (s == "none") return OffloadMode::kNone;
-  if (s == "activations") return OffloadMode::kActivations;
-  if (s == "plan") return OffloadMode::kPlan;
+  for (const auto& n : kModeNames) {
+    if (s == n.name) return n.mode;
+  }
   TIDAL_EXPECT_AS(InvalidArgument, false, "unknown offload mode '", s,
                   "': use none, activations or plan");
   return OffloadMode::kNone;
@@ -103,6 +113,7 @@ struct Session::Impl {
   struct Shape {
     trace::Trace trace;
     plan::Plan plan;
+    double peak_live = 0;   // the trace's peak of live bytes, everything kept
     double capacity = 0;    // planner units (trace bytes)
     int tightenings = 0;    // consecutive
     bool at_floor = false;  // no plan can go lower
@@ -124,13 +135,6 @@ struct Session::Impl {
   std::uint64_t current_now() const { return opt.current_bytes ? opt.current_bytes() : 0; }
   void reset_peak() const {
     if (opt.reset_peak) opt.reset_peak();
-  }
-
-  static std::vector<std::string> names_of(const trace::Trace& t) {
-    std::vector<std::string> n;
-    n.reserve(t.ops.size());
-    for (const auto& op : t.ops) n.push_back(op.name);
-    return n;
   }
 
   void start_profiling() {
@@ -169,7 +173,8 @@ struct Session::Impl {
 
   // Plans `t` for `capacity` (trace bytes). When no plan fits, the smallest capacity that plans
   // (bisection), and the reason, unless the budget is strict.
-  plan::Plan plan_for(const trace::Trace& t, double& capacity, bool& at_floor) {
+  plan::Plan plan_for(const Shape& shape, double& capacity, bool& at_floor) {
+    const trace::Trace& t = shape.trace;
     plan::Hardware hw = hardware();
     plan::PlannerOptions po;
     po.min_bytes = opt.executor.min_bytes;
@@ -194,12 +199,8 @@ struct Session::Impl {
     // The active tensors alone exceed the capacity somewhere: find the least capacity that plans.
     at_floor = true;
     double lo = capacity;
-    double hi = static_cast<double>(trace::analyze_lifetimes(t).summary.peak_live_bytes) + 1;
+    double hi = shape.peak_live + 1;  // everything kept: always plans
     std::optional<plan::Plan> best;
-    try {
-      best = try_plan(hi);
-    } catch (const InvalidArgument&) {
-    }
     for (int i = 0; i < 12 && hi - lo > 4096; ++i) {
       const double mid = 0.5 * (lo + hi);
       try {
@@ -231,18 +232,18 @@ struct Session::Impl {
   // The planner counts the trace's tensors; the meter counts every allocation (memory no op
   // touches, allocator padding, tensors made and dropped inside an op). The difference is
   // subtracted from the budget: what the planner may use is what the meter leaves it.
-  double capacity_for(const trace::Trace& t) const {
-    const auto peak_live = static_cast<double>(trace::analyze_lifetimes(t).summary.peak_live_bytes);
-    const auto unseen = std::max(0.0, static_cast<double>(stats.profiled_peak) - peak_live);
+  double capacity_for(const Shape& s) const {
+    const auto unseen = std::max(0.0, static_cast<double>(stats.profiled_peak) - s.peak_live);
     return std::max(0.0, static_cast<double>(stats.memory_budget) - unseen);
   }
 
   // A new step shape: plan it and hand it to the executor (made on the first).
   void add_shape(trace::Trace t) {
     Shape s;
-    s.capacity = capacity_for(t);
-    s.plan = plan_for(t, s.capacity, s.at_floor);
     s.trace = std::move(t);
+    s.peak_live = static_cast<double>(trace::analyze_lifetimes(s.trace).summary.peak_live_bytes);
+    s.capacity = capacity_for(s);
+    s.plan = plan_for(s, s.capacity, s.at_floor);
     if (executor) {
       executor->add_shape(s.trace, s.plan);
       ++stats.replans;
@@ -265,7 +266,7 @@ struct Session::Impl {
     // Group the profiled steps by their ops: the shape seen most (the latest on a tie) is
     // planned now, the others wait until they are seen again.
     std::map<std::vector<std::string>, std::vector<trace::Trace>> by_shape;
-    for (const auto& it : tracer->iterations()) by_shape[names_of(it)].push_back(it);
+    for (const auto& it : tracer->iterations()) by_shape[trace::op_names(it)].push_back(it);
     auto best = by_shape.end();
     for (auto it = by_shape.begin(); it != by_shape.end(); ++it) {
       if (best == by_shape.end() || it->second.size() >= best->second.size()) best = it;
@@ -302,7 +303,7 @@ struct Session::Impl {
     if (e.diverged || e.shape < 0) {
       const trace::Trace* t = tracer->last_iteration();
       if (t == nullptr) return;
-      auto names = names_of(*t);
+      auto names = trace::op_names(*t);
       auto it = pending.find(names);
       if (it == pending.end()) {
         if (pending.size() >= kMaxPendingShapes) pending.erase(pending.begin());
@@ -338,7 +339,7 @@ struct Session::Impl {
     const double over = static_cast<double>(peak - stats.memory_budget);
     double cap = std::max(0.0, s.capacity - over - 0.01 * static_cast<double>(stats.memory_budget));
     bool floor = false;
-    plan::Plan p = plan_for(s.trace, cap, floor);
+    plan::Plan p = plan_for(s, cap, floor);
     s.capacity = cap;
     s.at_floor = floor;
     s.plan = std::move(p);

@@ -400,8 +400,9 @@ void Tracer::end_step(std::int64_t /*step*/) {
     op.name = kStepEndOp;
     op.phase = Phase::kOther;
     op.start_s = op.end_s = now();
+    // Registered storages and the per-iteration ones are disjoint: each id comes once.
     const auto use = [&](TensorId id, c10::StorageImpl* impl) {
-      push_unique(op.inputs, id);
+      op.inputs.push_back(id);
       alive.push_back({id, impl});
     };
     for (const auto& p : persistent_) {
@@ -495,9 +496,7 @@ void Tracer::finish_iteration() {
   current_.meta["iterations_recorded_before"] = std::to_string(iterations_.size());
   trace::validate(current_);
 
-  std::vector<std::string> names;
-  names.reserve(current_.ops.size());
-  for (const auto& op : current_.ops) names.push_back(op.name);
+  std::vector<std::string> names = trace::op_names(current_);
   if (iterations_.empty()) {
     reference_names_ = std::move(names);
   } else if (divergence_.empty() && names != reference_names_) {
@@ -511,9 +510,10 @@ void Tracer::finish_iteration() {
                   " instead of " + at(reference_names_, k) + " (" + std::to_string(names.size()) +
                   " ops vs " + std::to_string(reference_names_.size()) + ")";
   }
-  last_ = current_;
+  // While a plan runs, iterations are not kept: the last one is moved, not copied, each step.
+  if (keep_iterations_ || iterations_.empty()) iterations_.push_back(current_);
+  last_ = std::move(current_);
   has_last_ = true;
-  if (keep_iterations_ || iterations_.empty()) iterations_.push_back(std::move(current_));
   current_ = trace::Trace{};
 }
 
@@ -530,13 +530,13 @@ ProfileResult Tracer::result() const {
   return r;
 }
 
-ProfileResult fold_iterations(const std::vector<trace::Trace>& iterations_) {
-  TIDAL_EXPECT(!iterations_.empty(), "no iteration to fold into a profile");
+ProfileResult fold_iterations(const std::vector<trace::Trace>& iterations) {
+  TIDAL_EXPECT(!iterations.empty(), "no iteration to fold into a profile");
   ProfileResult r;
-  r.iterations = static_cast<std::int64_t>(iterations_.size());
-  for (std::size_t i = 1; i < iterations_.size() && r.consistent; ++i) {
-    const auto& a = iterations_[i].ops;
-    const auto& b = iterations_[0].ops;
+  r.iterations = static_cast<std::int64_t>(iterations.size());
+  for (std::size_t i = 1; i < iterations.size() && r.consistent; ++i) {
+    const auto& a = iterations[i].ops;
+    const auto& b = iterations[0].ops;
     if (a.size() != b.size()) {
       r.consistent = false;
     } else {
@@ -554,17 +554,17 @@ ProfileResult fold_iterations(const std::vector<trace::Trace>& iterations_) {
                      " ops, iteration 0 has " + std::to_string(b.size());
     }
   }
-  r.trace = iterations_.back();
+  r.trace = iterations.back();
   r.trace.meta["iterations"] = std::to_string(r.iterations);
   r.trace.meta["consistent"] = r.consistent ? "true" : "false";
-  if (r.consistent && iterations_.size() > 1) {
+  if (r.consistent && iterations.size() > 1) {
     // Median duration per op; the gaps between ops (host overhead) are the last iteration's.
     auto& ops = r.trace.ops;
-    std::vector<double> durations(iterations_.size());
+    std::vector<double> durations(iterations.size());
     double shift = 0;
     for (std::size_t k = 0; k < ops.size(); ++k) {
-      for (std::size_t i = 0; i < iterations_.size(); ++i) {
-        durations[i] = iterations_[i].ops[k].duration();
+      for (std::size_t i = 0; i < iterations.size(); ++i) {
+        durations[i] = iterations[i].ops[k].duration();
       }
       std::sort(durations.begin(), durations.end());
       const std::size_t n = durations.size();

@@ -149,4 +149,11 @@ void validate(const Trace& trace) {
   }
 }
 
+std::vector<std::string> op_names(const Trace& trace) {
+  std::vector<std::string> names;
+  names.reserve(trace.ops.size());
+  for (const auto& op : trace.ops) names.push_back(op.name);
+  return names;
+}
+
 }  // namespace tidal::trace

@@ -107,9 +107,6 @@ void run_train(const TrainArgs& args) {
   so.peak_bytes = [&meter] { return meter.peak_bytes(); };
   so.current_bytes = [&meter] { return meter.current_bytes(); };
   so.reset_peak = [&meter] { meter.reset_peak(); };
-  TIDAL_EXPECT_AS(InvalidArgument,
-                  args.between_steps == "resident" || args.between_steps == "offloaded",
-                  "--between-steps must be resident or offloaded, not '", args.between_steps, "'");
   so.between_steps = args.between_steps == "resident" ? torch_layer::BetweenSteps::kResident
                                                       : torch_layer::BetweenSteps::kOffloaded;
   so.strict_budget = args.strict_budget;
@@ -306,6 +303,7 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--between-steps", args->between_steps,
                   "plan mode: where the step's tensors are between steps: resident (readable by "
                   "any code) or offloaded (more memory saved)")
+      ->check(CLI::IsMember({"resident", "offloaded"}))
       ->capture_default_str();
   cmd->add_flag("--strict-budget", args->strict_budget,
                 "plan mode: stop with an error when no plan can meet the budget (default: run "

@@ -89,6 +89,9 @@ struct Trace {
   [[nodiscard]] double compute_seconds() const;
 };
 
+/// The names of the trace's ops, in order: the "shape" of an iteration.
+std::vector<std::string> op_names(const Trace& trace);
+
 /// Checks the structural invariants (dense ids and indices, references in range, producer and
 /// freed_after consistent with uses, times non-decreasing). Throws tidal::Error naming the first
 /// violation.
