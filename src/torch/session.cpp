@@ -107,7 +107,6 @@ struct Session::Impl {
   int steps_in_state = 0;
   bool in_step = false;
   SessionStats stats;
-  std::uint64_t current_at_start = 0;  // meter bytes when the step began
 
   // One step shape: its ops, its profile, the capacity its plan was made for and the plan.
   struct Shape {
@@ -416,12 +415,11 @@ void Session::begin_step(std::int64_t step, const std::vector<torch::Tensor>& in
   next_step_ = step + 1;
   // Memory used between steps (evaluation, logging) is not charged to the step.
   m.reset_peak();
-  m.current_at_start = m.current_now();
   if (m.state == SessionState::kWarmup && m.steps_in_state >= m.opt.warmup_steps) {
     m.start_profiling();
   }
   if (m.state == SessionState::kProfiling) {
-    m.profiled_current = std::max(m.profiled_current, m.current_at_start);
+    m.profiled_current = std::max(m.profiled_current, m.current_now());
   }
   // The warm-up steps and one more run without offloading; the last of them is the reference
   // (after the warm-up, lazily made state such as Adam's exists, as in every later step).
