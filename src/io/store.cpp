@@ -20,6 +20,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "io/host_copy.hpp"
 #include "tidal/common/env.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
@@ -31,33 +32,9 @@
 namespace tidal::io {
 namespace {
 
-bool is_device_memory(const void* p) {
-#ifdef TIDAL_WITH_CUDA
-  return detail::cuda::device_available() && detail::cuda::is_device_pointer(p);
-#else
-  (void)p;
-  return false;
-#endif
-}
-
-// Copies between a (possibly device) user buffer and host staging memory. Returns 0 or -EIO.
-int copy_out(void* host_dst, const void* src, std::size_t n, bool device) {
-#ifdef TIDAL_WITH_CUDA
-  if (device) return detail::cuda::copy_device_to_host(host_dst, src, n);
-#endif
-  (void)device;
-  std::memcpy(host_dst, src, n);
-  return 0;
-}
-
-int copy_in(void* dst, const void* host_src, std::size_t n, bool device) {
-#ifdef TIDAL_WITH_CUDA
-  if (device) return detail::cuda::copy_host_to_device(dst, host_src, n);
-#endif
-  (void)device;
-  std::memcpy(dst, host_src, n);
-  return 0;
-}
+using detail::copy_in;
+using detail::copy_out;
+using detail::is_device_memory;
 
 struct AlignedFree {
   void operator()(void* p) const { std::free(p); }
@@ -693,6 +670,24 @@ void TensorStore::free(Ticket ticket) {
   impl_->done_cv.wait(lock, [&] { return !e.busy; });
   impl_->release_extents(e);
   impl_->entries.erase(ticket.id);
+}
+
+bool TensorStore::cancel_write(Ticket ticket) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Entry& e = impl_->find(ticket);
+  if (!e.busy || !e.writing) return false;
+  for (const OpSlot& s : e.slots) {
+    if (!s.queued) return false;
+  }
+  for (OpSlot& s : e.slots) {
+    impl_->lanes[static_cast<std::size_t>(e.pieces[s.piece].file)].erase(&s);
+  }
+  e.busy = false;
+  --impl_->busy_entries;
+  impl_->release_extents(e);
+  impl_->entries.erase(ticket.id);
+  impl_->done_cv.notify_all();
+  return true;
 }
 
 std::uint64_t TensorStore::size(Ticket ticket) const {

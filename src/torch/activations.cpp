@@ -42,6 +42,7 @@ struct Record {
   std::uint32_t version = 0;
   std::size_t index = 0;  // position in pack order
   int users = 0;          // saved variables referring to it
+  int alive = 0;          // of those, the ones autograd has not released yet
   int unpacked = 0;
   double packed_at = 0;  // seconds from the first pack of the step
 };
@@ -85,6 +86,7 @@ struct ActivationOffloader::Impl : std::enable_shared_from_this<Impl> {
                     const std::vector<std::int64_t>& sizes,
                     const std::vector<std::int64_t>& strides, at::ScalarType dtype);
   void calibrate_locked();
+  void release(Record& r);
 };
 
 namespace {
@@ -129,7 +131,11 @@ class OffloadHooks final : public torch::autograd::SavedVariableHooks {
     return impl_->unpack(*record_, options_, offset_, sizes_, strides_, dtype_);
   }
 
-  ~OffloadHooks() override = default;
+  // Autograd releases a saved variable when its node has run (or its graph is dropped): where
+  // no offloading would free the tensor, the record gives up its memory and its write.
+  ~OffloadHooks() override {
+    if (record_) impl_->release(*record_);
+  }
 
  private:
   std::shared_ptr<ActivationOffloader::Impl> impl_;
@@ -209,6 +215,9 @@ std::shared_ptr<Record> ActivationOffloader::Impl::pack(const at::Tensor& t, at:
   // Weights, and the views of them that ops save (linear saves weight.t()), stay: they live
   // anyway, so writing them would free nothing. Leaves arrive detached, hence the storage map.
   if (t.is_leaf() && t.requires_grad()) return keep(stats.kept_parameter);
+  if (t.is_view() && t._base().is_leaf() && t._base().requires_grad()) {
+    return keep(stats.kept_parameter);  // weight.t() and other views of a leaf
+  }
   if (t.has_storage()) {
     auto p = persistent.find(t.storage().unsafeGetStorageImpl());
     if (p != persistent.end() && p->second.lock().get() == p->first) {
@@ -225,6 +234,7 @@ std::shared_ptr<Record> ActivationOffloader::Impl::pack(const at::Tensor& t, at:
     // weak reference keeps the StorageImpl's address from being reused while we map it.)
     if (r.identity.lock().get() == key && r.version == t._version()) {
       ++r.users;
+      ++r.alive;
       ++stats.deduplicated;
       return it->second;
     }
@@ -245,6 +255,7 @@ std::shared_ptr<Record> ActivationOffloader::Impl::pack(const at::Tensor& t, at:
   r->device = t.device();
   r->version = t._version();
   r->users = 1;
+  r->alive = 1;
   // On a GPU the kernel that produced it may still be running: the bytes must be final before
   // the store's own streams copy them. (Correct, not yet overlapped: an event per record would
   // let the training thread run ahead; that waits for GPU validation.)
@@ -276,6 +287,10 @@ void ActivationOffloader::Impl::finish_write_locked(Record& r) {
     r.state = Record::State::kOffloaded;
     stats.bytes_written += r.nbytes;
     r.storage = c10::Storage();  // drop our reference: the memory is freed if nobody else holds it
+    if (r.alive == 0) {          // released while it was being written: nobody will read it back
+      store->free(r.ticket);
+      r.ticket = io::Ticket{};
+    }
   } catch (const IoError&) {
     // A full or failing store never changes a result: the tensor simply stays in memory.
     ++stats.write_failures;
@@ -297,13 +312,17 @@ void ActivationOffloader::Impl::start_read_locked(Record& r, io::Priority p) {
 // Starts reads for the records that backward will need next (reverse pack order), up to the
 // lookahead in bytes.
 void ActivationOffloader::Impl::prefetch_locked(std::size_t below) {
+  // Reads wait for the writes in flight: a read ahead of them would hold their memory longer
+  // than no offloading would (the disk serves both), for a tensor that is in memory anyway.
+  poll_writes_locked(false);
+  if (!writing.empty()) return;
   if (prefetch_cursor < 0 || static_cast<std::size_t>(prefetch_cursor) >= below) {
     prefetch_cursor = static_cast<std::int64_t>(below) - 1;
   }
   while (prefetch_cursor >= 0 && prefetch_in_flight < lookahead) {
     auto& r = order[static_cast<std::size_t>(prefetch_cursor)];
     --prefetch_cursor;
-    if (!r || r->state != Record::State::kOffloaded) continue;
+    if (!r || r->state != Record::State::kOffloaded || r->alive == 0) continue;
     if (!r->identity.expired()) continue;  // still in memory elsewhere: unpack forwards it
     start_read_locked(*r, io::Priority::kPrefetch);
     prefetch_in_flight += r->nbytes;
@@ -312,9 +331,22 @@ void ActivationOffloader::Impl::prefetch_locked(std::size_t below) {
 }
 
 // Backward has begun: remember how long forward took and start reading back the last tensors.
+// Writes still waiting in the store's queue are of the tensors forward saved last, which
+// backward needs first: they are dropped (the tensors stay in memory, as without offloading),
+// and the ones already running go ahead of every read, so that their memory comes back.
 void ActivationOffloader::Impl::begin_backward_locked() {
   if (in_backward.exchange(true)) return;
   forward_seconds = since(step_start);
+  for (auto& w : writing) {
+    if (w->state != Record::State::kWriting) continue;
+    if (store->cancel_write(w->ticket)) {
+      w->ticket = io::Ticket{};
+      w->state = Record::State::kKept;
+      ++stats.cancelled_writes;
+    } else {
+      store->prioritize(w->ticket, io::Priority::kUrgent);
+    }
+  }
   prefetch_locked(order.size());
 }
 
@@ -417,6 +449,42 @@ void ActivationOffloader::Impl::calibrate_locked() {
       return;
     }
     before += bytes;
+  }
+}
+
+// The last saved variable of `r` is gone: a write not yet started is dropped (its memory goes
+// back now, as it would without offloading), and bytes in the store are freed.
+void ActivationOffloader::Impl::release(Record& r) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (--r.alive > 0) return;
+  switch (r.state) {
+    case Record::State::kWriting:
+      if (store->cancel_write(r.ticket)) {
+        r.ticket = io::Ticket{};
+        r.state = Record::State::kKept;
+        r.storage = c10::Storage();
+        ++stats.cancelled_writes;
+      }
+      {
+        // Part of it runs. Without offloading the memory would go back now, so wait for the
+        // write (ahead of every read) rather than hold it longer: a stall, never a higher peak.
+        store->prioritize(r.ticket, io::Priority::kUrgent);
+        const auto t0 = Clock::now();
+        finish_write_locked(r);  // frees the ticket (alive == 0), or keeps the bytes on failure
+        stats.stall_seconds += since(t0);
+        r.storage = c10::Storage();
+      }
+      return;
+    case Record::State::kOffloaded:
+      if (r.ticket.valid()) store->free(r.ticket);
+      r.ticket = io::Ticket{};
+      return;
+    case Record::State::kReading:
+      return;  // the read fills r.storage: end_step lets it go
+    case Record::State::kKept:
+    case Record::State::kRestored:
+      r.storage = c10::Storage();
+      return;
   }
 }
 

@@ -462,16 +462,19 @@ void Session::end_step(std::int64_t step) {
   if (m.offloading) {
     take_io_stats(s, m.offloader->last_step());
     if (s.notice.empty()) s.notice = m.offloader->notice();
-    // One step that does not peak lower than the reference is enough: offloading that pays
-    // lowers the peak clearly, and "never above no offloading" must not wait for a pattern.
-    if (peak >= m.reference_peak) ++m.steps_not_lower;
+    // One step that does not peak at least 1% lower than the reference is enough: offloading
+    // that pays lowers the peak clearly, and "never above no offloading" must not wait for a
+    // pattern. (A few KiB lower is the allocator's noise, not worth the writes.)
+    if (peak + m.reference_peak / 100 >= m.reference_peak) ++m.steps_not_lower;
     if (m.steps_not_lower >= 1 && m.opt.activations.adaptive) {
       m.offloading_off = true;
       if (s.notice.empty()) {
         s.notice = "activation offloading did not lower this loop's peak (" + bytes_text(peak) +
                    " with it, " + bytes_text(m.reference_peak) +
-                   " without, in the first step): its tensors are too small or its steps too "
-                   "short for the I/O to free memory in time; saved tensors stay in memory";
+                   " without, in the first step; less than 1% lower does not pay for the I/O): "
+                   "its peak lies elsewhere (the optimizer step, data held in memory), or its "
+                   "tensors are too small or its steps too short for the I/O to free memory in "
+                   "time; saved tensors stay in memory";
       }
     }
   } else if (m.offloader && m.reference_peak == 0 && m.steps_in_state > m.opt.warmup_steps) {

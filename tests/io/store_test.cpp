@@ -351,6 +351,33 @@ TEST_P(StoreTest, UrgentRequestsOvertakeQueuedOffloads) {
   for (Ticket t : offloads) store.wait(t);
 }
 
+TEST_P(StoreTest, CancelWriteDropsOnlyWritesThatHaveNotStarted) {
+  StoreOptions o = options();
+  o.queue_depth = 1;
+  o.threads = 1;
+  o.faults.delay_us = 3000;  // every op takes >= 3 ms: the later writes wait in the queue
+  TensorStore store(o);
+  auto data = random_bytes(256 * kKiB, 23);
+  std::vector<Ticket> tickets;
+  for (int i = 0; i < 8; ++i) tickets.push_back(store.write(data.data(), 64 * kKiB));
+  const std::uint64_t used_before = store.stats().used_bytes;
+  // The last one cannot have started (each op before it takes 3 ms, one at a time).
+  ASSERT_TRUE(store.cancel_write(tickets.back()));
+  EXPECT_LT(store.stats().used_bytes, used_before) << "its space went back";
+  EXPECT_THROW((void)store.size(tickets.back()), Error) << "the ticket is gone";
+  tickets.pop_back();
+  for (Ticket t : tickets) store.wait(t);
+  // Done writes, and reads, are not writes waiting to start.
+  EXPECT_FALSE(store.cancel_write(tickets.front()));
+  std::vector<unsigned char> back(64 * kKiB);
+  store.read(tickets.front(), back.data());
+  EXPECT_FALSE(store.cancel_write(tickets.front()));
+  store.wait(tickets.front());
+  EXPECT_EQ(0, std::memcmp(back.data(), data.data(), back.size()));
+  for (Ticket t : tickets) store.free(t);
+  EXPECT_EQ(store.stats().tickets, 0u);
+}
+
 TEST_P(StoreTest, ConcurrentRandomStressChecksEveryByte) {
   StoreOptions o = options(48 * kMiB);
   o.dirs = {dir_.sub("a"), dir_.sub("b")};

@@ -19,12 +19,9 @@
 #include <vector>
 
 #include "tidal/io/backend.hpp"
+#include "tidal/io/tier.hpp"
 
 namespace tidal::io {
-
-/// Requests with a higher priority are started first: urgent (the computation waits for it) >
-/// prefetch (needed soon) > offload (freeing memory). Ops already in flight are not preempted.
-enum class Priority : std::uint8_t { kOffload = 0, kPrefetch = 1, kUrgent = 2 };
 
 /// How device (GPU) memory reaches the files: through cuFile (GPUDirect Storage, or its
 /// compatibility mode), or through the pinned staging pool and the host backend.
@@ -59,13 +56,6 @@ struct StoreOptions {
   FaultPlan faults;
 };
 
-/// Names one tensor's bytes in the store, from write() until free(). Plain value, copyable.
-struct Ticket {
-  std::uint64_t id = 0;
-  [[nodiscard]] bool valid() const { return id != 0; }
-  friend bool operator==(Ticket a, Ticket b) { return a.id == b.id; }
-};
-
 /// Counters since the store was opened.
 struct StoreStats {
   std::uint64_t capacity = 0;
@@ -88,45 +78,49 @@ struct StoreStats {
 /// borrowed: they must stay valid and untouched until the request completes (wait() returned
 /// or ready() said true). Destroying the store waits for requests in flight, then closes and
 /// deletes its files.
-class TensorStore {
+class TensorStore final : public Tier {
  public:
   /// Opens (creates and preallocates) the store files. Throws tidal::InvalidArgument for bad
   /// options and tidal::IoError when a directory is unusable, saying which and what to do.
   explicit TensorStore(StoreOptions options);
-  ~TensorStore();
+  ~TensorStore() override;
   TensorStore(const TensorStore&) = delete;
   TensorStore& operator=(const TensorStore&) = delete;
 
   /// Starts writing bytes from src (host or device memory). Never blocks on I/O. When the store
   /// has no room, the returned ticket is already failed with ENOSPC (wait() throws), and the
   /// store stays usable. bytes == 0 gives a ticket that is complete at once.
-  Ticket write(const void* src, std::uint64_t bytes, Priority priority = Priority::kOffload);
+  Ticket write(const void* src, std::uint64_t bytes,
+               Priority priority = Priority::kOffload) override;
 
   /// Starts reading the ticket's bytes into dst (size(ticket) bytes, host or device memory).
   /// If a request on this ticket is still in flight, first waits for it (throwing if it failed).
   /// Throws tidal::Error for an unknown ticket or one whose write failed.
-  void read(Ticket ticket, void* dst, Priority priority = Priority::kPrefetch);
+  void read(Ticket ticket, void* dst, Priority priority = Priority::kPrefetch) override;
 
   /// True when no request of this ticket is in flight.
-  [[nodiscard]] bool ready(Ticket ticket) const;
+  [[nodiscard]] bool ready(Ticket ticket) const override;
 
   /// Waits for the ticket's request in flight. Throws tidal::IoError (with the errno of the first
   /// failed op and a message saying what failed) if it failed; a failure is reported once.
-  void wait(Ticket ticket);
+  void wait(Ticket ticket) override;
 
   /// Raises the priority of the ticket's ops that have not started yet (e.g. to kUrgent when the
   /// computation is about to need the tensor). Lowering is ignored.
-  void prioritize(Ticket ticket, Priority priority);
+  void prioritize(Ticket ticket, Priority priority) override;
 
   /// Waits for the ticket's request, then releases its space. Errors of that request are not
   /// reported (the data is being discarded). Unknown tickets throw tidal::Error.
-  void free(Ticket ticket);
+  void free(Ticket ticket) override;
+
+  /// Drops a write whose ops are all still queued (Tier::cancel_write).
+  bool cancel_write(Ticket ticket) override;
 
   [[nodiscard]] std::uint64_t size(Ticket ticket) const;
   [[nodiscard]] StoreStats stats() const;
   [[nodiscard]] const StoreOptions& options() const;
   /// Free bytes, and the largest tensor that fits now (fragmentation), over all files.
-  [[nodiscard]] std::uint64_t free_bytes() const;
+  [[nodiscard]] std::uint64_t free_bytes() const override;
 
   struct Impl;  ///< opaque
 

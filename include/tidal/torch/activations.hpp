@@ -46,6 +46,9 @@ struct ActivationStats {
   std::uint64_t prefetched = 0;      ///< reads started ahead of use
   std::uint64_t misses = 0;          ///< reads started only when backward needed the tensor
   std::uint64_t write_failures = 0;  ///< writes that failed: the tensor stayed in memory
+  /// Writes dropped before they started because autograd released the tensor first (its
+  /// backward ran while the write waited in the queue): its memory went back at once.
+  std::uint64_t cancelled_writes = 0;
   std::uint64_t bytes_written = 0;
   std::uint64_t bytes_read = 0;
   double stall_seconds = 0;           ///< time unpack waited for reads

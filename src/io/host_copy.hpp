@@ -1,0 +1,43 @@
+// Internal: copies between a user buffer that may be device memory and host memory, shared by
+// the store's staging path and the host pool.
+#pragma once
+
+#include <cstddef>
+#include <cstring>
+
+#ifdef TIDAL_WITH_CUDA
+#include "io/cuda/device.hpp"
+#endif
+
+namespace tidal::io::detail {
+
+inline bool is_device_memory(const void* p) {
+#ifdef TIDAL_WITH_CUDA
+  return cuda::device_available() && cuda::is_device_pointer(p);
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+// From a (possibly device) buffer to host memory. Returns 0 or -EIO.
+inline int copy_out(void* host_dst, const void* src, std::size_t n, bool device) {
+#ifdef TIDAL_WITH_CUDA
+  if (device) return cuda::copy_device_to_host(host_dst, src, n);
+#endif
+  (void)device;
+  std::memcpy(host_dst, src, n);
+  return 0;
+}
+
+// From host memory to a (possibly device) buffer. Returns 0 or -EIO.
+inline int copy_in(void* dst, const void* host_src, std::size_t n, bool device) {
+#ifdef TIDAL_WITH_CUDA
+  if (device) return cuda::copy_host_to_device(dst, host_src, n);
+#endif
+  (void)device;
+  std::memcpy(dst, host_src, n);
+  return 0;
+}
+
+}  // namespace tidal::io::detail
