@@ -84,6 +84,7 @@ struct PlanExecutor::Impl {
     c10::weak_intrusive_ptr<c10::StorageImpl> weak{c10::intrusive_ptr<c10::StorageImpl>()};
     State state = State::kResident;
     io::Ticket ticket;
+    io::Tier* tier = nullptr;  // where its bytes are: the SSD store or the host pool
     std::uint64_t nbytes = 0;
     c10::Device device{c10::kCPU};
     c10::DataPtr incoming;     // memory a read is filling
@@ -106,6 +107,8 @@ struct PlanExecutor::Impl {
 
   std::shared_ptr<io::TensorStore> store;
   ExecutorOptions opt;
+
+  bool on_host(const Slot& s) const { return opt.host && s.tier == opt.host.get(); }
   std::vector<Shape> shapes;
   int current = 0;                         // shape of the step running
   int last_completed = 0;                  // shape the last step ended with
@@ -209,13 +212,13 @@ struct PlanExecutor::Impl {
       Slot& s = it->second;
       c10::intrusive_ptr<c10::StorageImpl> live = s.weak.lock();
       if (!live) {
-        if (s.ticket.valid()) store->free(s.ticket);  // waits; errors of discarded data drop
+        if (s.ticket.valid()) s.tier->free(s.ticket);  // waits; errors of discarded data drop
         settle(s, State::kResident);
         it = slots.erase(it);
         continue;
       }
-      if (s.state == State::kWriting && store->ready(s.ticket)) finish_write(*live, s);
-      if (s.state == State::kReading && store->ready(s.ticket)) {
+      if (s.state == State::kWriting && s.tier->ready(s.ticket)) finish_write(*live, s);
+      if (s.state == State::kReading && s.tier->ready(s.ticket)) {
         try {
           finish_read(*live, s);
         } catch (const Error&) {
@@ -228,18 +231,18 @@ struct PlanExecutor::Impl {
 
   void finish_write(c10::StorageImpl& impl, Slot& s) {
     try {
-      store->wait(s.ticket);
+      s.tier->wait(s.ticket);
     } catch (const IoError&) {
       ++stats.write_failures;  // the tensor keeps its memory: nothing is lost
-      store->free(s.ticket);
+      s.tier->free(s.ticket);
       s.ticket = io::Ticket{};
       settle(s, State::kResident);
       return;
     }
-    stats.bytes_written += s.nbytes;
+    (on_host(s) ? stats.bytes_to_host : stats.bytes_written) += s.nbytes;
     if (s.cancel) {
       ++stats.cancelled;
-      store->free(s.ticket);
+      s.tier->free(s.ticket);
       s.ticket = io::Ticket{};
       settle(s, State::kResident);
       return;
@@ -252,26 +255,31 @@ struct PlanExecutor::Impl {
   void start_read(c10::StorageImpl& impl, Slot& s, io::Priority p) {
     c10::Allocator* alloc = impl.allocator();
     s.incoming = alloc->allocate(s.nbytes);
-    store->read(s.ticket, s.incoming.get(), p);
+    s.tier->read(s.ticket, s.incoming.get(), p);
     settle(s, State::kReading);
-    stats.bytes_read += s.nbytes;
+    (on_host(s) ? stats.bytes_from_host : stats.bytes_read) += s.nbytes;
   }
 
   // Waits for the slot's read. On failure the memory it was filling goes back, the tensor stays
   // offloaded (a later access reads it again) and the store's error propagates.
   void finish_read(c10::StorageImpl& impl, Slot& s) {
     const auto t0 = Clock::now();
+    const auto stalled = [&] {
+      const double dt = since(t0);
+      stats.stall_seconds += dt;
+      if (on_host(s)) stats.host_stall_seconds += dt;
+    };
     try {
-      store->wait(s.ticket);
+      s.tier->wait(s.ticket);
     } catch (const Error&) {
-      stats.stall_seconds += since(t0);
+      stalled();
       s.incoming.clear();
       settle(s, State::kOffloaded);
       throw;
     }
-    stats.stall_seconds += since(t0);
+    stalled();
     impl.set_data_ptr_noswap(std::move(s.incoming));
-    store->free(s.ticket);
+    s.tier->free(s.ticket);
     s.ticket = io::Ticket{};
     settle(s, State::kResident);
   }
@@ -297,7 +305,7 @@ struct PlanExecutor::Impl {
         start_read(*storage, s, io::Priority::kUrgent);
         [[fallthrough]];
       case State::kReading:
-        store->prioritize(s.ticket, io::Priority::kUrgent);
+        s.tier->prioritize(s.ticket, io::Priority::kUrgent);
         finish_read(*storage, s);
         return;
     }
@@ -374,7 +382,17 @@ struct PlanExecutor::Impl {
       s.device = impl->device();
       s.cancel = false;
       detail::sync_current_stream(s.device);  // the producing kernels must have finished
-      s.ticket = store->write(impl->data(), s.nbytes, io::Priority::kOffload);
+      // Where the plan says: host memory while the pool has room, else the SSD store.
+      s.tier = store.get();
+      if (a.target == plan::Target::kHost) {
+        if (opt.host && opt.host->free_bytes() >= s.nbytes) {
+          s.tier = opt.host.get();
+          ++stats.host_offloads;
+        } else {
+          ++stats.host_fallbacks;
+        }
+      }
+      s.ticket = s.tier->write(impl->data(), s.nbytes, io::Priority::kOffload);
       settle(s, State::kWriting);
       ++stats.offloads;
     } else {
@@ -426,7 +444,7 @@ PlanExecutor::~PlanExecutor() {
   {
     std::lock_guard<std::recursive_mutex> lock(impl_->mu);
     for (auto& [storage, s] : impl_->slots) {
-      if (s.ticket.valid()) impl_->store->free(s.ticket);
+      if (s.ticket.valid()) s.tier->free(s.ticket);
       impl_->settle(s, Impl::State::kResident);
     }
     impl_->slots.clear();

@@ -92,6 +92,7 @@ struct Session::Impl {
   SessionOptions opt;
   SessionState state = SessionState::kOff;
   std::shared_ptr<io::TensorStore> store;
+  std::shared_ptr<io::HostPool> host;  // plan mode with host_memory
   std::unique_ptr<MemoryMeter> meter;
   std::unique_ptr<ActivationOffloader> offloader;
   std::unique_ptr<Tracer> tracer;
@@ -166,6 +167,7 @@ struct Session::Impl {
     // The capacity is set per planning call; this only satisfies the preset's check.
     overrides.gpu_mem = std::to_string(std::max<std::uint64_t>(stats.memory_budget, 1));
     plan::apply_overrides(hw, overrides);
+    hw.host_memory = opt.host_memory;
     hw.memory_margin = 0;  // the session measures every step: no blind margin
     return hw;
   }
@@ -216,11 +218,12 @@ struct Session::Impl {
 
   void summarise(const Shape& s) {
     const auto& p = s.plan;
-    char line[320];
+    char line[384];
     std::snprintf(line, sizeof line,
-                  "plan %zu: %zu actions, %s to SSD per step, planned peak %s of %s (trace "
-                  "units), planned stall %.3f s, planned in %.2f s, SSD %s",
+                  "plan %zu: %zu actions, %s to SSD and %s to host per step, planned peak %s "
+                  "of %s (trace units), planned stall %.3f s, planned in %.2f s, SSD %s",
                   shapes.size() - 1, p.actions.size(), bytes_text(p.summary.bytes_to_ssd).c_str(),
+                  bytes_text(p.summary.bytes_to_host).c_str(),
                   bytes_text(p.summary.peak_after_bytes).c_str(),
                   bytes_text(static_cast<std::uint64_t>(s.capacity)).c_str(),
                   p.summary.planned_stall_seconds, p.summary.planning_seconds,
@@ -250,6 +253,7 @@ struct Session::Impl {
       ExecutorOptions eo = opt.executor;
       eo.budget = stats.memory_budget;  // hard: the executor waits rather than go over
       eo.current_bytes = opt.current_bytes;
+      eo.host = host;
       executor = std::make_unique<PlanExecutor>(store, s.trace, s.plan, eo);
       tracer->set_keep_iterations(false);
       tracer->set_listener(executor.get());
@@ -376,6 +380,9 @@ Session::Session(SessionOptions options) : impl_(std::make_unique<Impl>()) {
   TIDAL_EXPECT_AS(InvalidArgument, m.opt.budget_fraction > 0 && m.opt.budget_fraction <= 1,
                   "the memory budget fraction must be in (0, 1]");
   m.store = std::make_shared<io::TensorStore>(m.opt.store);
+  if (m.opt.mode == OffloadMode::kPlan && m.opt.host_memory > 0) {
+    m.host = std::make_shared<io::HostPool>(m.opt.host_memory);
+  }
   if (m.opt.mode == OffloadMode::kActivations) {
     m.offloader = std::make_unique<ActivationOffloader>(m.store, m.opt.activations);
     m.state = SessionState::kExecuting;
@@ -487,7 +494,15 @@ void Session::end_step(std::int64_t step) {
     const ExecutorStats e = m.executor->last_step();
     take_io_stats(s, e);
     s.write_stall_seconds = e.write_stall_seconds;
+    s.bytes_to_host = e.bytes_to_host;
+    s.bytes_from_host = e.bytes_from_host;
+    s.host_stall_seconds = e.host_stall_seconds;
     s.shape = e.shape;
+    if (e.shape >= 0 && static_cast<std::size_t>(e.shape) < m.shapes.size()) {
+      const plan::PlanSummary& ps = m.shapes[static_cast<std::size_t>(e.shape)].plan.summary;
+      s.planned_bytes_to_ssd = ps.bytes_to_ssd;
+      s.planned_bytes_to_host = ps.bytes_to_host;
+    }
     if (!error) m.after_executed_step(e, peak);
     s.within_budget = s.steps_measured > 0 && m.all_within;
   }

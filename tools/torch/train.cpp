@@ -40,6 +40,7 @@ struct TrainArgs {
   std::string save_plan;
   std::string between_steps = "resident";
   bool strict_budget = false;
+  std::string host_mem = "0";
 };
 
 std::vector<std::string> split_dirs(const std::string& text) {
@@ -110,6 +111,11 @@ void run_train(const TrainArgs& args) {
   so.between_steps = args.between_steps == "resident" ? torch_layer::BetweenSteps::kResident
                                                       : torch_layer::BetweenSteps::kOffloaded;
   so.strict_budget = args.strict_budget;
+  so.host_memory = parse_bytes(args.host_mem);
+  TIDAL_EXPECT_AS(InvalidArgument,
+                  so.host_memory == 0 || so.mode == torch_layer::OffloadMode::kPlan,
+                  "--host-mem is for --offload plan (activation offloading writes to the SSD "
+                  "store only)");
   so.model_name = args.model.model;
   so.batch = args.model.batch;
   so.seq = args.model.seq;
@@ -156,6 +162,12 @@ void run_train(const TrainArgs& args) {
   std::vector<std::uint64_t> step_peaks;
   std::uint64_t bytes_written = 0;
   std::uint64_t bytes_read = 0;
+  std::uint64_t bytes_to_host = 0;
+  std::uint64_t bytes_from_host = 0;
+  std::uint64_t planned_to_ssd = 0;
+  std::uint64_t planned_to_host = 0;
+  double host_stall = 0;
+  double write_stall = 0;
   std::uint64_t misses = 0;
   std::uint64_t failures = 0;
   double stall = 0;
@@ -177,6 +189,12 @@ void run_train(const TrainArgs& args) {
       offload_seconds.push_back(r.seconds);
       bytes_written += s.bytes_written;
       bytes_read += s.bytes_read;
+      bytes_to_host += s.bytes_to_host;
+      bytes_from_host += s.bytes_from_host;
+      planned_to_ssd += s.planned_bytes_to_ssd;
+      planned_to_host += s.planned_bytes_to_host;
+      host_stall += s.host_stall_seconds;
+      write_stall += s.write_stall_seconds;
       misses += s.misses;
       failures += s.write_failures;
       stall += s.stall_seconds;
@@ -205,6 +223,17 @@ void run_train(const TrainArgs& args) {
                  format_bytes(static_cast<double>(bytes_read)).c_str(),
                  static_cast<unsigned long long>(misses), stall,
                  static_cast<unsigned long long>(failures));
+  }
+  if (so.mode == torch_layer::OffloadMode::kPlan) {
+    std::fprintf(stderr,
+                 "tiers: SSD %s written (plan: %s), host %s written (plan: %s) of a %s pool; "
+                 "stalls: SSD reads %.3f s, host reads %.3f s, writes (budget) %.3f s\n",
+                 format_bytes(static_cast<double>(bytes_written)).c_str(),
+                 format_bytes(static_cast<double>(planned_to_ssd)).c_str(),
+                 format_bytes(static_cast<double>(bytes_to_host)).c_str(),
+                 format_bytes(static_cast<double>(planned_to_host)).c_str(),
+                 format_bytes(static_cast<double>(so.host_memory)).c_str(), stall - host_stall,
+                 host_stall, write_stall);
   }
   if (so.mode == torch_layer::OffloadMode::kPlan) {
     std::fprintf(
@@ -262,6 +291,14 @@ void run_train(const TrainArgs& args) {
       j["untouched_bytes"] = st.untouched_bytes;
       j["budget_reason"] = st.budget_reason;
       j["step_shapes"] = st.shapes;
+      j["host_memory"] = so.host_memory;
+      j["bytes_to_host"] = bytes_to_host;
+      j["bytes_from_host"] = bytes_from_host;
+      j["planned_bytes_to_ssd"] = planned_to_ssd;
+      j["planned_bytes_to_host"] = planned_to_host;
+      j["ssd_stall_seconds"] = stall - host_stall;
+      j["host_stall_seconds"] = host_stall;
+      j["write_stall_seconds"] = write_stall;
     }
     std::cout << j.dump() << std::endl;
   }
@@ -308,6 +345,10 @@ void add_train_command(CLI::App& app) {
   cmd->add_flag("--strict-budget", args->strict_budget,
                 "plan mode: stop with an error when no plan can meet the budget (default: run "
                 "with the smallest peak a plan reaches and say why)");
+  cmd->add_option("--host-mem", args->host_mem,
+                  "plan mode: host memory offloaded tensors may use (e.g. 8GiB; 0: SSD only); "
+                  "the planner puts there what the SSDs cannot move in time")
+      ->capture_default_str();
   cmd->add_flag("--json", args->json, "print one JSON object with the results as the last line");
   cmd->callback([args] { run_train(*args); });
 }

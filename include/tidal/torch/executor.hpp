@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "tidal/io/host_pool.hpp"
 #include "tidal/io/store.hpp"
 #include "tidal/plan/plan.hpp"
 #include "tidal/torch/step.hpp"
@@ -63,9 +64,14 @@ struct ExecutorStats {
   std::uint64_t cancelled = 0;       ///< offloads dropped because an op touched the tensor
   std::uint64_t write_failures = 0;  ///< writes that failed: the tensor stayed in memory
   std::uint64_t unbound = 0;         ///< actions on a tensor not seen at run time (skipped)
-  std::uint64_t bytes_written = 0;
-  std::uint64_t bytes_read = 0;
+  std::uint64_t bytes_written = 0;  ///< to the SSD store
+  std::uint64_t bytes_read = 0;     ///< from the SSD store
+  std::uint64_t host_offloads = 0;  ///< offloads that went to the host pool
+  std::uint64_t host_fallbacks = 0;  ///< host offloads the pool had no room for: to SSD instead
+  std::uint64_t bytes_to_host = 0;
+  std::uint64_t bytes_from_host = 0;
   double stall_seconds = 0;        ///< time ops waited for reads (misses and late prefetches)
+  double host_stall_seconds = 0;   ///< the part of stall_seconds spent on host pool reads
   double write_stall_seconds = 0;  ///< time ops waited for writes to free memory (the budget)
   std::uint64_t budget_waits = 0;  ///< ops that waited for writes so as not to cross the budget
   std::uint64_t delayed_prefetches = 0;  ///< prefetches held back until memory allowed them
@@ -85,6 +91,9 @@ struct ExecutorOptions {
   std::uint64_t budget = 0;
   /// The meter's bytes now; needed with a budget.
   std::function<std::uint64_t()> current_bytes;
+  /// The host memory tier: actions whose target is host go there while it has room (the SSD
+  /// store otherwise). Null: every action goes to the SSD store.
+  std::shared_ptr<io::HostPool> host;
 };
 
 /// Executes plans for profiled traces: one per step shape (add_shape). A step starts with the

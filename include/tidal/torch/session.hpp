@@ -87,6 +87,12 @@ struct SessionOptions {
   /// reach and say why in stats() (false, the default: a training loop is never stopped for it).
   bool strict_budget = false;
   BetweenSteps between_steps = BetweenSteps::kResident;
+  /// Plan mode: host memory offloaded tensors may use, in bytes (0: none, SSD only). The
+  /// planner sends a tensor there where the SSD channel has no room for its migration in time;
+  /// the executor copies it into a host pool of this size (page-locked on a GPU machine). On a
+  /// CPU-only machine the pool is ordinary memory outside the meter: it stands for a GPU's host
+  /// memory, and is reported apart (stats().bytes_to_host).
+  std::uint64_t host_memory = 0;
   /// Plan mode: the hardware model for the planner (device memory is set from the budget).
   std::string hardware = "cpu-here";
   plan::HardwareOverrides hardware_overrides;
@@ -106,8 +112,15 @@ struct SessionOptions {
 struct SessionStats {
   OffloadMode mode = OffloadMode::kNone;
   SessionState state = SessionState::kOff;
-  std::uint64_t bytes_written = 0;    ///< last step
-  std::uint64_t bytes_read = 0;       ///< last step
+  std::uint64_t bytes_written = 0;    ///< last step, to the SSD store
+  std::uint64_t bytes_read = 0;       ///< last step, from the SSD store
+  std::uint64_t bytes_to_host = 0;    ///< last step, plan mode: to the host pool
+  std::uint64_t bytes_from_host = 0;  ///< last step, plan mode: from the host pool
+  double host_stall_seconds = 0;      ///< last step: the part of stall_seconds on host reads
+  /// Plan mode: what the plan of the last step's shape moves per step (the planner's figures,
+  /// to compare with the executed ones above).
+  std::uint64_t planned_bytes_to_ssd = 0;
+  std::uint64_t planned_bytes_to_host = 0;
   double stall_seconds = 0;           ///< last step: time computation waited for reads
   double write_stall_seconds = 0;     ///< last step, plan mode: time ops waited for writes to
                                       ///< free memory rather than cross the budget
