@@ -6,6 +6,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config git
   libtorch-dev          # libtorch (CPU) for torch/ and models/
+  libopenblas0-pthread  # an optimised BLAS: Debian points libblas.so.3 (libtorch's) at it
   liburing-dev          # io_uring backend
   libxxhash-dev         # per-stripe checksums
   nlohmann-json3-dev    # trace and plan files

@@ -42,7 +42,8 @@ void register_all(Tracer& tracer, models::Trainer& t) {
   }
 }
 
-plan::Plan random_plan(const trace::Trace& tr, std::uint64_t seed) {
+// 400 random actions; with `host`, each offload goes to host memory or the SSD at random.
+plan::Plan random_plan(const trace::Trace& tr, std::uint64_t seed, bool host = false) {
   std::mt19937_64 rng(seed);
   plan::Plan p;
   p.num_ops = static_cast<std::int32_t>(tr.ops.size());
@@ -54,50 +55,91 @@ plan::Plan random_plan(const trace::Trace& tr, std::uint64_t seed) {
     a.trigger = static_cast<trace::OpIndex>(rng() % tr.ops.size());
     a.deadline = static_cast<trace::OpIndex>(rng() % tr.ops.size());
     a.bytes = tr.tensors[static_cast<std::size_t>(a.tensor)].bytes;
+    if (host && rng() % 2 == 0) a.target = plan::Target::kHost;
     p.actions.push_back(a);
   }
   return p;
+}
+
+struct RandomRun {
+  std::vector<double> losses;
+  ExecutorStats total;  // summed over the executed steps
+};
+
+// Trains gpt-tiny for `steps` steps: one plain, one profiled, the rest under a random plan.
+RandomRun run_random_plan(const std::shared_ptr<io::TensorStore>& store, int steps,
+                          std::uint64_t seed, const std::shared_ptr<io::HostPool>& host) {
+  RandomRun r;
+  models::Trainer trainer(options());
+  Tracer tracer(Tracer::Options{"gpt-tiny", 4, 32});
+  r.losses.push_back(trainer.step().loss);  // gradients exist from here on
+  register_all(tracer, trainer);
+  tracer.start();
+  trainer.add_observer(&tracer);
+  r.losses.push_back(trainer.step().loss);  // profiled
+  const trace::Trace tr = tracer.result().trace;
+  ExecutorOptions eo;
+  eo.min_bytes = 0;  // move everything the random plan names, however small
+  eo.host = host;
+  PlanExecutor ex(store, tr, random_plan(tr, seed, host != nullptr), eo);
+  tracer.set_keep_iterations(false);
+  tracer.set_listener(&ex);
+  trainer.add_observer(&ex);
+  for (int i = 2; i < steps; ++i) {
+    r.losses.push_back(trainer.step().loss);
+    const auto s = ex.last_step();
+    r.total.offloads += s.offloads;
+    r.total.released += s.released;
+    r.total.misses += s.misses;
+    r.total.host_offloads += s.host_offloads;
+    r.total.host_fallbacks += s.host_fallbacks;
+    r.total.bytes_to_host += s.bytes_to_host;
+    r.total.bytes_from_host += s.bytes_from_host;
+    r.total.bytes_written += s.bytes_written;
+  }
+  trainer.remove_observer(&ex);
+  trainer.remove_observer(&tracer);
+  tracer.set_listener(nullptr);
+  return r;
+}
+
+std::shared_ptr<io::TensorStore> open_store(const testing::TestDir& dir) {
+  io::StoreOptions so;
+  so.dirs = {dir.path()};
+  so.capacity = 256 * kMiB;
+  return std::make_shared<io::TensorStore>(so);
 }
 
 TEST(PlanExecutor, RandomPlansNeverChangeALoss) {
   const int steps = 6;
   const auto want = plain_losses(steps);
   testing::TestDir dir;
-  io::StoreOptions so;
-  so.dirs = {dir.path()};
-  so.capacity = 256 * kMiB;
-  auto store = std::make_shared<io::TensorStore>(so);
+  auto store = open_store(dir);
   for (std::uint64_t seed : {1, 2, 3}) {
-    models::Trainer trainer(options());
-    Tracer tracer(Tracer::Options{"gpt-tiny", 4, 32});
-    std::vector<double> losses;
-    losses.push_back(trainer.step().loss);  // gradients exist from here on
-    register_all(tracer, trainer);
-    tracer.start();
-    trainer.add_observer(&tracer);
-    losses.push_back(trainer.step().loss);  // profiled
-    const trace::Trace tr = tracer.result().trace;
-    ExecutorOptions eo;
-    eo.min_bytes = 0;  // move everything the random plan names, however small
-    PlanExecutor ex(store, tr, random_plan(tr, seed), eo);
-    tracer.set_keep_iterations(false);
-    tracer.set_listener(&ex);
-    trainer.add_observer(&ex);
-    ExecutorStats total;
-    for (int i = 2; i < steps; ++i) {
-      losses.push_back(trainer.step().loss);
-      const auto s = ex.last_step();
-      total.offloads += s.offloads;
-      total.released += s.released;
-      total.misses += s.misses;
-    }
-    trainer.remove_observer(&ex);
-    trainer.remove_observer(&tracer);
-    tracer.set_listener(nullptr);
-    EXPECT_EQ(losses, want) << "seed " << seed;
-    EXPECT_GT(total.offloads, 0u) << "seed " << seed;
-    EXPECT_GT(total.released, 0u) << "the plan freed no memory, seed " << seed;
-    EXPECT_GT(total.misses, 0u) << "a random plan must miss sometimes, seed " << seed;
+    const RandomRun r = run_random_plan(store, steps, seed, nullptr);
+    EXPECT_EQ(r.losses, want) << "seed " << seed;
+    EXPECT_GT(r.total.offloads, 0u) << "seed " << seed;
+    EXPECT_GT(r.total.released, 0u) << "the plan freed no memory, seed " << seed;
+    EXPECT_GT(r.total.misses, 0u) << "a random plan must miss sometimes, seed " << seed;
+  }
+}
+
+// Host actions go to the host pool while it has room and to the SSD when it is full; neither
+// changes a loss.
+TEST(PlanExecutor, HostActionsUseThePoolAndFallBackToTheSsdWhenItIsFull) {
+  const int steps = 6;
+  const auto want = plain_losses(steps);
+  testing::TestDir dir;
+  auto store = open_store(dir);
+  for (std::uint64_t seed : {4, 5}) {
+    auto pool = std::make_shared<io::HostPool>(256 * kKiB);  // far less than the plan sends
+    const RandomRun r = run_random_plan(store, steps, seed, pool);
+    EXPECT_EQ(r.losses, want) << "seed " << seed;
+    EXPECT_GT(r.total.host_offloads, 0u) << "seed " << seed;
+    EXPECT_GT(r.total.bytes_to_host, 0u) << "seed " << seed;
+    EXPECT_GT(r.total.host_fallbacks, 0u) << "a 256 KiB pool must fill up, seed " << seed;
+    EXPECT_GT(r.total.bytes_written, 0u) << "the SSD took the rest, seed " << seed;
+    EXPECT_LE(pool->stats().peak_used_bytes, 256 * kKiB);
   }
 }
 
