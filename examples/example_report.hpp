@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "tidal/torch/build_info.hpp"
 #include "tidal/torch/session.hpp"
 
 namespace tidal_example {
@@ -100,12 +101,12 @@ class Report {
     const bool within = s.mode != tidal::torch_layer::OffloadMode::kPlan || s.within_budget;
     std::printf(
         "summary mode=%s peak_bytes=%llu budget=%llu within_budget=%d bytes_written=%llu "
-        "bytes_read=%llu misses=%llu step_seconds=%.4f steady_peak_bytes=%llu\n",
+        "bytes_read=%llu misses=%llu step_seconds=%.4f steady_peak_bytes=%llu blas=%s\n",
         args.mode.c_str(), static_cast<unsigned long long>(peak_),
         static_cast<unsigned long long>(s.memory_budget), within ? 1 : 0,
         static_cast<unsigned long long>(written_), static_cast<unsigned long long>(read_),
         static_cast<unsigned long long>(misses_), timed_ > 0 ? seconds_ / timed_ : 0.0,
-        static_cast<unsigned long long>(steady_peak_));
+        static_cast<unsigned long long>(steady_peak_), tidal::torch_layer::blas_library().c_str());
     if (!s.notice.empty()) std::printf("note: %s\n", s.notice.c_str());
   }
 

@@ -95,7 +95,8 @@ struct PlanExecutor::Impl {
   struct Shape {
     std::vector<std::string> op_names;
     std::vector<std::vector<plan::PlanAction>> at_trigger;
-    std::vector<std::uint64_t> new_bytes;  // by op: bytes of the tensors it makes
+    std::vector<std::uint64_t> new_bytes;           // by op: its workspace and the tensors it makes
+    std::vector<std::vector<trace::OpIndex>> uses;  // by tensor: the ops that use it, ascending
     std::size_t num_tensors = 0;
   };
   // A prefetch held back by the budget, issued when memory allows or when an op needs it.
@@ -138,12 +139,23 @@ struct PlanExecutor::Impl {
       }
     }
     s.new_bytes.assign(trace.ops.size(), 0);
+    for (std::size_t k = 0; k < trace.ops.size(); ++k)
+      s.new_bytes[k] = trace.ops[k].workspace_bytes;
     for (const auto& t : trace.tensors) {
       if (t.producer >= 0 && static_cast<std::size_t>(t.producer) < trace.ops.size()) {
         s.new_bytes[static_cast<std::size_t>(t.producer)] += t.bytes;
       }
     }
     s.num_tensors = trace.tensors.size();
+    s.uses.resize(trace.tensors.size());
+    for (const auto& op : trace.ops) {
+      for (const auto* ids : {&op.inputs, &op.outputs}) {
+        for (trace::TensorId id : *ids) {
+          auto& u = s.uses[static_cast<std::size_t>(id)];
+          if (u.empty() || u.back() != op.index) u.push_back(op.index);
+        }
+      }
+    }
     return s;
   }
 
@@ -343,6 +355,68 @@ struct PlanExecutor::Impl {
     }
   }
 
+  // The last resort of the budget: no write in flight is left to wait for, and op `index`
+  // would still take memory over it (the plan was made for other timings or other tensors).
+  // Tensors of the trace that the op does not use are written out at once, the one used
+  // again latest first, until it fits or none is left. A write stall; a later op that needs
+  // one reads it back (a miss).
+  void evict_for(std::uint64_t more, trace::OpIndex index, const std::vector<TensorRef>& inputs) {
+    if (!over(more) || diverged) return;
+    const Shape& shape = shapes[static_cast<std::size_t>(current)];
+    const auto t0 = Clock::now();
+    bool evicted = false;
+    while (over(more)) {
+      c10::intrusive_ptr<c10::StorageImpl> victim;
+      std::int64_t best = -1;
+      for (std::size_t id = 0; id < bound.size() && id < shape.uses.size(); ++id) {
+        auto live = bound[id].lock();
+        if (!live || live->nbytes() < opt.min_bytes || live->allocator() == nullptr ||
+            live->data() == nullptr) {
+          continue;
+        }
+        auto it = slots.find(live.get());
+        if (it != slots.end() && (it->second.state != State::kResident || it->second.error)) {
+          continue;
+        }
+        const bool used_now = std::any_of(inputs.begin(), inputs.end(), [&](const TensorRef& r) {
+          return r.storage == live.get();
+        });
+        if (used_now) continue;
+        // Distance to the next use in this step, or past its end (used next step, or never).
+        const auto& u = shape.uses[id];
+        auto next = std::upper_bound(u.begin(), u.end(), index);
+        const std::int64_t distance =
+            next != u.end() ? *next - index : static_cast<std::int64_t>(shape.op_names.size()) + 1;
+        if (distance > best) {
+          best = distance;
+          victim = std::move(live);
+        }
+      }
+      if (!victim) break;
+      Slot& s = slots[victim.get()];
+      s.weak = c10::weak_intrusive_ptr<c10::StorageImpl>(victim);
+      s.nbytes = victim->nbytes();
+      s.device = victim->device();
+      s.cancel = false;
+      s.tier = store.get();
+      detail::sync_current_stream(s.device);
+      s.ticket = store->write(victim->data(), s.nbytes, io::Priority::kUrgent);
+      settle(s, State::kWriting);
+      ++stats.offloads;
+      ++stats.evictions;
+      evicted = true;
+      finish_write(*victim, s);  // waits; on failure it stays and the next candidate is tried
+      if (s.state == State::kResident) {
+        slots.erase(victim.get());
+        break;  // a failing store: stop evicting for this op
+      }
+    }
+    if (evicted) {
+      ++stats.budget_waits;
+      stats.write_stall_seconds += since(t0);
+    }
+  }
+
   // Issues held prefetches, earliest deadline first, while they fit.
   void issue_held() {
     while (!held.empty()) {
@@ -510,7 +584,9 @@ void PlanExecutor::before_op(trace::OpIndex index, const std::string& name,
   if (!m.diverged && index >= 0) {
     const auto& shape = m.shapes[static_cast<std::size_t>(m.current)];
     if (static_cast<std::size_t>(index) < shape.new_bytes.size()) {
-      m.wait_for_room(shape.new_bytes[static_cast<std::size_t>(index)]);
+      const std::uint64_t more = shape.new_bytes[static_cast<std::size_t>(index)];
+      m.wait_for_room(more);
+      m.evict_for(more, index, inputs);
     }
   }
   m.issue_held();

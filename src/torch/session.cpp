@@ -142,6 +142,9 @@ struct Session::Impl {
     tracer.reset();
     Tracer::Options to{opt.model_name, opt.batch, opt.seq,
                        opt.between_steps == BetweenSteps::kResident};
+    to.current_bytes = opt.current_bytes;
+    to.peak_bytes = opt.peak_bytes;
+    to.reset_peak = opt.reset_peak;
     tracer = std::make_unique<Tracer>(to);
     for (const auto& r : persistent) tracer->register_persistent(r.tensor, r.name, r.cls);
     tracer->start();
@@ -219,15 +222,14 @@ struct Session::Impl {
   void summarise(const Shape& s) {
     const auto& p = s.plan;
     char line[384];
-    std::snprintf(line, sizeof line,
-                  "plan %zu: %zu actions, %s to SSD and %s to host per step, planned peak %s "
-                  "of %s (trace units), planned stall %.3f s, planned in %.2f s, SSD %s",
-                  shapes.size() - 1, p.actions.size(), bytes_text(p.summary.bytes_to_ssd).c_str(),
-                  bytes_text(p.summary.bytes_to_host).c_str(),
-                  bytes_text(p.summary.peak_after_bytes).c_str(),
-                  bytes_text(static_cast<std::uint64_t>(s.capacity)).c_str(),
-                  p.summary.planned_stall_seconds, p.summary.planning_seconds,
-                  measured_ssd.empty() ? "preset" : measured_ssd.c_str());
+    std::snprintf(
+        line, sizeof line,
+        "plan %zu: %zu actions, %s to SSD and %s to host per step, planned peak %s "
+        "of %s (trace units), planned stall %.3f s, planned in %.2f s, SSD %s",
+        shapes.size() - 1, p.actions.size(), bytes_text(p.summary.bytes_to_ssd).c_str(),
+        bytes_text(p.summary.bytes_to_host).c_str(), bytes_text(p.summary.peak_after_bytes).c_str(),
+        bytes_text(static_cast<std::uint64_t>(s.capacity)).c_str(), p.summary.planned_stall_seconds,
+        p.summary.planning_seconds, measured_ssd.empty() ? "preset" : measured_ssd.c_str());
     stats.plan_summary = line;
   }
 
@@ -463,7 +465,10 @@ void Session::end_step(std::int64_t step) {
   }
   if (m.executor) m.executor->end_step(step);
   if (m.offloading) m.offloader->end_step(step);
-  const std::uint64_t peak = m.peak_now();
+  // While profiling, the tracer resets the meter's peak at every op (workspaces): it has the
+  // step's peak.
+  const std::uint64_t peak =
+      m.tracer ? std::max(m.peak_now(), m.tracer->step_peak()) : m.peak_now();
   s.step_peak = peak;
   ++m.steps_in_state;
   if (m.offloading) {

@@ -7,6 +7,7 @@
 
 #include "ivalue_tensors.hpp"
 #include "tidal/common/error.hpp"
+#include "tidal/trace/lifetime.hpp"
 
 namespace tidal::torch_layer {
 
@@ -17,6 +18,7 @@ using trace::TensorId;
 
 struct Tracer::OpContext : at::ObserverContext {
   OpIndex index = 0;
+  std::uint64_t bytes_before = 0;  // the meter's bytes when the op started (workspace)
 };
 
 namespace {
@@ -252,6 +254,11 @@ std::unique_ptr<at::ObserverContext> Tracer::on_op_start(const at::RecordFunctio
   lock.unlock();
   // Outside the lock: the listener may wait for a read before the op can run.
   if (listener_ != nullptr) listener_->before_op(ctx->index, name, refs);
+  if (measuring_workspace()) {
+    fold_peak();
+    options_.reset_peak();
+    ctx->bytes_before = options_.current_bytes();
+  }
   current_.ops[static_cast<std::size_t>(ctx->index)].start_s = now();
   return ctx;
 }
@@ -273,10 +280,17 @@ void Tracer::on_op_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
     return;
   }
   const double end = now();
+  // The meter's peak during the op, made into a workspace in finish_iteration.
+  std::uint64_t op_peak = 0;
+  if (measuring_workspace()) {
+    op_peak = std::max(options_.peak_bytes(), static_cast<OpContext*>(ctx)->bytes_before);
+    fold_peak();
+  }
   std::unique_lock<std::mutex> lock(mutex_);
   const auto index = static_cast<OpContext*>(ctx)->index;
   auto& op = current_.ops[static_cast<std::size_t>(index)];
   op.end_s = end;
+  op.workspace_bytes = op_peak;
   const bool in_place = writes_in_place(fn, op.name.c_str());
   std::int32_t slot = 0;
   auto add_output = [&](const c10::Storage& storage, const c10::Device& device) {
@@ -339,7 +353,25 @@ void Tracer::on_op_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   busy_.store(false);
 }
 
+bool Tracer::measuring_workspace() const {
+  return keep_iterations_ && options_.current_bytes && options_.peak_bytes && options_.reset_peak;
+}
+
+void Tracer::fold_peak() {
+  if (!options_.peak_bytes) return;
+  const std::uint64_t p = options_.peak_bytes();
+  std::uint64_t seen = step_peak_.load();
+  while (p > seen && !step_peak_.compare_exchange_weak(seen, p)) {
+  }
+}
+
+std::uint64_t Tracer::step_peak() const {
+  const std::uint64_t now = options_.peak_bytes ? options_.peak_bytes() : 0;
+  return std::max(now, step_peak_.load());
+}
+
 void Tracer::begin_step(std::int64_t step, const std::vector<torch::Tensor>& inputs) {
+  step_peak_.store(0);
   std::lock_guard<std::mutex> lock(mutex_);
   current_ = trace::Trace{};
   current_.model = options_.model;
@@ -389,6 +421,7 @@ void Tracer::begin_layer(std::int64_t layer) { layer_.store(layer); }
 
 void Tracer::end_step(std::int64_t /*step*/) {
   if (!recording_.exchange(false)) return;
+  fold_peak();
   std::unique_lock<std::mutex> lock(mutex_);
   collect_frees();
   std::vector<TensorRef> alive;
@@ -495,6 +528,21 @@ void Tracer::finish_iteration() {
   }
   current_.meta["iterations_recorded_before"] = std::to_string(iterations_.size());
   trace::validate(current_);
+  if (measuring_workspace()) {
+    // Each op's workspace: what the meter saw at its peak during the op beyond the trace's live
+    // tensors there (temporaries, memory no op of the step touches, allocator padding), so that
+    // live bytes + workspace at every op are what the meter measured.
+    std::vector<std::uint64_t> peaks(current_.ops.size());
+    for (std::size_t k = 0; k < peaks.size(); ++k) {
+      peaks[k] = current_.ops[k].workspace_bytes;
+      current_.ops[k].workspace_bytes = 0;
+    }
+    const auto live = trace::analyze_lifetimes(current_).live_bytes;
+    for (std::size_t k = 0; k < peaks.size(); ++k) {
+      current_.ops[k].workspace_bytes = peaks[k] > live[k] ? peaks[k] - live[k] : 0;
+    }
+    current_.meta["workspace_bytes"] = "meter peak per op beyond the live tensors";
+  }
 
   std::vector<std::string> names = trace::op_names(current_);
   if (iterations_.empty()) {
@@ -570,6 +618,9 @@ ProfileResult fold_iterations(const std::vector<trace::Trace>& iterations) {
       const std::size_t n = durations.size();
       const double med =
           n % 2 == 1 ? durations[n / 2] : 0.5 * (durations[n / 2 - 1] + durations[n / 2]);
+      for (const auto& it : iterations) {
+        ops[k].workspace_bytes = std::max(ops[k].workspace_bytes, it.ops[k].workspace_bytes);
+      }
       const double old_duration = ops[k].duration();
       ops[k].start_s += shift;
       ops[k].end_s = ops[k].start_s + med;

@@ -113,14 +113,16 @@ ordered_json ids_to_json(const std::vector<TensorId>& ids) {
 }
 
 ordered_json op_to_json(const Op& op) {
-  return ordered_json{{"index", op.index},
-                      {"name", op.name},
-                      {"phase", to_string(op.phase)},
-                      {"start_s", op.start_s},
-                      {"end_s", op.end_s},
-                      {"inputs", ids_to_json(op.inputs)},
-                      {"outputs", ids_to_json(op.outputs)},
-                      {"layer", op.layer}};
+  ordered_json j{{"index", op.index},
+                 {"name", op.name},
+                 {"phase", to_string(op.phase)},
+                 {"start_s", op.start_s},
+                 {"end_s", op.end_s},
+                 {"inputs", ids_to_json(op.inputs)},
+                 {"outputs", ids_to_json(op.outputs)},
+                 {"layer", op.layer}};
+  if (op.workspace_bytes != 0) j["workspace_bytes"] = op.workspace_bytes;
+  return j;
 }
 
 ordered_json tensor_to_json(const Tensor& t) {
@@ -217,6 +219,7 @@ Trace from_json(const json& j) {
     op.inputs = get_ids(o, "inputs", where);
     op.outputs = get_ids(o, "outputs", where);
     op.layer = get_int32_or(o, "layer", where, -1);
+    op.workspace_bytes = o.contains("workspace_bytes") ? get_uint(o, "workspace_bytes", where) : 0;
     t.ops.push_back(std::move(op));
   }
 

@@ -167,7 +167,9 @@ LifetimeAnalysis analyze_lifetimes(const Trace& trace) {
   std::uint64_t running = 0;
   for (std::size_t k = 0; k < n_ops; ++k) {
     running += diff[k];
-    a.live_bytes[k] = running;
+    // An op's workspace is live and active at it, and goes nowhere.
+    a.live_bytes[k] = running + trace.ops[k].workspace_bytes;
+    a.active_bytes[k] += trace.ops[k].workspace_bytes;
   }
 
   a.summary = summarize(a);

@@ -137,10 +137,13 @@ void run_train(const TrainArgs& args) {
   register_persistent(session, trainer, false);
   trainer.add_observer(&session);
   const auto& c = options.config;
-  std::fprintf(stderr, "tidal train: %s (%.1fM parameters) batch %lld seq %lld on %s, offload %s\n",
+  std::fprintf(stderr,
+               "tidal train: %s (%.1fM parameters) batch %lld seq %lld on %s (BLAS %s), offload "
+               "%s\n",
                c.name.c_str(), static_cast<double>(c.parameter_count()) / 1e6,
                static_cast<long long>(options.batch), static_cast<long long>(options.seq),
-               options.device.str().c_str(), args.offload.c_str());
+               options.device.str().c_str(), torch_layer::blas_library().c_str(),
+               args.offload.c_str());
   if (session.store()) {
     const auto st = session.store()->stats();
     std::fprintf(
@@ -260,6 +263,7 @@ void run_train(const TrainArgs& args) {
     j["model"] = c.name;
     j["parameters"] = c.parameter_count();
     j["device"] = options.device.str();
+    j["blas"] = torch_layer::blas_library();
     j["batch"] = options.batch;
     j["seq"] = options.seq;
     j["seed"] = options.seed;

@@ -64,9 +64,9 @@ struct ExecutorStats {
   std::uint64_t cancelled = 0;       ///< offloads dropped because an op touched the tensor
   std::uint64_t write_failures = 0;  ///< writes that failed: the tensor stayed in memory
   std::uint64_t unbound = 0;         ///< actions on a tensor not seen at run time (skipped)
-  std::uint64_t bytes_written = 0;  ///< to the SSD store
-  std::uint64_t bytes_read = 0;     ///< from the SSD store
-  std::uint64_t host_offloads = 0;  ///< offloads that went to the host pool
+  std::uint64_t bytes_written = 0;   ///< to the SSD store
+  std::uint64_t bytes_read = 0;      ///< from the SSD store
+  std::uint64_t host_offloads = 0;   ///< offloads that went to the host pool
   std::uint64_t host_fallbacks = 0;  ///< host offloads the pool had no room for: to SSD instead
   std::uint64_t bytes_to_host = 0;
   std::uint64_t bytes_from_host = 0;
@@ -75,6 +75,9 @@ struct ExecutorStats {
   double write_stall_seconds = 0;  ///< time ops waited for writes to free memory (the budget)
   std::uint64_t budget_waits = 0;  ///< ops that waited for writes so as not to cross the budget
   std::uint64_t delayed_prefetches = 0;  ///< prefetches held back until memory allowed them
+  /// Tensors written out at once, outside the plan, because an op would have crossed the
+  /// budget with no write left to wait for (the one used again latest first).
+  std::uint64_t evictions = 0;
   int shape = -1;                ///< the step shape (add_shape order) the step ran to its end
   int shape_switches = 0;        ///< times the step left one known shape for another
   bool diverged = false;         ///< the op sequence matched no known shape: on-demand from there
@@ -84,9 +87,10 @@ struct ExecutorStats {
 
 struct ExecutorOptions {
   std::uint64_t min_bytes = 64 * 1024;  ///< storages smaller than this are never moved
-  /// A hard memory budget in the meter's bytes (0: none). Before an op whose new tensors would
-  /// take the meter over it, the executor waits for the writes in flight (their memory goes
-  /// back when they complete) instead of going over, and holds back prefetches until memory
+  /// A hard memory budget in the meter's bytes (0: none). Before an op whose new tensors and
+  /// workspace would take the meter over it, the executor waits for the writes in flight
+  /// (their memory goes back when they complete), and when none is left writes out tensors the
+  /// op does not use (evictions), instead of going over; it holds back prefetches until memory
   /// allows them (in deadline order; an op that needs one reads it at once).
   std::uint64_t budget = 0;
   /// The meter's bytes now; needed with a budget.

@@ -64,6 +64,14 @@ class Tracer : public StepObserver {
     /// tensors still alive at end_step: the planner then keeps them resident between steps,
     /// and the listener's step_end() makes them so.
     bool step_end_op = false;
+    /// The memory meter (all three, or none). With it, while iterations are kept (profiling),
+    /// each op's workspace (trace::Op::workspace_bytes) is measured: the meter's peak during
+    /// the op beyond the trace's live tensors at it (temporaries, memory no op touches, padding),
+    /// so that the trace's memory at every op is the meter's. The tracer then resets the
+    /// meter's peak before every op: read the step's peak from step_peak().
+    std::function<std::uint64_t()> current_bytes;
+    std::function<std::uint64_t()> peak_bytes;
+    std::function<void()> reset_peak;
   };
 
   explicit Tracer(Options options);
@@ -96,6 +104,10 @@ class Tracer : public StepObserver {
   /// Keep each recorded iteration (the default, for profiling) or only check it against the
   /// first and drop it (while executing a plan for many steps).
   void set_keep_iterations(bool keep) { keep_iterations_ = keep; }
+
+  /// The meter's peak from begin_step to end_step (or to now), with the peaks the tracer reset
+  /// while measuring workspaces folded in; 0 without a meter.
+  [[nodiscard]] std::uint64_t step_peak() const;
 
   /// The iterations recorded so far, in order (each one validated).
   [[nodiscard]] const std::vector<trace::Trace>& iterations() const { return iterations_; }
@@ -151,6 +163,9 @@ class Tracer : public StepObserver {
   bool started_ = false;
   OpListener* listener_ = nullptr;
   bool keep_iterations_ = true;
+  std::atomic<std::uint64_t> step_peak_{0};
+  [[nodiscard]] bool measuring_workspace() const;
+  void fold_peak();
   std::uint64_t function_handle_ = 0;
   std::uint64_t backward_handle_ = 0;
 

@@ -47,6 +47,10 @@ struct Op {
   std::vector<TensorId> inputs;   ///< tensors read (active at this op)
   std::vector<TensorId> outputs;  ///< tensors written or created (active at this op)
   std::int32_t layer = -1;        ///< transformer block the op belongs to, -1 if none or unknown
+  /// Memory the op allocates and frees again before it returns (scratch buffers, temporaries
+  /// of composite ops), measured while profiling: it counts at this op like a live tensor that
+  /// cannot move. 0 when not measured (analytic traces).
+  std::uint64_t workspace_bytes = 0;
 
   [[nodiscard]] double duration() const { return end_s - start_s; }
 };
