@@ -562,6 +562,24 @@ void PlanExecutor::restore_all() {
   if (first) std::rethrow_exception(first);
 }
 
+void PlanExecutor::bind_alive(
+    const std::vector<std::pair<trace::TensorId, c10::weak_intrusive_ptr<c10::StorageImpl>>>&
+        tensors) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  for (const auto& [id, storage] : tensors) {
+    if (id >= 0 && static_cast<std::size_t>(id) < impl_->bound.size()) {
+      impl_->bound[static_cast<std::size_t>(id)] = storage;
+    }
+  }
+}
+
+void PlanExecutor::fit_budget() {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  impl_->poll();
+  impl_->wait_for_room(0);
+  impl_->evict_for(0, -1, {});
+}
+
 void PlanExecutor::ensure_resident(c10::StorageImpl* storage) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   impl_->make_resident(storage);

@@ -257,6 +257,7 @@ struct Session::Impl {
       eo.current_bytes = opt.current_bytes;
       eo.host = host;
       executor = std::make_unique<PlanExecutor>(store, s.trace, s.plan, eo);
+      executor->bind_alive(tracer->alive_tensors());
       tracer->set_keep_iterations(false);
       tracer->set_listener(executor.get());
       trace = s.trace;
@@ -422,6 +423,8 @@ void Session::begin_step(std::int64_t step, const std::vector<torch::Tensor>& in
   m.in_step = true;
   step_ = step;
   next_step_ = step + 1;
+  // A step starts within the budget (the first one after profiling holds everything).
+  if (m.executor) m.executor->fit_budget();
   // Memory used between steps (evaluation, logging) is not charged to the step.
   m.reset_peak();
   if (m.state == SessionState::kWarmup && m.steps_in_state >= m.opt.warmup_steps) {

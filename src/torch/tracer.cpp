@@ -365,6 +365,16 @@ void Tracer::fold_peak() {
   }
 }
 
+std::vector<std::pair<trace::TensorId, c10::weak_intrusive_ptr<c10::StorageImpl>>>
+Tracer::alive_tensors() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  collect_frees();
+  std::vector<std::pair<trace::TensorId, c10::weak_intrusive_ptr<c10::StorageImpl>>> out;
+  out.reserve(live_.size());
+  for (const auto& l : live_) out.emplace_back(l.id, l.storage);
+  return out;
+}
+
 std::uint64_t Tracer::step_peak() const {
   const std::uint64_t now = options_.peak_bytes ? options_.peak_bytes() : 0;
   return std::max(now, step_peak_.load());

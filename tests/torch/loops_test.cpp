@@ -59,6 +59,7 @@ struct Data {
 struct LoopRun {
   std::vector<double> losses;
   SessionStats stats;
+  std::vector<SessionStats> per_step;
   std::uint64_t peak = 0;  // highest step peak
 };
 
@@ -76,6 +77,7 @@ LoopRun train_mlp(SessionOptions so, int steps, Between between) {
         mlp.step(data.x[static_cast<std::size_t>(i)], data.y[static_cast<std::size_t>(i)]));
     session.end_step();
     r.peak = std::max(r.peak, session.stats().step_peak);
+    r.per_step.push_back(session.stats());
     between(i, mlp);
   }
   r.stats = session.stats();
@@ -288,6 +290,40 @@ TEST(Loops, FailingDiskStopsTheStepWithTheStoresMessage) {
   dying.only_reads = true;
   expect_io_error(OffloadMode::kPlan, dying, "Input/output error");
   expect_io_error(OffloadMode::kActivations, dying, "Input/output error");
+}
+
+// The budget is a promise from the first executed step on: on a disk too slow for the plan's
+// timing (every store op held 4 ms), no executed step's peak crosses it; the steps wait
+// instead (stall), and the losses do not change.
+TEST(Loops, PlanModeNeverCrossesTheBudgetOnASlowDiskItStallsInstead) {
+  testing::TestDir dir;
+  const LoopRun none = train_mlp(options_for(OffloadMode::kNone, dir.path()), 12);
+  SessionOptions quiet_opt = options_for(OffloadMode::kPlan, dir.path());
+  quiet_opt.between_steps = BetweenSteps::kOffloaded;  // a budget a plan can meet
+  quiet_opt.budget_fraction = 0.6;
+  SessionOptions slow_opt = quiet_opt;
+  slow_opt.store.faults.delay_us = 4000;
+  const LoopRun quiet = train_mlp(quiet_opt, 12);
+  const LoopRun slow = train_mlp(slow_opt, 12);
+  EXPECT_EQ(none.losses, quiet.losses);
+  EXPECT_EQ(none.losses, slow.losses);
+  double stall[2] = {0, 0};
+  int executed[2] = {0, 0};
+  const LoopRun* runs[2] = {&quiet, &slow};
+  for (int r = 0; r < 2; ++r) {
+    for (std::size_t i = 0; i < runs[r]->per_step.size(); ++i) {
+      const SessionStats& s = runs[r]->per_step[i];
+      if (s.state != SessionState::kExecuting || s.steps_measured == 0) continue;
+      ++executed[r];
+      EXPECT_LE(s.step_peak, s.memory_budget)
+          << (r == 0 ? "quiet" : "slow") << " disk, step " << i << ": " << s.plan_summary;
+      stall[r] += s.stall_seconds + s.write_stall_seconds;
+    }
+    EXPECT_GE(executed[r], 6) << (r == 0 ? "quiet" : "slow");
+    EXPECT_EQ(runs[r]->stats.steps_over_budget, 0);
+    EXPECT_TRUE(runs[r]->stats.within_budget) << runs[r]->stats.budget_reason;
+  }
+  EXPECT_GT(stall[1], stall[0]) << "a disk 4 ms per op slower must cost waiting";
 }
 
 }  // namespace

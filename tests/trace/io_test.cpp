@@ -65,6 +65,7 @@ void expect_same(const Trace& a, const Trace& b) {
     EXPECT_EQ(x.inputs, y.inputs);
     EXPECT_EQ(x.outputs, y.outputs);
     EXPECT_EQ(x.layer, y.layer);
+    EXPECT_EQ(x.workspace_bytes, y.workspace_bytes);
   }
   ASSERT_EQ(a.tensors.size(), b.tensors.size());
   for (std::size_t i = 0; i < a.tensors.size(); ++i) {
@@ -105,6 +106,7 @@ TEST(TraceJson, RoundTripIsLosslessOnRandomTraces) {
       op.end_s += 1.0 / 3.0 + 0.1 + 0.2;  // keeps end >= start
     }
     t.ops.back().end_s = std::nextafter(t.ops.back().end_s, 1e9);
+    for (std::size_t k = 0; k < t.ops.size(); k += 3) t.ops[k].workspace_bytes = 4096 * k + seed;
     t.tensors[0].bytes = std::numeric_limits<std::uint64_t>::max();
     t.tensors[1].name = "quote\" backslash\\ tab\t newline\n unicode \xc3\xa9";
     t.meta["torch"] = "2.5.1+cu124";

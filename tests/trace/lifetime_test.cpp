@@ -186,6 +186,21 @@ TEST(LifetimeHand, LiveAndActiveBytesPerOp) {
   EXPECT_EQ(a.active_bytes, active);
 }
 
+// A measured workspace counts as live and active at its op only, and raises the peak there.
+TEST(LifetimeHand, WorkspaceCountsAtItsOpOnly) {
+  Trace t = hand_trace();
+  const LifetimeAnalysis before = analyze_lifetimes(t);
+  t.ops[3].workspace_bytes = 5000;
+  const LifetimeAnalysis a = analyze_lifetimes(t);
+  for (std::size_t k = 0; k < t.ops.size(); ++k) {
+    const std::uint64_t extra = k == 3 ? 5000 : 0;
+    EXPECT_EQ(a.live_bytes[k], before.live_bytes[k] + extra) << "op " << k;
+    EXPECT_EQ(a.active_bytes[k], before.active_bytes[k] + extra) << "op " << k;
+  }
+  EXPECT_EQ(a.summary.peak_live_op, 3);
+  EXPECT_EQ(a.summary.peak_live_bytes, before.live_bytes[3] + 5000);
+}
+
 TEST(LifetimeHand, Summary) {
   const LifetimeAnalysis a = analyze_lifetimes(hand_trace());
   const LifetimeSummary& s = a.summary;

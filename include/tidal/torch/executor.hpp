@@ -123,6 +123,12 @@ class PlanExecutor final : public OpListener, public StepObserver {
   /// Replaces the plan of shape `index` (a tighter one). Call between steps.
   void replace_plan(int index, const trace::Trace& trace, const plan::Plan& plan);
 
+  /// Tells the executor which storages hold tensors of the trace before a step has shown them
+  /// (Tracer::alive_tensors() after the last profiled step). Call between steps.
+  void bind_alive(
+      const std::vector<std::pair<trace::TensorId, c10::weak_intrusive_ptr<c10::StorageImpl>>>&
+          tensors);
+
   void before_op(trace::OpIndex index, const std::string& name,
                  const std::vector<TensorRef>& inputs) override;
   void after_op(trace::OpIndex index, const std::vector<TensorRef>& outputs) override;
@@ -132,6 +138,10 @@ class PlanExecutor final : public OpListener, public StepObserver {
   void begin_step(std::int64_t step, const std::vector<torch::Tensor>& inputs) override;
   /// Retires finished I/O. Throws the first tidal::IoError that stopped an op of the step.
   void end_step(std::int64_t step) override;
+
+  /// Before a step: when the tensors held now already exceed the budget (the first step after
+  /// profiling, which ran without a plan), writes out those used latest until they fit.
+  void fit_budget();
 
   /// Makes every moved tensor resident again (also done by the destructor). Throws
   /// tidal::IoError when a tensor cannot be read back.
