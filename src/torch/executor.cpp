@@ -362,6 +362,8 @@ struct PlanExecutor::Impl {
   // one reads it back (a miss).
   void evict_for(std::uint64_t more, trace::OpIndex index, const std::vector<TensorRef>& inputs) {
     if (!over(more) || diverged) return;
+    stats.eviction_overshoot =
+        std::max(stats.eviction_overshoot, meter_bytes() + more - opt.budget);
     const Shape& shape = shapes[static_cast<std::size_t>(current)];
     const auto t0 = Clock::now();
     bool evicted = false;
@@ -404,6 +406,7 @@ struct PlanExecutor::Impl {
       settle(s, State::kWriting);
       ++stats.offloads;
       ++stats.evictions;
+      stats.evicted_bytes += s.nbytes;
       evicted = true;
       finish_write(*victim, s);  // waits; on failure it stays and the next candidate is tried
       if (s.state == State::kResident) {
@@ -571,6 +574,11 @@ void PlanExecutor::bind_alive(
       impl_->bound[static_cast<std::size_t>(id)] = storage;
     }
   }
+}
+
+void PlanExecutor::set_budget(std::uint64_t bytes) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  impl_->opt.budget = bytes;
 }
 
 void PlanExecutor::fit_budget() {

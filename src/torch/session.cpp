@@ -241,6 +241,21 @@ struct Session::Impl {
     return std::max(0.0, static_cast<double>(stats.memory_budget) - unseen);
   }
 
+  // The executor's hard budget: the user's, or, when a shape's plan cannot meet it, the least
+  // memory that plan reaches (the executor would otherwise write out and read back the same
+  // tensors over and over for a budget no plan can keep).
+  std::uint64_t executor_budget(const Shape& added) const {
+    double reachable = static_cast<double>(stats.memory_budget);
+    const auto floor_of = [&](const Shape& s) {
+      if (!s.at_floor) return;
+      const double unseen = static_cast<double>(stats.memory_budget) - capacity_for(s);
+      reachable = std::max(reachable, s.capacity + unseen);
+    };
+    for (const auto& s : shapes) floor_of(s);
+    floor_of(added);
+    return static_cast<std::uint64_t>(reachable);
+  }
+
   // A new step shape: plan it and hand it to the executor (made on the first).
   void add_shape(trace::Trace t) {
     Shape s;
@@ -251,9 +266,10 @@ struct Session::Impl {
     if (executor) {
       executor->add_shape(s.trace, s.plan);
       ++stats.replans;
+      executor->set_budget(executor_budget(s));
     } else {
       ExecutorOptions eo = opt.executor;
-      eo.budget = stats.memory_budget;  // hard: the executor waits rather than go over
+      eo.budget = executor_budget(s);  // hard: the executor waits rather than go over
       eo.current_bytes = opt.current_bytes;
       eo.host = host;
       executor = std::make_unique<PlanExecutor>(store, s.trace, s.plan, eo);
@@ -327,7 +343,14 @@ struct Session::Impl {
     stats.executed_peak = std::max(stats.executed_peak, peak);
     Shape& s = shapes[static_cast<std::size_t>(e.shape)];
     if (peak <= stats.memory_budget) {
-      s.tightenings = 0;
+      // Within the budget. If only thanks to evictions (the executor's last resort, paid in
+      // write stalls and misses), the plan is made again for that much less memory, so that
+      // it keeps the budget by itself.
+      if (e.evictions == 0) {
+        s.tightenings = 0;
+      } else if (!s.at_floor && s.tightenings < kMaxTightenings) {
+        tighten(e.shape, static_cast<double>(e.eviction_overshoot));
+      }
       return;
     }
     all_within = false;
@@ -342,7 +365,12 @@ struct Session::Impl {
       return;
     }
     // What the meter saw over the budget is taken off the planner's capacity, and a little more.
-    const double over = static_cast<double>(peak - stats.memory_budget);
+    tighten(e.shape, static_cast<double>(peak - stats.memory_budget));
+  }
+
+  // Plans step shape `index` again for `over` bytes less capacity, and a little more.
+  void tighten(int index, double over) {
+    Shape& s = shapes[static_cast<std::size_t>(index)];
     double cap = std::max(0.0, s.capacity - over - 0.01 * static_cast<double>(stats.memory_budget));
     bool floor = false;
     plan::Plan p = plan_for(s, cap, floor);
@@ -356,8 +384,9 @@ struct Session::Impl {
     all_within = true;
     stats.steps_measured = 0;
     stats.executed_peak = 0;
-    executor->replace_plan(e.shape, s.trace, s.plan);
-    if (e.shape == 0) plan = s.plan;
+    executor->replace_plan(index, s.trace, s.plan);
+    executor->set_budget(executor_budget(s));
+    if (index == 0) plan = s.plan;
     summarise(s);
   }
 };
@@ -512,7 +541,7 @@ void Session::end_step(std::int64_t step) {
       s.planned_bytes_to_host = ps.bytes_to_host;
     }
     if (!error) m.after_executed_step(e, peak);
-    s.within_budget = s.steps_measured > 0 && m.all_within;
+    s.within_budget = s.steps_measured > 0 && m.all_within && s.steps_over_budget == 0;
   }
   if (error) std::rethrow_exception(error);
 }

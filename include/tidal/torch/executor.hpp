@@ -78,6 +78,9 @@ struct ExecutorStats {
   /// Tensors written out at once, outside the plan, because an op would have crossed the
   /// budget with no write left to wait for (the one used again latest first).
   std::uint64_t evictions = 0;
+  std::uint64_t evicted_bytes = 0;
+  /// The most an op would have taken the meter over the budget without evictions.
+  std::uint64_t eviction_overshoot = 0;
   int shape = -1;                ///< the step shape (add_shape order) the step ran to its end
   int shape_switches = 0;        ///< times the step left one known shape for another
   bool diverged = false;         ///< the op sequence matched no known shape: on-demand from there
@@ -142,6 +145,9 @@ class PlanExecutor final : public OpListener, public StepObserver {
   /// Before a step: when the tensors held now already exceed the budget (the first step after
   /// profiling, which ran without a plan), writes out those used latest until they fit.
   void fit_budget();
+
+  /// Changes the hard budget (0: none). Call between steps.
+  void set_budget(std::uint64_t bytes);
 
   /// Makes every moved tensor resident again (also done by the destructor). Throws
   /// tidal::IoError when a tensor cannot be read back.

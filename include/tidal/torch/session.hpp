@@ -130,9 +130,9 @@ struct SessionStats {
   std::uint64_t memory_budget = 0;    ///< plan mode, once known: whole-process bytes
   std::uint64_t untouched_bytes = 0;  ///< plan mode: memory no step touches (not offloadable)
   std::uint64_t profiled_peak = 0;    ///< plan mode: peak measured while profiling
-  /// Plan mode: every step run to its end by the current plans (steps_measured of them, at
-  /// least one) had its peak at or under the budget. Steps before the last re-plan for memory
-  /// are not among them; steps_over_budget counts every executed step that went over.
+  /// Plan mode: every executed step had its peak at or under the budget (steps_over_budget is
+  /// 0), and at least one step ran a plan to its end (steps_measured counts those of the
+  /// current plans).
   bool within_budget = false;
   std::int64_t steps_measured = 0;     ///< plan mode: steps of the current plans, measured
   std::int64_t steps_over_budget = 0;  ///< plan mode: executed steps over the budget, all plans
