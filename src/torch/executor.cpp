@@ -58,13 +58,14 @@ void residency_guard(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
     PlanExecutor* ex = g_executor.load(std::memory_order_acquire);
     const auto& schema = op.schema();
     if (ex != nullptr && !reads_no_data(schema.name())) {
+      std::vector<c10::StorageImpl*> storages;
       for (const auto& v : torch::jit::last(*stack, schema.arguments().size())) {
         for_each_tensor(v, [&](const at::Tensor& t) {
-          if (t.defined() && t.has_storage()) {
-            ex->ensure_resident(t.storage().unsafeGetStorageImpl());
-          }
+          if (t.defined() && t.has_storage())
+            storages.push_back(t.storage().unsafeGetStorageImpl());
         });
       }
+      ex->ensure_resident(storages);
     }
   }
   op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kGuardKey), stack);
@@ -589,8 +590,28 @@ void PlanExecutor::fit_budget() {
 }
 
 void PlanExecutor::ensure_resident(c10::StorageImpl* storage) {
+  ensure_resident(std::vector<c10::StorageImpl*>{storage});
+}
+
+void PlanExecutor::ensure_resident(const std::vector<c10::StorageImpl*>& storages) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
-  impl_->make_resident(storage);
+  Impl& m = *impl_;
+  // Reads the op needs at once (misses) take memory too: room is made for them first, never by
+  // writing out another tensor this op uses.
+  std::uint64_t missing = 0;
+  std::vector<TensorRef> used;
+  for (c10::StorageImpl* s : storages) {
+    used.push_back({0, s});
+    auto it = m.slots.find(s);
+    if (it != m.slots.end() && it->second.state == Impl::State::kOffloaded) {
+      missing += it->second.nbytes;
+    }
+  }
+  if (missing > 0) {
+    m.wait_for_room(missing);
+    m.evict_for(missing, static_cast<trace::OpIndex>(m.ops_run) - 1, used);
+  }
+  for (c10::StorageImpl* s : storages) m.make_resident(s);
 }
 
 void PlanExecutor::before_op(trace::OpIndex index, const std::string& name,

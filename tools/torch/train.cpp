@@ -76,6 +76,26 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// The I/O of a run's offloaded steps, summed from the session's per-step stats.
+struct IoTotals {
+  std::uint64_t bytes_written = 0, bytes_read = 0, bytes_to_host = 0, bytes_from_host = 0;
+  std::uint64_t planned_to_ssd = 0, planned_to_host = 0, misses = 0, failures = 0;
+  double stall = 0, host_stall = 0, write_stall = 0;
+  void add(const torch_layer::SessionStats& s) {
+    bytes_written += s.bytes_written;
+    bytes_read += s.bytes_read;
+    bytes_to_host += s.bytes_to_host;
+    bytes_from_host += s.bytes_from_host;
+    planned_to_ssd += s.planned_bytes_to_ssd;
+    planned_to_host += s.planned_bytes_to_host;
+    misses += s.misses;
+    failures += s.write_failures;
+    stall += s.stall_seconds;
+    host_stall += s.host_stall_seconds;
+    write_stall += s.write_stall_seconds;
+  }
+};
+
 void run_train(const TrainArgs& args) {
   TIDAL_EXPECT_AS(InvalidArgument, args.model.steps >= 1, "--steps must be at least 1");
   auto options = to_trainer_options(args.model);
@@ -163,17 +183,7 @@ void run_train(const TrainArgs& args) {
   std::vector<double> seconds;
   std::vector<double> offload_seconds;  // steps that ran with offloading on
   std::vector<std::uint64_t> step_peaks;
-  std::uint64_t bytes_written = 0;
-  std::uint64_t bytes_read = 0;
-  std::uint64_t bytes_to_host = 0;
-  std::uint64_t bytes_from_host = 0;
-  std::uint64_t planned_to_ssd = 0;
-  std::uint64_t planned_to_host = 0;
-  double host_stall = 0;
-  double write_stall = 0;
-  std::uint64_t misses = 0;
-  std::uint64_t failures = 0;
-  double stall = 0;
+  IoTotals io;  // over the steps that ran with offloading on
   std::uint64_t offload_peak = 0;
   const double tokens_per_step = static_cast<double>(options.batch * options.seq);
   for (std::int64_t i = 0; i < args.model.steps; ++i) {
@@ -190,17 +200,7 @@ void run_train(const TrainArgs& args) {
     step_peaks.push_back(s.step_peak);
     if (executing) {
       offload_seconds.push_back(r.seconds);
-      bytes_written += s.bytes_written;
-      bytes_read += s.bytes_read;
-      bytes_to_host += s.bytes_to_host;
-      bytes_from_host += s.bytes_from_host;
-      planned_to_ssd += s.planned_bytes_to_ssd;
-      planned_to_host += s.planned_bytes_to_host;
-      host_stall += s.host_stall_seconds;
-      write_stall += s.write_stall_seconds;
-      misses += s.misses;
-      failures += s.write_failures;
-      stall += s.stall_seconds;
+      io.add(s);
     }
     char text[160];
     std::snprintf(text, sizeof(text), "loss %.4f  %.0f tok/s  %s", r.loss,
@@ -222,21 +222,21 @@ void run_train(const TrainArgs& args) {
     std::fprintf(stderr,
                  "offload %s: %s written, %s read, %llu misses, %.3f s stalled, %llu failed "
                  "writes\n",
-                 args.offload.c_str(), format_bytes(static_cast<double>(bytes_written)).c_str(),
-                 format_bytes(static_cast<double>(bytes_read)).c_str(),
-                 static_cast<unsigned long long>(misses), stall,
-                 static_cast<unsigned long long>(failures));
+                 args.offload.c_str(), format_bytes(static_cast<double>(io.bytes_written)).c_str(),
+                 format_bytes(static_cast<double>(io.bytes_read)).c_str(),
+                 static_cast<unsigned long long>(io.misses), io.stall,
+                 static_cast<unsigned long long>(io.failures));
   }
   if (so.mode == torch_layer::OffloadMode::kPlan) {
     std::fprintf(stderr,
                  "tiers: SSD %s written (plan: %s), host %s written (plan: %s) of a %s pool; "
                  "stalls: SSD reads %.3f s, host reads %.3f s, writes (budget) %.3f s\n",
-                 format_bytes(static_cast<double>(bytes_written)).c_str(),
-                 format_bytes(static_cast<double>(planned_to_ssd)).c_str(),
-                 format_bytes(static_cast<double>(bytes_to_host)).c_str(),
-                 format_bytes(static_cast<double>(planned_to_host)).c_str(),
-                 format_bytes(static_cast<double>(so.host_memory)).c_str(), stall - host_stall,
-                 host_stall, write_stall);
+                 format_bytes(static_cast<double>(io.bytes_written)).c_str(),
+                 format_bytes(static_cast<double>(io.planned_to_ssd)).c_str(),
+                 format_bytes(static_cast<double>(io.bytes_to_host)).c_str(),
+                 format_bytes(static_cast<double>(io.planned_to_host)).c_str(),
+                 format_bytes(static_cast<double>(so.host_memory)).c_str(),
+                 io.stall - io.host_stall, io.host_stall, io.write_stall);
   }
   if (so.mode == torch_layer::OffloadMode::kPlan) {
     std::fprintf(
@@ -276,11 +276,11 @@ void run_train(const TrainArgs& args) {
     j["recompute"] = args.recompute;
     j["optimizer_schedule"] = schedule_name(options);
     j["clip_grad_norm"] = options.clip_grad_norm;
-    j["bytes_written"] = bytes_written;
-    j["bytes_read"] = bytes_read;
-    j["stall_seconds"] = stall;
-    j["misses"] = misses;
-    j["write_failures"] = failures;
+    j["bytes_written"] = io.bytes_written;
+    j["bytes_read"] = io.bytes_read;
+    j["stall_seconds"] = io.stall;
+    j["misses"] = io.misses;
+    j["write_failures"] = io.failures;
     j["offload_step_seconds_median"] = median(offload_seconds);
     j["all_steps_median_seconds"] = median(seconds);
     if (so.mode == torch_layer::OffloadMode::kPlan) {
@@ -296,13 +296,13 @@ void run_train(const TrainArgs& args) {
       j["budget_reason"] = st.budget_reason;
       j["step_shapes"] = st.shapes;
       j["host_memory"] = so.host_memory;
-      j["bytes_to_host"] = bytes_to_host;
-      j["bytes_from_host"] = bytes_from_host;
-      j["planned_bytes_to_ssd"] = planned_to_ssd;
-      j["planned_bytes_to_host"] = planned_to_host;
-      j["ssd_stall_seconds"] = stall - host_stall;
-      j["host_stall_seconds"] = host_stall;
-      j["write_stall_seconds"] = write_stall;
+      j["bytes_to_host"] = io.bytes_to_host;
+      j["bytes_from_host"] = io.bytes_from_host;
+      j["planned_bytes_to_ssd"] = io.planned_to_ssd;
+      j["planned_bytes_to_host"] = io.planned_to_host;
+      j["ssd_stall_seconds"] = io.stall - io.host_stall;
+      j["host_stall_seconds"] = io.host_stall;
+      j["write_stall_seconds"] = io.write_stall;
     }
     std::cout << j.dump() << std::endl;
   }

@@ -158,6 +158,9 @@ class PlanExecutor final : public OpListener, public StepObserver {
   /// The residency guard's entry point for an op's input tensor: makes it resident, or throws
   /// tidal::IoError when its bytes cannot be read back. Any thread.
   void ensure_resident(c10::StorageImpl* storage);
+  /// The same for all the storages one op reads, after making room for the reads under the
+  /// budget (without writing out any of them).
+  void ensure_resident(const std::vector<c10::StorageImpl*>& storages);
 
   struct Impl;  ///< opaque
 
