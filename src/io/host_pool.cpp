@@ -112,6 +112,15 @@ struct HostPool::Impl {
     }
   }
 
+  // Reports (once) the error of the entry's last request.
+  static void throw_pending(Entry& e) {
+    if (e.err == 0) return;
+    const int err = e.err;
+    const std::string msg = std::move(e.err_msg);
+    e.err = 0;
+    TIDAL_FAIL_IO(err, msg);
+  }
+
   void wait_locked(std::unique_lock<std::mutex>& lock, std::uint64_t id) {
     done_cv.wait(lock, [&] { return !entries.at(id).in_flight; });
   }
@@ -192,12 +201,7 @@ void HostPool::read(Ticket ticket, void* dst, Priority priority) {
     m.wait_locked(lock, ticket.id);
     e = &m.find(ticket);
   }
-  if (e->err != 0) {
-    const int err = e->err;
-    const std::string msg = e->err_msg;
-    e->err = 0;
-    TIDAL_FAIL_IO(err, msg);
-  }
+  Impl::throw_pending(*e);
   TIDAL_EXPECT(e->extent.length > 0 || e->bytes == 0, "host pool ticket ", ticket.id,
                " holds no bytes (its write failed)");
   e->writing = false;
@@ -220,12 +224,7 @@ void HostPool::wait(Ticket ticket) {
   impl_->find(ticket);
   impl_->wait_locked(lock, ticket.id);
   Impl::Entry& e = impl_->find(ticket);
-  if (e.err != 0) {
-    const int err = e.err;
-    const std::string msg = e.err_msg;
-    e.err = 0;
-    TIDAL_FAIL_IO(err, msg);
-  }
+  Impl::throw_pending(e);
 }
 
 void HostPool::prioritize(Ticket ticket, Priority priority) {
