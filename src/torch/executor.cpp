@@ -324,6 +324,10 @@ struct PlanExecutor::Impl {
     }
   }
 
+  // Memory the running or next op will allocate (its outputs and workspace): a prefetch must
+  // leave room for it, or the op would cross the budget with nothing left to wait for.
+  std::uint64_t reserve = 0;
+
   std::uint64_t meter_bytes() const { return opt.current_bytes ? opt.current_bytes() : 0; }
   bool over(std::uint64_t more) const {
     return opt.budget != 0 && opt.current_bytes && meter_bytes() + more > opt.budget;
@@ -434,7 +438,7 @@ struct PlanExecutor::Impl {
         held.erase(held.begin());
         continue;
       }
-      if (over(it->second.nbytes)) return;
+      if (over(it->second.nbytes + reserve)) return;
       held.erase(held.begin());
       start_read(*live, it->second, io::Priority::kPrefetch);
       ++stats.prefetches;
@@ -476,8 +480,8 @@ struct PlanExecutor::Impl {
     } else {
       auto it = slots.find(impl.get());
       if (it == slots.end() || it->second.state != State::kOffloaded) return;
-      wait_for_room(it->second.nbytes);
-      if (over(it->second.nbytes)) {
+      wait_for_room(it->second.nbytes + reserve);
+      if (over(it->second.nbytes + reserve)) {
         // No room yet: hold it, in deadline order, until memory allows or an op needs it.
         HeldPrefetch h{a.deadline, c10::weak_intrusive_ptr<c10::StorageImpl>(impl)};
         auto pos = std::upper_bound(held.begin(), held.end(), h, [](const auto& x, const auto& y) {
@@ -634,6 +638,7 @@ void PlanExecutor::before_op(trace::OpIndex index, const std::string& name,
       const std::uint64_t more = shape.new_bytes[static_cast<std::size_t>(index)];
       m.wait_for_room(more);
       m.evict_for(more, index, inputs);
+      m.reserve = more;
     }
   }
   m.issue_held();
@@ -644,6 +649,9 @@ void PlanExecutor::after_op(trace::OpIndex index, const std::vector<TensorRef>& 
   Impl& m = *impl_;
   if (m.diverged) return;  // on-demand only: the guard still serves every op
   m.bind(outputs);
+  const auto& shape = m.shapes[static_cast<std::size_t>(m.current)];
+  const auto next = static_cast<std::size_t>(index) + 1;
+  m.reserve = index >= 0 && next < shape.new_bytes.size() ? shape.new_bytes[next] : 0;
   try {
     m.run_trigger(index);
   } catch (const Error&) {
