@@ -11,7 +11,8 @@
 # Environment: TIDAL_BENCH_DIR (store directory, default /var/tmp/tidal-contention),
 # TIDAL_BENCH_MODEL (default "gpt-tiny --layers 8": enough blocks that a 25% budget can be
 # met), TIDAL_BENCH_STEPS (default 30), TIDAL_BENCH_HOST_MEM
-# (the host pool of the host runs, default 64MiB), TIDAL_BENCH_BUDGETS (default "50% 25%").
+# (the host pool of the host runs, default 64MiB), TIDAL_BENCH_BUDGETS (default "50% 25%"),
+# TIDAL_BENCH_LOADS (default "alone writer").
 set -euo pipefail
 
 build=${1:-build}
@@ -21,6 +22,7 @@ model=${TIDAL_BENCH_MODEL:-gpt-tiny --layers 8}
 steps=${TIDAL_BENCH_STEPS:-30}
 host_mem=${TIDAL_BENCH_HOST_MEM:-64MiB}
 budgets=${TIDAL_BENCH_BUDGETS:-50% 25%}
+loads=${TIDAL_BENCH_LOADS:-alone writer}
 python=/usr/bin/python3
 tidal="$build/tidal"
 
@@ -52,7 +54,7 @@ read -r -a model_args <<<"$model"
 common=(--model "${model_args[@]}" --batch 8 --seq 128 --steps "$steps" --min-offload 16KiB --dir "$dir"
   --json)
 echo "contention: $model, $steps steps, $runs runs per configuration, store $dir (O_DIRECT)"
-for load in alone writer; do
+for load in $loads; do
   [[ $load == writer ]] && start_writer
   for ((r = 0; r < runs; ++r)); do
     "$tidal" train "${common[@]}" --offload none 2>/dev/null | tail -n 1 >"$out/none.$load.$r.json"
@@ -70,9 +72,10 @@ for load in alone writer; do
 done
 echo
 
-"$python" - "$out" "$runs" "$budgets" "$host_mem" <<'EOF'
+"$python" - "$out" "$runs" "$budgets" "$host_mem" "$loads" <<'EOF'
 import json, statistics, sys, pathlib
 out, runs, budgets, host_mem = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(), sys.argv[4]
+loads = sys.argv[5].split()
 def load(name):
     return json.loads((out / name).read_text())
 first = None
@@ -82,7 +85,7 @@ print(f"{'budget':>6} {'load':>6} {'host':>7} {'runs<=budget':>12} {'max peak/bu
       f"{'host stall ms':>13} {'write stall ms':>14}")
 failures = 0
 for budget in budgets:
-    for load_ in ("alone", "writer"):
+    for load_ in loads:
         none_t = statistics.median(
             statistics.median(load(f"none.{load_}.{r}.json")["step_seconds"][3:]) for r in range(runs))
         for host in ("0", host_mem):

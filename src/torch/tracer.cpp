@@ -372,6 +372,14 @@ Tracer::alive_tensors() {
   std::vector<std::pair<trace::TensorId, c10::weak_intrusive_ptr<c10::StorageImpl>>> out;
   out.reserve(live_.size());
   for (const auto& l : live_) out.emplace_back(l.id, l.storage);
+  // Registered persistent tensors (weights, gradients, optimizer state) are not among the
+  // tensors watched for frees: add them with the ids this iteration gave them.
+  for (const auto& p : persistent_) {
+    auto strong = p.storage.lock();
+    if (!strong) continue;
+    auto it = ids_.find(strong.get());
+    if (it != ids_.end()) out.emplace_back(it->second, p.storage);
+  }
   return out;
 }
 
