@@ -2,6 +2,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -18,6 +19,7 @@
 #include "device_sync.hpp"
 #include "ivalue_tensors.hpp"
 #include "tidal/common/error.hpp"
+#include "tidal/trace/lifetime.hpp"
 
 namespace tidal::torch_layer {
 namespace {
@@ -58,7 +60,7 @@ void residency_guard(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
     PlanExecutor* ex = g_executor.load(std::memory_order_acquire);
     const auto& schema = op.schema();
     if (ex != nullptr && !reads_no_data(schema.name())) {
-      std::vector<c10::StorageImpl*> storages;
+      c10::SmallVector<c10::StorageImpl*, 8> storages;
       for (const auto& v : torch::jit::last(*stack, schema.arguments().size())) {
         for_each_tensor(v, [&](const at::Tensor& t) {
           if (t.defined() && t.has_storage())
@@ -148,15 +150,7 @@ struct PlanExecutor::Impl {
       }
     }
     s.num_tensors = trace.tensors.size();
-    s.uses.resize(trace.tensors.size());
-    for (const auto& op : trace.ops) {
-      for (const auto* ids : {&op.inputs, &op.outputs}) {
-        for (trace::TensorId id : *ids) {
-          auto& u = s.uses[static_cast<std::size_t>(id)];
-          if (u.empty() || u.back() != op.index) u.push_back(op.index);
-        }
-      }
-    }
+    for (auto& t : trace::analyze_lifetimes(trace).tensors) s.uses.push_back(std::move(t.uses));
     return s;
   }
 
@@ -365,7 +359,9 @@ struct PlanExecutor::Impl {
   // Tensors of the trace that the op does not use are written out at once, the one used
   // again latest first, until it fits or none is left. A write stall; a later op that needs
   // one reads it back (a miss).
-  void evict_for(std::uint64_t more, trace::OpIndex index, const std::vector<TensorRef>& inputs) {
+  // `in_use(storage)`: true for the storages op `index` reads (never written out for it).
+  template <typename InUse>
+  void evict_for(std::uint64_t more, trace::OpIndex index, InUse in_use) {
     if (!over(more) || diverged) return;
     stats.eviction_overshoot =
         std::max(stats.eviction_overshoot, meter_bytes() + more - opt.budget);
@@ -385,10 +381,7 @@ struct PlanExecutor::Impl {
         if (it != slots.end() && (it->second.state != State::kResident || it->second.error)) {
           continue;
         }
-        const bool used_now = std::any_of(inputs.begin(), inputs.end(), [&](const TensorRef& r) {
-          return r.storage == live.get();
-        });
-        if (used_now) continue;
+        if (in_use(live.get())) continue;
         // Distance to the next use in this step, or past its end (used next step, or never).
         const auto& u = shape.uses[id];
         auto next = std::upper_bound(u.begin(), u.end(), index);
@@ -570,9 +563,7 @@ void PlanExecutor::restore_all() {
   if (first) std::rethrow_exception(first);
 }
 
-void PlanExecutor::bind_alive(
-    const std::vector<std::pair<trace::TensorId, c10::weak_intrusive_ptr<c10::StorageImpl>>>&
-        tensors) {
+void PlanExecutor::bind_alive(const BoundTensors& tensors) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   for (const auto& [id, storage] : tensors) {
     if (id >= 0 && static_cast<std::size_t>(id) < impl_->bound.size()) {
@@ -590,22 +581,16 @@ void PlanExecutor::fit_budget() {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   impl_->poll();
   impl_->wait_for_room(0);
-  impl_->evict_for(0, -1, {});
+  impl_->evict_for(0, -1, [](const c10::StorageImpl*) { return false; });
 }
 
-void PlanExecutor::ensure_resident(c10::StorageImpl* storage) {
-  ensure_resident(std::vector<c10::StorageImpl*>{storage});
-}
-
-void PlanExecutor::ensure_resident(const std::vector<c10::StorageImpl*>& storages) {
+void PlanExecutor::ensure_resident(c10::ArrayRef<c10::StorageImpl*> storages) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   Impl& m = *impl_;
   // Reads the op needs at once (misses) take memory too: room is made for them first, never by
   // writing out another tensor this op uses.
   std::uint64_t missing = 0;
-  std::vector<TensorRef> used;
   for (c10::StorageImpl* s : storages) {
-    used.push_back({0, s});
     auto it = m.slots.find(s);
     if (it != m.slots.end() && it->second.state == Impl::State::kOffloaded) {
       missing += it->second.nbytes;
@@ -613,7 +598,10 @@ void PlanExecutor::ensure_resident(const std::vector<c10::StorageImpl*>& storage
   }
   if (missing > 0) {
     m.wait_for_room(missing);
-    m.evict_for(missing, static_cast<trace::OpIndex>(m.ops_run) - 1, used);
+    m.evict_for(missing, static_cast<trace::OpIndex>(m.ops_run) - 1,
+                [&](const c10::StorageImpl* p) {
+                  return std::find(storages.begin(), storages.end(), p) != storages.end();
+                });
   }
   for (c10::StorageImpl* s : storages) m.make_resident(s);
 }
@@ -637,7 +625,10 @@ void PlanExecutor::before_op(trace::OpIndex index, const std::string& name,
     if (static_cast<std::size_t>(index) < shape.new_bytes.size()) {
       const std::uint64_t more = shape.new_bytes[static_cast<std::size_t>(index)];
       m.wait_for_room(more);
-      m.evict_for(more, index, inputs);
+      m.evict_for(more, index, [&](const c10::StorageImpl* p) {
+        return std::any_of(inputs.begin(), inputs.end(),
+                           [&](const TensorRef& r) { return r.storage == p; });
+      });
       m.reserve = more;
     }
   }

@@ -365,11 +365,10 @@ void Tracer::fold_peak() {
   }
 }
 
-std::vector<std::pair<trace::TensorId, c10::weak_intrusive_ptr<c10::StorageImpl>>>
-Tracer::alive_tensors() {
+BoundTensors Tracer::alive_tensors() {
   std::lock_guard<std::mutex> lock(mutex_);
   collect_frees();
-  std::vector<std::pair<trace::TensorId, c10::weak_intrusive_ptr<c10::StorageImpl>>> out;
+  BoundTensors out;
   out.reserve(live_.size());
   for (const auto& l : live_) out.emplace_back(l.id, l.storage);
   // Registered persistent tensors (weights, gradients, optimizer state) are not among the

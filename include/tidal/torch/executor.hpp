@@ -36,6 +36,10 @@ struct TensorRef {
   c10::StorageImpl* storage = nullptr;
 };
 
+/// Tensors of a trace by id, with weak references to the storages holding them now.
+using BoundTensors =
+    std::vector<std::pair<trace::TensorId, c10::weak_intrusive_ptr<c10::StorageImpl>>>;
+
 /// Receives the top-level ops of a step as the tracer numbers them (Tracer::set_listener).
 /// before_op/after_op come from inside RecordFunction callbacks, where an exception cannot stop
 /// the op: they must not throw. step_end comes from Tracer::end_step and may throw.
@@ -128,9 +132,7 @@ class PlanExecutor final : public OpListener, public StepObserver {
 
   /// Tells the executor which storages hold tensors of the trace before a step has shown them
   /// (Tracer::alive_tensors() after the last profiled step). Call between steps.
-  void bind_alive(
-      const std::vector<std::pair<trace::TensorId, c10::weak_intrusive_ptr<c10::StorageImpl>>>&
-          tensors);
+  void bind_alive(const BoundTensors& tensors);
 
   void before_op(trace::OpIndex index, const std::string& name,
                  const std::vector<TensorRef>& inputs) override;
@@ -155,12 +157,10 @@ class PlanExecutor final : public OpListener, public StepObserver {
 
   [[nodiscard]] ExecutorStats last_step() const;
 
-  /// The residency guard's entry point for an op's input tensor: makes it resident, or throws
-  /// tidal::IoError when its bytes cannot be read back. Any thread.
-  void ensure_resident(c10::StorageImpl* storage);
-  /// The same for all the storages one op reads, after making room for the reads under the
-  /// budget (without writing out any of them).
-  void ensure_resident(const std::vector<c10::StorageImpl*>& storages);
+  /// The residency guard's entry point, with the storages one op reads: makes room under the
+  /// budget for the reads they need (never by writing out one of them), then makes each
+  /// resident, or throws tidal::IoError when its bytes cannot be read back. Any thread.
+  void ensure_resident(c10::ArrayRef<c10::StorageImpl*> storages);
 
   struct Impl;  ///< opaque
 

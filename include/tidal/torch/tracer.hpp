@@ -108,8 +108,7 @@ class Tracer : public StepObserver {
   /// The traced tensors still alive after the last end_step, by trace id (weak references):
   /// what a plan executor made after profiling needs to know before its first step's ops have
   /// shown it each tensor (to write out any of them to keep a budget).
-  [[nodiscard]] std::vector<std::pair<trace::TensorId, c10::weak_intrusive_ptr<c10::StorageImpl>>>
-  alive_tensors();
+  [[nodiscard]] BoundTensors alive_tensors();
 
   /// The meter's peak from begin_step to end_step (or to now), with the peaks the tracer reset
   /// while measuring workspaces folded in; 0 without a meter.
