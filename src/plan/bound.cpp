@@ -27,8 +27,8 @@ StallBound stall_lower_bound(const trace::Trace& trace, const Hardware& hw) {
   const auto n = static_cast<OpIndex>(trace.ops.size());
   const auto nt = trace.tensors.size();
   const ChannelRates ch = hw.channels();
-  const double read_rate = ch.ssd_read + ch.host_read;
-  const double write_rate = ch.ssd_write + ch.host_write;
+  const double read_rate = ch[Channel::kSsdRead] + ch[Channel::kHostRead];
+  const double write_rate = ch[Channel::kSsdWrite] + ch[Channel::kHostWrite];
   const auto cap = static_cast<double>(hw.device_memory);
 
   // When each tensor comes to exist (as the simulator counts it: persistent ones before the

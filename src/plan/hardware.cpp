@@ -18,13 +18,13 @@ double Hardware::ssd_read_total() const { return std::min(ssd_count * ssd_read_b
 
 ChannelRates Hardware::channels() const {
   ChannelRates r;
-  r.ssd_write = ssd_write_total();
-  r.ssd_read = ssd_read_total();
+  r[Channel::kSsdWrite] = ssd_write_total();
+  r[Channel::kSsdRead] = ssd_read_total();
   // Host memory as a destination only gets the link bandwidth the SSDs leave, and only when a
   // host-memory budget exists.
   if (host_memory > 0) {
-    r.host_write = std::max(0.0, host_link_bw - r.ssd_write);
-    r.host_read = std::max(0.0, host_link_bw - r.ssd_read);
+    r[Channel::kHostWrite] = std::max(0.0, host_link_bw - r[Channel::kSsdWrite]);
+    r[Channel::kHostRead] = std::max(0.0, host_link_bw - r[Channel::kSsdRead]);
   }
   return r;
 }

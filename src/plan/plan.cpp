@@ -12,7 +12,31 @@ namespace tidal::plan {
 using nlohmann::json;
 
 const char* to_string(ActionKind k) { return k == ActionKind::kOffload ? "offload" : "prefetch"; }
-const char* to_string(Target t) { return t == Target::kSsd ? "ssd" : "host"; }
+const char* to_string(Tier t) {
+  switch (t) {
+    case Tier::kSsd:
+      return "ssd";
+    case Tier::kHost:
+      return "host";
+    case Tier::kDevice:
+      return "device";
+  }
+  return "?";
+}
+
+const char* to_string(Channel c) {
+  switch (c) {
+    case Channel::kSsdWrite:
+      return "ssd-write";
+    case Channel::kSsdRead:
+      return "ssd-read";
+    case Channel::kHostWrite:
+      return "host-write";
+    case Channel::kHostRead:
+      return "host-read";
+  }
+  return "?";
+}
 
 ActionKind action_kind_from_string(const std::string& s) {
   if (s == "offload") return ActionKind::kOffload;
@@ -187,6 +211,8 @@ void validate_plan(const Plan& plan, const trace::Trace& trace) {
     TIDAL_EXPECT_AS(InvalidArgument, a.bytes == trace.tensors[a.tensor].bytes, "plan action ", i,
                     ": ", a.bytes, " bytes, but tensor ", a.tensor, " has ",
                     trace.tensors[a.tensor].bytes);
+    TIDAL_EXPECT_AS(InvalidArgument, a.target == Target::kSsd || a.target == Target::kHost,
+                    "plan action ", i, ": its target must be ssd or host");
     TIDAL_EXPECT_AS(InvalidArgument, a.wraps == (a.deadline <= a.trigger), "plan action ", i,
                     ": wraps must be true exactly when deadline <= trigger");
     TIDAL_EXPECT_AS(InvalidArgument,

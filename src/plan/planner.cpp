@@ -276,18 +276,18 @@ class Planner {
       sum.peak_before_bytes = std::max(sum.peak_before_bytes, v);
 
     rates_ = hw_.channels();
-    if (!opt_.use_host || hw_.host_memory == 0) rates_.host_write = rates_.host_read = 0;
+    if (!opt_.use_host || hw_.host_memory == 0) {
+      rates_[Channel::kHostWrite] = rates_[Channel::kHostRead] = 0;
+    }
     tau_.resize(static_cast<std::size_t>(n_));
     for (int k = 0; k < n_; ++k)
       tau_[static_cast<std::size_t>(k)] =
           std::max(0.0, tr_.ops[static_cast<std::size_t>(k)].duration());
-    const double r[4] = {rates_.ssd_write, rates_.ssd_read, rates_.host_write, rates_.host_read};
-    for (int c = 0; c < 4; ++c) {
+    for (Channel c : kChannels) {  // buckets_ in Channel order
       std::vector<double> cap(static_cast<std::size_t>(n_));
       for (int k = 0; k < n_; ++k)
-        cap[static_cast<std::size_t>(k)] = r[c] * tau_[static_cast<std::size_t>(k)];
+        cap[static_cast<std::size_t>(k)] = rates_[c] * tau_[static_cast<std::size_t>(k)];
       buckets_.emplace_back(cap);
-      rate_[c] = r[c];
     }
 
     // Candidates: every inactive period of a tensor worth moving.
@@ -435,13 +435,12 @@ class Planner {
 
   Choice evaluate_target(const Candidate& c, Target target) {
     Choice ch;
-    const int w = target == Target::kSsd ? 0 : 2;
-    if (rate_[w] <= 0 || rate_[w + 1] <= 0) return ch;
+    if (!rates_.usable(target)) return ch;
     if (target == Target::kHost && !host_room(c)) return ch;
     const auto need = static_cast<double>(c.bytes);
-    const int pe = fill_forward(buckets_[static_cast<std::size_t>(w)], c, 0, c.len - 1, need);
+    const int pe = fill_forward(bucket(target, Direction::kWrite), c, 0, c.len - 1, need);
     if (pe < 0) return ch;
-    const int pp = fill_backward(buckets_[static_cast<std::size_t>(w + 1)], c, 0, c.len - 1, need);
+    const int pp = fill_backward(bucket(target, Direction::kRead), c, 0, c.len - 1, need);
     if (pp < 0 || pe + 1 > pp - 1) return ch;
     ch.ok = true;
     ch.target = target;
@@ -521,10 +520,9 @@ class Planner {
     c.target = ch.target;
     c.pe = ch.pe;
     c.pp = ch.pp;
-    const int w = ch.target == Target::kSsd ? 0 : 2;
     const auto need = static_cast<double>(c.bytes);
-    consume_forward(buckets_[static_cast<std::size_t>(w)], c, ch.pe, need, c.wres);
-    consume_backward(buckets_[static_cast<std::size_t>(w + 1)], c, ch.pp, c.len - 1, need, c.rres);
+    consume_forward(bucket(ch.target, Direction::kWrite), c, ch.pe, need, c.wres);
+    consume_backward(bucket(ch.target, Direction::kRead), c, ch.pp, c.len - 1, need, c.rres);
     free_span(c, ch.pe + 1, ch.pp - 1);
     PlanSummary& sum = plan.summary;
     if (ch.target == Target::kHost) {
@@ -599,9 +597,9 @@ class Planner {
   // A stall of `seconds` in bucket `bucket` gives every channel that much more time there.
   // The op that waits is the next one; the stalls are merged per bucket in stall_summary().
   void add_stall(int bucket, double seconds) {
-    for (int c = 0; c < 4; ++c) {
-      BucketTree& t = buckets_[static_cast<std::size_t>(c)];
-      t.set(bucket, t.get(bucket) + rate_[c] * seconds);
+    for (Channel c : kChannels) {
+      BucketTree& t = buckets_[index_of(c)];
+      t.set(bucket, t.get(bucket) + rates_[c] * seconds);
     }
     stall_at_[static_cast<std::size_t>(bucket)] += seconds;
   }
@@ -615,11 +613,12 @@ class Planner {
       const double added = stall_at_[static_cast<std::size_t>(k)];
       if (added <= 0) continue;
       double need = 0;
-      for (int c = 0; c < 4; ++c) {
-        if (rate_[c] <= 0) continue;
-        const double own = rate_[c] * tau_[static_cast<std::size_t>(k)];
-        const double used = own + rate_[c] * added - buckets_[static_cast<std::size_t>(c)].get(k);
-        need = std::max(need, (used - own) / rate_[c]);
+      for (Channel c : kChannels) {
+        const double rate = rates_[c];
+        if (rate <= 0) continue;
+        const double own = rate * tau_[static_cast<std::size_t>(k)];
+        const double used = own + rate * added - buckets_[index_of(c)].get(k);
+        need = std::max(need, (used - own) / rate);
       }
       need = std::min(added, need);
       if (need > 0) plan.stalls.emplace_back((k + 1) % n_, need);
@@ -672,12 +671,11 @@ class Planner {
     const auto s = static_cast<double>(c.bytes);
     const double denom = std::min(s, static_cast<double>(std::max<std::int64_t>(excess, 1)));
     for (Target target : {Target::kSsd, Target::kHost}) {
-      const int w = target == Target::kSsd ? 0 : 2;
       if (c.done && target != c.target) continue;
-      if (rate_[w] <= 0 || rate_[w + 1] <= 0) continue;
+      if (!rates_.usable(target)) continue;
       if (!c.done && target == Target::kHost && !host_room(c)) continue;
-      const BucketTree& tw = buckets_[static_cast<std::size_t>(w)];
-      const BucketTree& tr = buckets_[static_cast<std::size_t>(w + 1)];
+      const BucketTree& tw = bucket(target, Direction::kWrite);
+      const BucketTree& tr = bucket(target, Direction::kRead);
       double dw = 0;
       double dr = 0;
       if (!c.done) {
@@ -693,8 +691,8 @@ class Planner {
       Option o;
       o.cand = i;
       o.target = target;
-      o.stall_w = dw / rate_[w];
-      o.stall_r = dr / rate_[w + 1];
+      o.stall_w = dw / rates_[channel_of(target, Direction::kWrite)];
+      o.stall_r = dr / rates_[channel_of(target, Direction::kRead)];
       o.cost = (o.stall_w + o.stall_r) / denom;
       if (o.cost < best.cost) best = o;
     }
@@ -854,10 +852,9 @@ class Planner {
         diff_[static_cast<std::size_t>(seg[q].l)] += s;
         diff_[static_cast<std::size_t>(seg[q].r) + 1] -= s;
       }
-      const int w = c.target == Target::kSsd ? 0 : 2;
-      for (int ch = 0; ch < 2; ++ch) {
-        BucketTree& t = buckets_[static_cast<std::size_t>(w + ch)];
-        Reservation& res = ch == 0 ? c.wres : c.rres;
+      for (Direction dir : {Direction::kWrite, Direction::kRead}) {
+        BucketTree& t = bucket(c.target, dir);
+        Reservation& res = dir == Direction::kWrite ? c.wres : c.rres;
         for (const auto& [op, amount] : res) t.set(op, t.get(op) + amount);
         res.clear();
       }
@@ -931,9 +928,8 @@ class Planner {
     // A hair more than the deficit, so that rounding cannot leave it short.
     if (best.stall_w > 0) add_stall(op_at(c, pk - 1), best.stall_w * (1 + 1e-9) + 1e-12);
     if (best.stall_r > 0) add_stall(op_at(c, c.len - 1), best.stall_r * (1 + 1e-9) + 1e-12);
-    const int w = best.target == Target::kSsd ? 0 : 2;
-    BucketTree& tw = buckets_[static_cast<std::size_t>(w)];
-    BucketTree& tr = buckets_[static_cast<std::size_t>(w + 1)];
+    BucketTree& tw = bucket(best.target, Direction::kWrite);
+    BucketTree& tr = bucket(best.target, Direction::kRead);
     if (!c.done) {
       Choice ch = evaluate_target(c, best.target);
       TIDAL_EXPECT(ch.ok && ch.pe < pk && ch.pp > pk, "planner: the stall for op ", k,
@@ -1022,9 +1018,12 @@ class Planner {
   int n_;
   std::int64_t target_ = 0;
   ChannelRates rates_;
-  double rate_[4] = {0, 0, 0, 0};
   std::vector<double> tau_;
-  std::vector<BucketTree> buckets_;
+  std::vector<BucketTree> buckets_;  // remaining capacity per op, one per Channel (index_of)
+  BucketTree& bucket(Target t, Direction d) { return buckets_[index_of(channel_of(t, d))]; }
+  const BucketTree& bucket(Target t, Direction d) const {
+    return buckets_[index_of(channel_of(t, d))];
+  }
   std::vector<Candidate> cands_;
   std::unique_ptr<Fenwick> fenwick_;
   std::unique_ptr<RangeTree> over_;

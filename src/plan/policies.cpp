@@ -230,11 +230,11 @@ PolicyResult run_zero(const trace::Trace& tr, const Hardware& hw, const PolicyOp
     // parameters and states, overlapped with the arithmetic.
     step = std::max({step, (params + grads + states) / std::max(1.0, hw.ssd_read_total()),
                      (params + states) / std::max(1.0, hw.ssd_write_total())});
-    rates.ssd_write = hw.ssd_write_total();
-    rates.ssd_read = hw.ssd_read_total();
+    rates[Channel::kSsdWrite] = hw.ssd_write_total();
+    rates[Channel::kSsdRead] = hw.ssd_read_total();
     target = Target::kSsd;
   } else {
-    rates.host_write = rates.host_read = hw.host_link_bw;
+    rates[Channel::kHostWrite] = rates[Channel::kHostRead] = hw.host_link_bw;
   }
   PolicyOptions o = opt;
   o.sim.channels = rates;
@@ -518,8 +518,8 @@ PolicyResult run_policy(Policy policy, const trace::Trace& tr, const Hardware& h
       Plan p = activation_plan(tr, hw, opt, &r.note);
       SimOptions so = opt.sim;
       ChannelRates rates;
-      rates.ssd_write = hw.ssd_write_total();
-      rates.ssd_read = hw.ssd_read_total();
+      rates[Channel::kSsdWrite] = hw.ssd_write_total();
+      rates[Channel::kSsdRead] = hw.ssd_read_total();
       so.channels = rates;
       r.sim = simulate(tr, &p, hw, so);
       r.fits = r.sim.fits;

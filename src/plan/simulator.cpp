@@ -1,10 +1,11 @@
 #include "tidal/plan/simulator.hpp"
 
 #include <algorithm>
+#include <array>
 #include <queue>
 
 #include "tidal/common/error.hpp"
-#include "tidal/trace/lifetime.hpp"
+#include "tidal/plan/schedule.hpp"
 
 namespace tidal::plan {
 
@@ -15,17 +16,12 @@ namespace {
 
 enum class State : std::uint8_t { kAbsent, kResident, kWriting, kOffloaded, kReading };
 
-// Channels: 0 SSD write, 1 SSD read, 2 host write, 3 host read.
-int channel_of(Target target, bool write) {
-  return (target == Target::kHost ? 2 : 0) + (write ? 0 : 1);
-}
-
 struct Job {
   double remaining = 0;  // bytes
   double key = 0;        // deadline as a global op number; earliest first
   std::int64_t seq = 0;
   TensorId tensor = 0;
-  int channel = 0;
+  Channel channel = Channel::kSsdWrite;
   std::uint64_t bytes = 0;
   std::uint64_t version = 0;
   bool done = false;
@@ -34,7 +30,8 @@ struct Job {
 struct TensorState {
   State state = State::kAbsent;
   std::uint64_t version = 0;
-  int copy_channel = -1;  // write channel holding a copy, -1: none
+  bool has_copy = false;  // a lower tier holds a copy (copy_tier), of version copy_version
+  Tier copy_tier = Tier::kSsd;
   std::uint64_t copy_version = 0;
   bool dead = false;  // freed by the program while a transfer was in flight
   bool on_host = false;
@@ -44,41 +41,18 @@ struct TensorState {
 class Simulator {
  public:
   Simulator(const trace::Trace& tr, const Plan* plan, const Hardware& hw, const SimOptions& opt)
-      : tr_(tr), plan_(plan), hw_(hw), opt_(opt) {
-    rates_ = opt.channels ? *opt.channels : hw.channels();
-    const double r[4] = {rates_.ssd_write, rates_.ssd_read, rates_.host_write, rates_.host_read};
-    for (int c = 0; c < 4; ++c) channels_[c].rate = r[c];
+      : tr_(tr), sched_(compile_schedule(tr, plan)), hw_(hw), opt_(opt) {
+    const ChannelRates rates = opt.channels ? *opt.channels : hw.channels();
+    for (Channel c : kChannels) channel(c).rate = rates[c];
   }
 
   SimResult run() {
     const auto n = static_cast<OpIndex>(tr_.ops.size());
-    const trace::LifetimeAnalysis la = trace::analyze_lifetimes(tr_);
-    created_at_.assign(static_cast<std::size_t>(n), {});
-    freed_at_.assign(static_cast<std::size_t>(n), {});
-    used_.assign(static_cast<std::size_t>(n), {});
     tensors_.assign(tr_.tensors.size(), {});
     for (std::size_t i = 0; i < tr_.tensors.size(); ++i) {
-      const auto& life = la.tensors[i];
-      for (OpIndex u : life.uses)
-        used_[static_cast<std::size_t>(u)].push_back(static_cast<TensorId>(i));
       if (tr_.tensors[i].persistent) {
         tensors_[i].state = State::kResident;
         resident_ += tr_.tensors[i].bytes;
-        if (tr_.tensors[i].has_gap()) {  // dead after freed_after, made anew by its producer
-          created_at_[static_cast<std::size_t>(life.live_begin)].push_back(
-              static_cast<TensorId>(i));
-          freed_at_[static_cast<std::size_t>(life.live_end)].push_back(static_cast<TensorId>(i));
-        }
-      } else if (life.live_begin != trace::kNoOp) {
-        created_at_[static_cast<std::size_t>(life.live_begin)].push_back(static_cast<TensorId>(i));
-        freed_at_[static_cast<std::size_t>(life.live_end)].push_back(static_cast<TensorId>(i));
-      }
-    }
-    actions_at_.assign(static_cast<std::size_t>(n), {});
-    if (plan_ != nullptr) {
-      validate_plan(*plan_, tr_);
-      for (std::size_t i = 0; i < plan_->actions.size(); ++i) {
-        actions_at_[static_cast<std::size_t>(plan_->actions[i].trigger)].push_back(i);
       }
     }
 
@@ -89,15 +63,16 @@ class Simulator {
     const int iterations = std::max(1, opt_.iterations);
     double t = 0;
     double iter_start = 0;
-    double busy0[4] = {0, 0, 0, 0};
+    std::array<double, kNumChannels> busy0{};
     for (int it = 0; it < iterations; ++it) {
       const bool last = it == iterations - 1;
       if (last) {
         iter_start = t;
-        for (int c = 0; c < 4; ++c) {
-          issued_[c] = 0;
-          busy0[c] = channels_[c].busy;
+        for (Channel c : kChannels) {
+          issued_[index_of(c)] = 0;
+          busy0[index_of(c)] = channel(c).busy;
         }
+        if (opt_.record_residency) res.residency.assign(static_cast<std::size_t>(n), {});
         peak_host_ = host_bytes_;
         misses_ = forwarded_ = 0;
         counting_ = true;
@@ -105,10 +80,11 @@ class Simulator {
       for (OpIndex k = 0; k < n; ++k) {
         const auto kk = static_cast<std::size_t>(k);
         const double g = static_cast<double>(it) * n + k;
-        for (TensorId id : created_at_[kk]) create(id);
+        if (last && opt_.record_residency) res.residency[kk] = residency();
+        for (TensorId id : sched_.created[kk]) create(id);
         // What this op waits for: reads of what it uses, and offloads due before it.
         std::vector<int> waits;
-        for (TensorId id : used_[kk]) {
+        for (TensorId id : sched_.uses[kk]) {
           TensorState& s = tensors_[static_cast<std::size_t>(id)];
           if (s.state == State::kWriting) {
             s.state = State::kResident;  // still in memory: keep it
@@ -121,7 +97,9 @@ class Simulator {
           }
         }
         double start = t;
-        for (int c : {0, 2}) start = std::max(start, run_until_key(c, g));
+        for (Channel c : kChannels) {
+          if (is_write(c)) start = std::max(start, run_until_key(c, g));
+        }
         for (int j : waits) start = std::max(start, run_until_done(j));
         advance_all(start);
         if (last) res.stall_per_op[kk] = start - t;
@@ -130,8 +108,10 @@ class Simulator {
         if (last) res.memory_per_op[kk] = resident_;
         t += tr_.ops[kk].duration();
         advance_all(t);
-        for (std::size_t a : actions_at_[kk]) fire(plan_->actions[a], it, n, t);
-        for (TensorId id : freed_at_[kk]) release(id);
+        for (std::int32_t m : sched_.issued_after[kk]) {
+          fire(sched_.migrations[static_cast<std::size_t>(m)], it, n, t);
+        }
+        for (TensorId id : sched_.freed[kk]) release(id);
       }
     }
     res.iteration_seconds = t - iter_start;
@@ -144,23 +124,21 @@ class Simulator {
       }
     }
     res.fits = res.peak_bytes <= res.capacity_bytes;
-    res.ssd_bytes_written = issued_[0];
-    res.ssd_bytes_read = issued_[1];
-    res.host_bytes_written = issued_[2];
-    res.host_bytes_read = issued_[3];
+    res.ssd_bytes_written = issued_[index_of(Channel::kSsdWrite)];
+    res.ssd_bytes_read = issued_[index_of(Channel::kSsdRead)];
+    res.host_bytes_written = issued_[index_of(Channel::kHostWrite)];
+    res.host_bytes_read = issued_[index_of(Channel::kHostRead)];
     res.peak_host_bytes = peak_host_;
     res.misses = misses_;
     res.forwarded = forwarded_;
-    double util[4] = {0, 0, 0, 0};
-    if (res.iteration_seconds > 0) {
-      for (int c = 0; c < 4; ++c) {
-        util[c] = std::min(1.0, (channels_[c].busy - busy0[c]) / res.iteration_seconds);
-      }
-    }
-    res.ssd_write_utilisation = util[0];
-    res.ssd_read_utilisation = util[1];
-    res.host_write_utilisation = util[2];
-    res.host_read_utilisation = util[3];
+    const auto util = [&](Channel c) {
+      if (res.iteration_seconds <= 0) return 0.0;
+      return std::min(1.0, (channel(c).busy - busy0[index_of(c)]) / res.iteration_seconds);
+    };
+    res.ssd_write_utilisation = util(Channel::kSsdWrite);
+    res.ssd_read_utilisation = util(Channel::kSsdRead);
+    res.host_write_utilisation = util(Channel::kHostWrite);
+    res.host_read_utilisation = util(Channel::kHostRead);
     if (res.ssd_bytes_written > 0 && hw_.ssd_tbw > 0 && hw_.ssd_count > 0) {
       res.ssd_lifetime_iterations =
           hw_.ssd_tbw * hw_.ssd_count / static_cast<double>(res.ssd_bytes_written);
@@ -170,7 +148,7 @@ class Simulator {
   }
 
  private:
-  struct Channel {
+  struct Queue {
     double rate = 0;
     double now = 0;
     double busy = 0;
@@ -182,13 +160,40 @@ class Simulator {
     const Job& y = jobs_[static_cast<std::size_t>(b)];
     return x.key != y.key ? x.key > y.key : x.seq > y.seq;
   }
-  void push(int c, int j) {
-    auto& h = channels_[c].heap;
+  Queue& channel(Channel c) { return queues_[index_of(c)]; }
+  const Queue& channel(Channel c) const { return queues_[index_of(c)]; }
+
+  // The state of every tensor, in the vocabulary the executor reports too.
+  std::vector<Residency> residency() const {
+    std::vector<Residency> r(tensors_.size(), Residency::kAbsent);
+    for (std::size_t i = 0; i < tensors_.size(); ++i) {
+      switch (tensors_[i].state) {
+        case State::kAbsent:
+          break;
+        case State::kResident:
+          r[i] = Residency::kResident;
+          break;
+        case State::kWriting:
+          r[i] = Residency::kLeaving;
+          break;
+        case State::kOffloaded:
+          r[i] = Residency::kAway;
+          break;
+        case State::kReading:
+          r[i] = Residency::kArriving;
+          break;
+      }
+    }
+    return r;
+  }
+
+  void push(Channel c, int j) {
+    auto& h = channel(c).heap;
     h.push_back(j);
     std::push_heap(h.begin(), h.end(), [this](int a, int b) { return later(a, b); });
   }
-  int pop(int c) {
-    auto& h = channels_[c].heap;
+  int pop(Channel c) {
+    auto& h = channel(c).heap;
     std::pop_heap(h.begin(), h.end(), [this](int a, int b) { return later(a, b); });
     const int j = h.back();
     h.pop_back();
@@ -196,8 +201,8 @@ class Simulator {
   }
 
   // Serves channel c up to time t (earliest deadline first, fluid).
-  void advance(int c, double t) {
-    Channel& ch = channels_[c];
+  void advance(Channel c, double t) {
+    Queue& ch = channel(c);
     while (!ch.heap.empty() && ch.now < t) {
       Job& j = jobs_[static_cast<std::size_t>(ch.heap.front())];
       const double need = j.remaining / ch.rate;
@@ -214,34 +219,34 @@ class Simulator {
     ch.now = std::max(ch.now, t);
   }
   void advance_all(double t) {
-    for (int c = 0; c < 4; ++c) advance(c, t);
+    for (Channel c : kChannels) advance(c, t);
   }
   // Runs channel c (no new arrivals) until no job due at or before `key` is left; returns the
   // time that happened.
-  double run_until_key(int c, double key) {
-    Channel& ch = channels_[c];
+  double run_until_key(Channel c, double key) {
+    Queue& ch = channel(c);
     while (!ch.heap.empty() && jobs_[static_cast<std::size_t>(ch.heap.front())].key <= key) {
       serve_head(c);
     }
     return ch.now;
   }
   double run_until_done(int job) {
-    const int c = jobs_[static_cast<std::size_t>(job)].channel;
+    const Channel c = jobs_[static_cast<std::size_t>(job)].channel;
     while (!jobs_[static_cast<std::size_t>(job)].done) serve_head(c);
-    return channels_[c].now;
+    return channel(c).now;
   }
   // Runs channel c's most urgent job to its end.
-  void serve_head(int c) {
-    Channel& ch = channels_[c];
+  void serve_head(Channel c) {
+    Queue& ch = channel(c);
     const double need = jobs_[static_cast<std::size_t>(ch.heap.front())].remaining / ch.rate;
     ch.now += need;
     ch.busy += need;
     complete(pop(c));
   }
 
-  int new_job(int c, TensorId id, double key) {
-    TIDAL_EXPECT_AS(InvalidArgument, channels_[c].rate > 0, "the plan moves tensor ", id,
-                    " over the ", c < 2 ? "SSD" : "host-memory",
+  int new_job(Channel c, TensorId id, double key) {
+    TIDAL_EXPECT_AS(InvalidArgument, channel(c).rate > 0, "the plan moves tensor ", id,
+                    " over the ", tier_of(c) == Tier::kSsd ? "SSD" : "host-memory",
                     " channel, but that channel has no bandwidth on this hardware model");
     Job j;
     j.bytes = tr_.tensors[static_cast<std::size_t>(id)].bytes;
@@ -253,7 +258,7 @@ class Simulator {
     j.version = tensors_[static_cast<std::size_t>(id)].version;
     jobs_.push_back(j);
     const int index = static_cast<int>(jobs_.size()) - 1;
-    if (counting_) issued_[c] += j.bytes;
+    if (counting_) issued_[index_of(c)] += j.bytes;
     if (j.bytes == 0) {
       complete(index);
     } else {
@@ -268,7 +273,7 @@ class Simulator {
     if (j.tensor < 0) return;  // its tensor instance is gone
     TensorState& s = tensors_[static_cast<std::size_t>(j.tensor)];
     const std::uint64_t bytes = tr_.tensors[static_cast<std::size_t>(j.tensor)].bytes;
-    const bool write = j.channel % 2 == 0;
+    const bool write = is_write(j.channel);
     if (s.job == job) s.job = -1;
     if (write) {
       if (s.state == State::kWriting) {
@@ -278,10 +283,11 @@ class Simulator {
           return;
         }
         s.state = State::kOffloaded;
-        set_host(j.tensor, j.channel == 2);
+        set_host(j.tensor, tier_of(j.channel) == Tier::kHost);
       }
       if (!s.dead && s.version == j.version) {
-        s.copy_channel = j.channel;
+        s.has_copy = true;
+        s.copy_tier = tier_of(j.channel);
         s.copy_version = j.version;
       }
     } else if (s.state == State::kReading) {
@@ -350,52 +356,49 @@ class Simulator {
   void issue_read(TensorId id, double key, double now) {
     TensorState& s = tensors_[static_cast<std::size_t>(id)];
     advance_all(now);
-    const int c = (s.copy_channel >= 0 ? s.copy_channel : 0) + 1;
+    const Channel c = channel_of(s.has_copy ? s.copy_tier : Tier::kSsd, Direction::kRead);
     s.state = State::kReading;
     resident_ += tr_.tensors[static_cast<std::size_t>(id)].bytes;
     s.job = new_job(c, id, key);
   }
 
-  void fire(const PlanAction& a, int it, OpIndex n, double now) {
-    TensorState& s = tensors_[static_cast<std::size_t>(a.tensor)];
-    const double key = static_cast<double>(a.deadline > a.trigger ? it : it + 1) * n + a.deadline;
-    if (a.kind == ActionKind::kOffload) {
+  void fire(const Migration& m, int it, OpIndex n, double now) {
+    TensorState& s = tensors_[static_cast<std::size_t>(m.tensor)];
+    const double key = static_cast<double>(it) * n + static_cast<double>(m.due);
+    if (m.kind == ActionKind::kOffload) {
       if (s.state != State::kResident) return;
-      const int c = channel_of(a.target, true);
-      if (opt_.skip_clean_writes && s.copy_channel == c && s.copy_version == s.version) {
+      if (opt_.skip_clean_writes && s.has_copy && s.copy_tier == m.tier &&
+          s.copy_version == s.version) {
         s.state = State::kOffloaded;
-        resident_ -= a.bytes;
-        set_host(a.tensor, c == 2);
+        resident_ -= m.bytes;
+        set_host(m.tensor, m.tier == Tier::kHost);
         return;
       }
       advance_all(now);
       s.state = State::kWriting;
-      s.job = new_job(c, a.tensor, key);
+      s.job = new_job(m.channel, m.tensor, key);
     } else {
       if (s.state == State::kWriting) {
         s.state = State::kResident;
         ++forwarded_;
       } else if (s.state == State::kOffloaded) {
-        issue_read(a.tensor, key, now);
+        issue_read(m.tensor, key, now);
       }
     }
   }
 
   const trace::Trace& tr_;
-  const Plan* plan_;
+  const Schedule sched_;
   const Hardware& hw_;
   SimOptions opt_;
-  ChannelRates rates_;
-  Channel channels_[4];
+  std::array<Queue, kNumChannels> queues_;
   std::vector<Job> jobs_;
   std::int64_t seq_ = 0;
   std::vector<TensorState> tensors_;
-  std::vector<std::vector<TensorId>> created_at_, freed_at_, used_;
-  std::vector<std::vector<std::size_t>> actions_at_;
   std::uint64_t resident_ = 0;
   std::uint64_t host_bytes_ = 0;
   std::uint64_t peak_host_ = 0;
-  std::uint64_t issued_[4] = {0, 0, 0, 0};
+  std::array<std::uint64_t, kNumChannels> issued_{};
   std::int64_t misses_ = 0;
   std::int64_t forwarded_ = 0;
   bool counting_ = false;

@@ -464,6 +464,7 @@ void ActivationOffloader::Impl::release(Record& r) {
         r.state = Record::State::kKept;
         r.storage = c10::Storage();
         ++stats.cancelled_writes;
+        return;
       }
       {
         // Part of it runs. Without offloading the memory would go back now, so wait for the
@@ -583,7 +584,10 @@ void ActivationOffloader::end_step(std::int64_t /*step*/) {
                   m.bandwidth / 1e9, 1e3 * m.forward_seconds);
     m.notice = line;
   }
-  const bool waited = m.stats.misses > 0 || m.stats.stall_seconds > 0.01 * step_seconds;
+  // Only a wait that cost time widens it: a miss of a few milliseconds each step (the first
+  // record backward needs, written just before it) is not cured by reading further ahead, and
+  // doubling the read-ahead for it every step would hold ever more of the step in memory.
+  const bool waited = m.stats.stall_seconds > 0.01 * step_seconds;
   const double next = static_cast<double>(m.lookahead) * (waited ? 2.0 : 0.75);
   m.lookahead = std::clamp<std::uint64_t>(static_cast<std::uint64_t>(next),
                                           m.opt.min_lookahead_bytes, m.opt.max_lookahead_bytes);

@@ -19,7 +19,6 @@
 #include "device_sync.hpp"
 #include "ivalue_tensors.hpp"
 #include "tidal/common/error.hpp"
-#include "tidal/trace/lifetime.hpp"
 
 namespace tidal::torch_layer {
 namespace {
@@ -91,33 +90,36 @@ struct PlanExecutor::Impl {
     std::uint64_t nbytes = 0;
     c10::Device device{c10::kCPU};
     c10::DataPtr incoming;     // memory a read is filling
-    bool cancel = false;       // touched while its write was in flight: keep it
+    bool cancel = false;       // touched (or prefetched) while its write was in flight: keep it
+    std::int64_t due = 0;      // a write: the op it must be done before, counted over all steps
     std::exception_ptr error;  // a read that failed; thrown to the next op that needs it
   };
-  // One step shape: the ops of a profiled step and the plan's actions by trigger op.
+  // One step shape: the ops of a profiled step and its plan's schedule (the one the simulator
+  // replays): migrations by issuing op, memory each op allocates, uses of each tensor.
   struct Shape {
     std::vector<std::string> op_names;
-    std::vector<std::vector<plan::PlanAction>> at_trigger;
-    std::vector<std::uint64_t> new_bytes;           // by op: its workspace and the tensors it makes
-    std::vector<std::vector<trace::OpIndex>> uses;  // by tensor: the ops that use it, ascending
-    std::size_t num_tensors = 0;
+    plan::Schedule sched;
   };
   // A prefetch held back by the budget, issued when memory allows or when an op needs it.
   struct HeldPrefetch {
-    trace::OpIndex deadline;
+    std::int64_t due;  // counted over all steps, as Slot::due
     c10::weak_intrusive_ptr<c10::StorageImpl> storage;
   };
-  std::vector<HeldPrefetch> held;  // sorted by deadline
+  std::vector<HeldPrefetch> held;  // sorted by due: the most urgent first
+  // Ops of the steps before this one: Migration::due is counted from its step's start, and a
+  // write issued at one step's end is due in the next.
+  std::int64_t step_base = 0;
 
   std::shared_ptr<io::TensorStore> store;
   ExecutorOptions opt;
 
   bool on_host(const Slot& s) const { return opt.host && s.tier == opt.host.get(); }
   std::vector<Shape> shapes;
-  int current = 0;                         // shape of the step running
-  int last_completed = 0;                  // shape the last step ended with
-  std::size_t ops_run = 0;                 // ops of this step so far
-  std::vector<plan::PlanAction> deferred;  // actions triggered by the step-end op: next step
+  int current = 0;                        // shape of the step running
+  int last_completed = 0;                 // shape the last step ended with
+  std::size_t ops_run = 0;                // ops of this step so far
+  std::vector<plan::Migration> deferred;  // migrations issued by the step-end op: next step
+  std::int64_t deferred_base = 0;         // step_base of the step that issued them
   std::recursive_mutex mu;  // recursive: restore paths call make_resident under the lock
   std::unordered_map<c10::StorageImpl*, Slot> slots;
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> bound;  // by tensor id
@@ -126,32 +128,36 @@ struct PlanExecutor::Impl {
   bool diverged = false;
   std::thread::id guard_thread;
 
+  // Any plan for this trace runs (a wrong one costs time, never correctness): compiled leniently.
   static Shape make_shape(const trace::Trace& trace, const plan::Plan& plan) {
-    TIDAL_EXPECT_AS(InvalidArgument,
-                    plan.num_ops == static_cast<std::int32_t>(trace.ops.size()) &&
-                        plan.num_tensors == static_cast<std::int32_t>(trace.tensors.size()),
-                    "the plan was made for a trace of ", plan.num_ops, " ops and ",
-                    plan.num_tensors, " tensors, not this one (", trace.ops.size(), " ops, ",
-                    trace.tensors.size(), " tensors); plan this trace again");
     Shape s;
+    s.sched = plan::compile_schedule(trace, &plan, /*strict=*/false);
     s.op_names = trace::op_names(trace);
-    s.at_trigger.resize(trace.ops.size());
-    for (const auto& a : plan.actions) {
-      if (a.trigger >= 0 && static_cast<std::size_t>(a.trigger) < trace.ops.size()) {
-        s.at_trigger[static_cast<std::size_t>(a.trigger)].push_back(a);
-      }
-    }
-    s.new_bytes.assign(trace.ops.size(), 0);
-    for (std::size_t k = 0; k < trace.ops.size(); ++k)
-      s.new_bytes[k] = trace.ops[k].workspace_bytes;
-    for (const auto& t : trace.tensors) {
-      if (t.producer >= 0 && static_cast<std::size_t>(t.producer) < trace.ops.size()) {
-        s.new_bytes[static_cast<std::size_t>(t.producer)] += t.bytes;
-      }
-    }
-    s.num_tensors = trace.tensors.size();
-    for (auto& t : trace::analyze_lifetimes(trace).tensors) s.uses.push_back(std::move(t.uses));
     return s;
+  }
+  const Shape& shape() const { return shapes[static_cast<std::size_t>(current)]; }
+
+  // Where tensor `id` of the current shape is now (for ExecutorOptions::on_op_start).
+  plan::Residency residency_of(std::size_t id) const {
+    if (id >= bound.size()) return plan::Residency::kAbsent;
+    auto live = bound[id].lock();
+    if (!live) return plan::Residency::kAbsent;
+    auto it = slots.find(live.get());
+    if (it == slots.end()) return plan::Residency::kResident;
+    switch (it->second.state) {
+      case State::kResident:
+        return plan::Residency::kResident;
+      case State::kWriting:
+        return it->second.cancel ? plan::Residency::kResident : plan::Residency::kLeaving;
+      case State::kReading:
+        return plan::Residency::kArriving;
+      case State::kOffloaded:
+        for (const auto& h : held) {
+          if (h.storage.lock().get() == live.get()) return plan::Residency::kArriving;
+        }
+        return plan::Residency::kAway;
+    }
+    return plan::Residency::kResident;
   }
 
   void grow_bound(std::size_t n) {
@@ -183,7 +189,7 @@ struct PlanExecutor::Impl {
           same_start(s, cur, k)) {
         current = static_cast<int>(j);
         ++stats.shape_switches;
-        grow_bound(s.num_tensors);
+        grow_bound(static_cast<std::size_t>(s.sched.num_tensors));
         return;
       }
     }
@@ -365,13 +371,14 @@ struct PlanExecutor::Impl {
     if (!over(more) || diverged) return;
     stats.eviction_overshoot =
         std::max(stats.eviction_overshoot, meter_bytes() + more - opt.budget);
-    const Shape& shape = shapes[static_cast<std::size_t>(current)];
+    const plan::Schedule& sched = shape().sched;
+    const auto n_ops = static_cast<std::int64_t>(sched.num_ops);
     const auto t0 = Clock::now();
     bool evicted = false;
     while (over(more)) {
       c10::intrusive_ptr<c10::StorageImpl> victim;
       std::int64_t best = -1;
-      for (std::size_t id = 0; id < bound.size() && id < shape.uses.size(); ++id) {
+      for (std::size_t id = 0; id < bound.size() && id < sched.uses_of.size(); ++id) {
         auto live = bound[id].lock();
         if (!live || live->nbytes() < opt.min_bytes || live->allocator() == nullptr ||
             live->data() == nullptr) {
@@ -383,10 +390,9 @@ struct PlanExecutor::Impl {
         }
         if (in_use(live.get())) continue;
         // Distance to the next use in this step, or past its end (used next step, or never).
-        const auto& u = shape.uses[id];
+        const auto& u = sched.uses_of[id];
         auto next = std::upper_bound(u.begin(), u.end(), index);
-        const std::int64_t distance =
-            next != u.end() ? *next - index : static_cast<std::int64_t>(shape.op_names.size()) + 1;
+        const std::int64_t distance = next != u.end() ? *next - index : n_ops + 1;
         if (distance > best) {
           best = distance;
           victim = std::move(live);
@@ -399,6 +405,7 @@ struct PlanExecutor::Impl {
       s.device = victim->device();
       s.cancel = false;
       s.tier = store.get();
+      s.due = 0;  // waited for at once
       detail::sync_current_stream(s.device);
       s.ticket = store->write(victim->data(), s.nbytes, io::Priority::kUrgent);
       settle(s, State::kWriting);
@@ -438,14 +445,15 @@ struct PlanExecutor::Impl {
     }
   }
 
-  void run_action(const plan::PlanAction& a) {
-    if (a.tensor < 0 || static_cast<std::size_t>(a.tensor) >= bound.size()) return;
-    c10::intrusive_ptr<c10::StorageImpl> impl = bound[static_cast<std::size_t>(a.tensor)].lock();
+  // Issues migration `m` of a step that started `base` ops into the run.
+  void run_migration(const plan::Migration& m, std::int64_t base) {
+    if (m.tensor < 0 || static_cast<std::size_t>(m.tensor) >= bound.size()) return;
+    c10::intrusive_ptr<c10::StorageImpl> impl = bound[static_cast<std::size_t>(m.tensor)].lock();
     if (!impl) {
       ++stats.unbound;
       return;
     }
-    if (a.kind == plan::ActionKind::kOffload) {
+    if (m.kind == plan::ActionKind::kOffload) {
       if (impl->nbytes() < opt.min_bytes || impl->allocator() == nullptr ||
           impl->data() == nullptr) {
         return;
@@ -456,10 +464,11 @@ struct PlanExecutor::Impl {
       s.nbytes = impl->nbytes();
       s.device = impl->device();
       s.cancel = false;
+      s.due = base + m.due;
       detail::sync_current_stream(s.device);  // the producing kernels must have finished
       // Where the plan says: host memory while the pool has room, else the SSD store.
       s.tier = store.get();
-      if (a.target == plan::Target::kHost) {
+      if (m.tier == plan::Tier::kHost) {
         if (opt.host && opt.host->free_bytes() >= s.nbytes) {
           s.tier = opt.host.get();
           ++stats.host_offloads;
@@ -470,29 +479,69 @@ struct PlanExecutor::Impl {
       s.ticket = s.tier->write(impl->data(), s.nbytes, io::Priority::kOffload);
       settle(s, State::kWriting);
       ++stats.offloads;
-    } else {
-      auto it = slots.find(impl.get());
-      if (it == slots.end() || it->second.state != State::kOffloaded) return;
-      wait_for_room(it->second.nbytes + reserve);
-      if (over(it->second.nbytes + reserve)) {
-        // No room yet: hold it, in deadline order, until memory allows or an op needs it.
-        HeldPrefetch h{a.deadline, c10::weak_intrusive_ptr<c10::StorageImpl>(impl)};
-        auto pos = std::upper_bound(held.begin(), held.end(), h, [](const auto& x, const auto& y) {
-          return x.deadline < y.deadline;
-        });
-        held.insert(pos, std::move(h));
-        ++stats.delayed_prefetches;
-        return;
-      }
-      start_read(*impl, it->second, io::Priority::kPrefetch);
-      ++stats.prefetches;
+      return;
     }
+    auto it = slots.find(impl.get());
+    if (it == slots.end()) return;
+    Slot& s = it->second;
+    if (s.state == State::kWriting && !s.cancel) {
+      // Forwarding: the tensor is wanted back before its write is done. It keeps its memory;
+      // a write not yet started is dropped, one that runs is finished and forgotten.
+      ++stats.forwarded;
+      if (s.tier->cancel_write(s.ticket)) {
+        s.ticket = io::Ticket{};
+        settle(s, State::kResident);
+      } else {
+        s.cancel = true;
+      }
+      return;
+    }
+    if (s.state != State::kOffloaded) return;
+    wait_for_room(s.nbytes + reserve);
+    if (over(s.nbytes + reserve)) {
+      // No room yet: hold it, most urgent first, until memory allows or an op needs it.
+      HeldPrefetch h{base + m.due, c10::weak_intrusive_ptr<c10::StorageImpl>(impl)};
+      auto pos = std::upper_bound(held.begin(), held.end(), h,
+                                  [](const auto& x, const auto& y) { return x.due < y.due; });
+      held.insert(pos, std::move(h));
+      ++stats.delayed_prefetches;
+      return;
+    }
+    start_read(*impl, s, io::Priority::kPrefetch);
+    ++stats.prefetches;
   }
 
   void run_trigger(trace::OpIndex index) {
-    const Shape& s = shapes[static_cast<std::size_t>(current)];
-    if (index < 0 || static_cast<std::size_t>(index) >= s.at_trigger.size()) return;
-    for (const auto& a : s.at_trigger[static_cast<std::size_t>(index)]) run_action(a);
+    const plan::Schedule& sched = shape().sched;
+    if (index < 0 || static_cast<std::size_t>(index) >= sched.issued_after.size()) return;
+    for (std::int32_t i : sched.issued_after[static_cast<std::size_t>(index)]) {
+      run_migration(sched.migrations[static_cast<std::size_t>(i)], step_base);
+    }
+  }
+
+  // The plan's deadlines: before op `index`, the writes due by then are done (as the simulator
+  // has them), so that the tensor is gone when the plan counts it gone, whatever the disk's
+  // speed. Not the writes of the tensors this op uses (they stay: see before_op).
+  void wait_for_deadlines(trace::OpIndex index, const std::vector<TensorRef>& inputs) {
+    if (!opt.wait_for_deadlines) return;
+    const std::int64_t now = step_base + index;
+    const auto t0 = Clock::now();
+    bool waited = false;
+    for (auto& [storage, s] : slots) {
+      if (s.state != State::kWriting || s.cancel || s.due > now) continue;
+      if (std::any_of(inputs.begin(), inputs.end(),
+                      [&](const TensorRef& r) { return r.storage == storage; })) {
+        continue;
+      }
+      c10::intrusive_ptr<c10::StorageImpl> live = s.weak.lock();
+      if (!live) continue;
+      if (!s.tier->ready(s.ticket)) waited = true;
+      finish_write(*live, s);
+    }
+    if (waited) {
+      ++stats.deadline_waits;
+      stats.write_stall_seconds += since(t0);
+    }
   }
 };
 
@@ -612,6 +661,11 @@ void PlanExecutor::before_op(trace::OpIndex index, const std::string& name,
   Impl& m = *impl_;
   m.advance(index, name);
   if (!m.diverged) m.bind(inputs);
+  if (m.opt.on_op_start && !m.diverged && index >= 0) {
+    std::vector<plan::Residency> where(static_cast<std::size_t>(m.shape().sched.num_tensors));
+    for (std::size_t id = 0; id < where.size(); ++id) where[id] = m.residency_of(id);
+    m.opt.on_op_start(index, where);
+  }
   // No reads here (this runs in a RecordFunction callback, where a failure could not stop the
   // op): the residency guard reads what the op needs. A write in flight is cancelled, though, so
   // that an op changing the tensor in place never loses its change.
@@ -621,9 +675,10 @@ void PlanExecutor::before_op(trace::OpIndex index, const std::string& name,
   }
   m.poll();
   if (!m.diverged && index >= 0) {
-    const auto& shape = m.shapes[static_cast<std::size_t>(m.current)];
-    if (static_cast<std::size_t>(index) < shape.new_bytes.size()) {
-      const std::uint64_t more = shape.new_bytes[static_cast<std::size_t>(index)];
+    const auto& new_bytes = m.shape().sched.new_bytes;
+    m.wait_for_deadlines(index, inputs);
+    if (static_cast<std::size_t>(index) < new_bytes.size()) {
+      const std::uint64_t more = new_bytes[static_cast<std::size_t>(index)];
       m.wait_for_room(more);
       m.evict_for(more, index, [&](const c10::StorageImpl* p) {
         return std::any_of(inputs.begin(), inputs.end(),
@@ -640,9 +695,9 @@ void PlanExecutor::after_op(trace::OpIndex index, const std::vector<TensorRef>& 
   Impl& m = *impl_;
   if (m.diverged) return;  // on-demand only: the guard still serves every op
   m.bind(outputs);
-  const auto& shape = m.shapes[static_cast<std::size_t>(m.current)];
+  const auto& new_bytes = m.shape().sched.new_bytes;
   const auto next = static_cast<std::size_t>(index) + 1;
-  m.reserve = index >= 0 && next < shape.new_bytes.size() ? shape.new_bytes[next] : 0;
+  m.reserve = index >= 0 && next < new_bytes.size() ? new_bytes[next] : 0;
   try {
     m.run_trigger(index);
   } catch (const Error&) {
@@ -666,9 +721,12 @@ void PlanExecutor::step_end(trace::OpIndex index, const std::vector<TensorRef>& 
     }
   }
   m.deferred.clear();
-  const auto& shape = m.shapes[static_cast<std::size_t>(m.current)];
-  if (!m.diverged && index >= 0 && static_cast<std::size_t>(index) < shape.at_trigger.size()) {
-    m.deferred = shape.at_trigger[static_cast<std::size_t>(index)];
+  const plan::Schedule& sched = m.shape().sched;
+  if (!m.diverged && index >= 0 && static_cast<std::size_t>(index) < sched.issued_after.size()) {
+    for (std::int32_t i : sched.issued_after[static_cast<std::size_t>(index)]) {
+      m.deferred.push_back(sched.migrations[static_cast<std::size_t>(i)]);
+    }
+    m.deferred_base = m.step_base;
   }
   if (first) std::rethrow_exception(first);
 }
@@ -677,6 +735,7 @@ void PlanExecutor::begin_step(std::int64_t /*step*/, const std::vector<torch::Te
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   Impl& m = *impl_;
   m.stats = ExecutorStats{};
+  m.step_base += static_cast<std::int64_t>(m.ops_run);
   m.diverged = false;
   m.ops_run = 0;
   m.held.clear();
@@ -686,7 +745,7 @@ void PlanExecutor::begin_step(std::int64_t /*step*/, const std::vector<torch::Te
   // What the plan moves after the last step's end (the step-end op's actions) starts now, so
   // that between steps everything stays the caller's.
   try {
-    for (const auto& a : m.deferred) m.run_action(a);
+    for (const auto& mig : m.deferred) m.run_migration(mig, m.deferred_base);
   } catch (const Error&) {
   }
   m.deferred.clear();
@@ -716,6 +775,7 @@ void PlanExecutor::end_step(std::int64_t /*step*/) {
   }
   if (!m.diverged) {
     m.stats.shape = m.current;
+    m.stats.planned_bytes = m.shape().sched.planned_bytes;
     m.last_completed = m.current;
   }
   m.last = m.stats;

@@ -142,7 +142,7 @@ TEST(Hardware, PresetsAndOverrides) {
   EXPECT_EQ(h.ssd_count, 2);
   EXPECT_DOUBLE_EQ(h.ssd_write_bw, 3.0e9);
   EXPECT_DOUBLE_EQ(h.ssd_read_bw, 3.5e9);
-  EXPECT_EQ(h.channels().host_write, 0);
+  EXPECT_EQ(h.channels()[Channel::kHostWrite], 0);
   EXPECT_THROW(hardware_preset("tpu"), InvalidArgument);
   Hardware here = hardware_preset("cpu-here");
   EXPECT_THROW(apply_overrides(here, HardwareOverrides{}), InvalidArgument);  // no --gpu-mem

@@ -7,19 +7,9 @@
 #include <string>
 #include <vector>
 
-namespace tidal::plan {
+#include "tidal/plan/tiers.hpp"
 
-/// Transfer rates of the four channels the planner and the simulator schedule, bytes/s.
-///
-/// The GPU's host link (PCIe) carries every transfer. The SSD channels get what the SSD array
-/// can do (capped by the link); the host-memory channels get the rest of the link. This static
-/// split keeps the planner's bandwidth buckets and the simulator's queues in agreement.
-struct ChannelRates {
-  double ssd_write = 0;
-  double ssd_read = 0;
-  double host_write = 0;
-  double host_read = 0;
-};
+namespace tidal::plan {
 
 /// A machine, or one GPU's share of it. Plain data; copyable; no synchronisation.
 struct Hardware {
@@ -41,7 +31,7 @@ struct Hardware {
   /// Aggregate SSD write/read bandwidth of the array, capped by the host link.
   [[nodiscard]] double ssd_write_total() const;
   [[nodiscard]] double ssd_read_total() const;
-  /// The channel split tidal's planner and the simulator use (see ChannelRates).
+  /// The channel split tidal's planner and the simulator use (see ChannelRates in tiers.hpp).
   [[nodiscard]] ChannelRates channels() const;
   /// One line: "94.0 GB device, 4x SSD 6.50/6.70 GB/s, host link 55.0 GB/s, host 768 GB".
   [[nodiscard]] std::string describe() const;

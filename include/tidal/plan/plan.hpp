@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "tidal/plan/tiers.hpp"
 #include "tidal/trace/trace.hpp"
 
 namespace tidal::plan {
@@ -20,14 +21,9 @@ enum class ActionKind : std::uint8_t {
   kPrefetch,  ///< allocate device memory and read the tensor back
 };
 
-enum class Target : std::uint8_t {
-  kSsd,   ///< the SSD tensor store
-  kHost,  ///< host memory (pinned)
-};
-
 const char* to_string(ActionKind k);
-const char* to_string(Target t);
-/// Inverses of to_string; throw tidal::InvalidArgument on an unknown name.
+/// Inverses of to_string; throw tidal::InvalidArgument on an unknown name. A plan's target is
+/// "ssd" or "host" (never "device").
 ActionKind action_kind_from_string(const std::string& s);
 Target target_from_string(const std::string& s);
 

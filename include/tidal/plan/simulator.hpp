@@ -8,6 +8,7 @@
 
 #include "tidal/plan/hardware.hpp"
 #include "tidal/plan/plan.hpp"
+#include "tidal/plan/schedule.hpp"
 #include "tidal/trace/trace.hpp"
 
 namespace tidal::plan {
@@ -22,6 +23,8 @@ struct SimOptions {
   bool skip_clean_writes = true;
   /// Channel rates; unset: Hardware::channels().
   std::optional<ChannelRates> channels;
+  /// Fill SimResult::residency (ops x tensors states: for tests and comparisons).
+  bool record_residency = false;
 };
 
 /// What one replayed iteration did. All byte counts are per iteration.
@@ -50,9 +53,13 @@ struct SimResult {
   /// endurance figure); iterations likewise.
   double ssd_lifetime_days = 0;
   double ssd_lifetime_iterations = 0;
+  /// With SimOptions::record_residency: where each tensor is as each op of the reported
+  /// iteration comes up, before anything is done for it (by op, then by tensor id).
+  std::vector<std::vector<Residency>> residency;
 };
 
-/// Replays `trace` with `plan` (nullptr: keep everything) on `hw`.
+/// Replays `trace` with `plan` (nullptr: keep everything) on `hw`: the reference engine of the
+/// plan's Schedule (schedule.hpp), which the plan executor runs for real.
 ///
 /// Model: ops run back to back in trace order for their recorded duration. An op starts when
 /// the previous one has ended, every tensor it uses is resident (prefetch reads done; a tensor

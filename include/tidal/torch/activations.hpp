@@ -24,8 +24,9 @@ struct ActivationOptions {
   std::uint64_t min_bytes = 1 << 20;
   /// Bytes of offloaded activations read back ahead of their use during backward, at the
   /// start. Every read-ahead costs memory, so the lookahead adapts after each step: it doubles
-  /// when backward waited for reads (a miss, or stalls over 1% of the step) and shrinks by a
-  /// quarter otherwise, within [min_lookahead_bytes, max_lookahead_bytes].
+  /// when backward waited for reads over 1% of the step (a miss that cost less does not widen
+  /// it: reading further ahead would not cure it and would hold more in memory) and shrinks by
+  /// a quarter otherwise, within [min_lookahead_bytes, max_lookahead_bytes].
   std::uint64_t lookahead_bytes = 32ull << 20;
   std::uint64_t min_lookahead_bytes = 4ull << 20;
   std::uint64_t max_lookahead_bytes = 1ull << 30;

@@ -16,6 +16,7 @@
 
 #include <torch/torch.h>
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -25,6 +26,7 @@
 #include "tidal/io/host_pool.hpp"
 #include "tidal/io/store.hpp"
 #include "tidal/plan/plan.hpp"
+#include "tidal/plan/schedule.hpp"
 #include "tidal/torch/step.hpp"
 #include "tidal/trace/trace.hpp"
 
@@ -74,10 +76,15 @@ struct ExecutorStats {
   std::uint64_t host_fallbacks = 0;  ///< host offloads the pool had no room for: to SSD instead
   std::uint64_t bytes_to_host = 0;
   std::uint64_t bytes_from_host = 0;
-  double stall_seconds = 0;        ///< time ops waited for reads (misses and late prefetches)
-  double host_stall_seconds = 0;   ///< the part of stall_seconds spent on host pool reads
-  double write_stall_seconds = 0;  ///< time ops waited for writes to free memory (the budget)
-  std::uint64_t budget_waits = 0;  ///< ops that waited for writes so as not to cross the budget
+  double stall_seconds = 0;          ///< time ops waited for reads (misses and late prefetches)
+  double host_stall_seconds = 0;     ///< the part of stall_seconds spent on host pool reads
+  double write_stall_seconds = 0;    ///< time ops waited for writes to free memory (the budget)
+  std::uint64_t budget_waits = 0;    ///< ops that waited for writes so as not to cross the budget
+  std::uint64_t deadline_waits = 0;  ///< ops that waited for a write due before them (the plan)
+  std::uint64_t forwarded = 0;       ///< prefetches of a tensor whose write was in flight: kept
+  /// What the step's schedule moves, per channel (plan::index_of): planned against the bytes
+  /// above (0 when the step left its shape).
+  std::array<std::uint64_t, plan::kNumChannels> planned_bytes{};
   std::uint64_t delayed_prefetches = 0;  ///< prefetches held back until memory allowed them
   /// Tensors written out at once, outside the plan, because an op would have crossed the
   /// budget with no write left to wait for (the one used again latest first).
@@ -105,6 +112,14 @@ struct ExecutorOptions {
   /// The host memory tier: actions whose target is host go there while it has room (the SSD
   /// store otherwise). Null: every action goes to the SSD store.
   std::shared_ptr<io::HostPool> host;
+  /// Before each op, wait for the writes the plan wants done by then (their deadlines), as the
+  /// simulator does: a tensor is gone when the plan counts it gone, on any disk; the wait is a
+  /// write stall. Off: writes are waited for only when the budget needs their memory.
+  bool wait_for_deadlines = true;
+  /// Called before each op of a step that follows its profile, with where each tensor of the
+  /// trace is (by id), in the simulator's terms (SimOptions::record_residency): for tests and
+  /// for comparing the two engines. Runs under the executor's lock; must not call into it.
+  std::function<void(trace::OpIndex, const std::vector<plan::Residency>&)> on_op_start;
 };
 
 /// Executes plans for profiled traces: one per step shape (add_shape). A step starts with the
