@@ -329,17 +329,23 @@ void Tracer::on_op_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
       ++slot;
     });
   }
+  // Tensors its nested ops made that outlive it (matmul's reshaped copies saved for backward):
+  // its outputs too, for the trace and for the listener, which may have to move them.
+  std::vector<TensorRef> refs;
   for (auto& weak : nested_outputs_) {
     if (weak.expired() || ids_.count(weak._unsafe_get_target()) != 0) continue;
     auto strong = weak.lock();
     if (!strong) continue;
     c10::Storage storage(std::move(strong));
     add_output(storage, storage.device());
+    if (listener_ != nullptr) {
+      auto it = ids_.find(storage.unsafeGetStorageImpl());
+      if (it != ids_.end()) refs.push_back({it->second, storage.unsafeGetStorageImpl()});
+    }
     ++slot;
   }
   nested_outputs_.clear();
   if (listener_ != nullptr) {
-    std::vector<TensorRef> refs;
     for (const auto& v : fn.outputs()) {
       for_each_tensor(v, [&](const at::Tensor& t) {
         if (!usable(t)) return;
@@ -367,10 +373,14 @@ void Tracer::fold_peak() {
 
 BoundTensors Tracer::alive_tensors() {
   std::lock_guard<std::mutex> lock(mutex_);
-  collect_frees();
+  // During a step, tensors freed so far leave the trace's live set; after it (the iteration is
+  // folded and current_ is empty) the ones the caller has let go since are only skipped.
+  if (!current_.tensors.empty()) collect_frees();
   BoundTensors out;
   out.reserve(live_.size());
-  for (const auto& l : live_) out.emplace_back(l.id, l.storage);
+  for (const auto& l : live_) {
+    if (!l.storage.expired()) out.emplace_back(l.id, l.storage);
+  }
   // Registered persistent tensors (weights, gradients, optimizer state) are not among the
   // tensors watched for frees: add them with the ids this iteration gave them.
   for (const auto& p : persistent_) {

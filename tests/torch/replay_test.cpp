@@ -1,0 +1,192 @@
+// One schedule, two engines: a profiled trace's plan replayed by the simulator (the reference)
+// and run by the plan executor on a store that adds latency to every request, so that the
+// plan's timing is wrong. Where each moved tensor is as each op starts, and the bytes moved,
+// must agree; the executor must never cross its budget, and stall instead.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+
+#include "io/test_dir.hpp"
+#include "tidal/common/units.hpp"
+#include "tidal/models/trainer.hpp"
+#include "tidal/plan/hardware.hpp"
+#include "tidal/plan/planner.hpp"
+#include "tidal/plan/schedule.hpp"
+#include "tidal/plan/simulator.hpp"
+#include "tidal/torch/executor.hpp"
+#include "tidal/torch/memory.hpp"
+#include "tidal/torch/tracer.hpp"
+#include "tidal/trace/lifetime.hpp"
+
+namespace tidal::torch_layer {
+namespace {
+
+constexpr std::uint64_t kMinBytes = 16 * kKiB;
+
+models::TrainerOptions trainer_options() {
+  models::TrainerOptions o;
+  o.config = models::model_config("gpt-tiny");
+  o.batch = 4;
+  o.seq = 64;
+  o.seed = 7;
+  return o;
+}
+
+struct Profile {
+  trace::Trace trace;
+  std::uint64_t meter_peak = 0;  // the meter's peak over the profiled step (all allocations)
+};
+
+// One plain step (gradients and optimizer state exist from then on), then one profiled.
+Profile profile(models::Trainer& trainer, Tracer& tracer, MemoryMeter& meter) {
+  trainer.step();
+  auto named = trainer.persistent_tensors();
+  for (auto& [n, x] : named.parameters)
+    tracer.register_persistent(x, n, trace::TensorClass::kParameter);
+  for (auto& [n, x] : named.gradients)
+    tracer.register_persistent(x, n, trace::TensorClass::kGradient);
+  for (auto& [n, x] : named.optimizer_state)
+    tracer.register_persistent(x, n, trace::TensorClass::kOptimizerState);
+  tracer.start();
+  trainer.add_observer(&tracer);
+  meter.reset_peak();
+  trainer.step();
+  Profile p;
+  p.meter_peak = meter.peak_bytes();
+  p.trace = tracer.result().trace;
+  return p;
+}
+
+struct Executed {
+  std::vector<std::vector<plan::Residency>> residency;  // by op of the recorded step
+  ExecutorStats recorded;                               // the recorded step's stats
+  double stall_seconds = 0;                             // over every executed step
+  std::uint64_t worst_peak = 0;                         // the meter, over every executed step
+};
+
+// Trains the rest of the run under `plan`, with the executor's hard budget in meter bytes;
+// records the residency of step `record` (0-based among executed steps).
+Executed execute(const std::shared_ptr<io::TensorStore>& store, models::Trainer& trainer,
+                 Tracer& tracer, const trace::Trace& tr, const plan::Plan& plan,
+                 std::uint64_t budget, int steps, int record) {
+  MemoryMeter meter;
+  Executed out;
+  int step = 0;
+  ExecutorOptions eo;
+  eo.min_bytes = kMinBytes;
+  eo.budget = budget;
+  eo.current_bytes = [meter] { return meter.current_bytes(); };
+  eo.on_op_start = [&](trace::OpIndex k, const std::vector<plan::Residency>& where) {
+    if (step != record) return;
+    if (out.residency.size() <= static_cast<std::size_t>(k)) out.residency.resize(k + 1);
+    out.residency[static_cast<std::size_t>(k)] = where;
+  };
+  PlanExecutor ex(store, tr, plan, eo);
+  ex.bind_alive(tracer.alive_tensors());
+  tracer.set_keep_iterations(false);
+  tracer.set_listener(&ex);
+  trainer.add_observer(&ex);
+  for (step = 0; step < steps; ++step) {
+    ex.fit_budget();
+    meter.reset_peak();
+    trainer.step();
+    out.worst_peak = std::max(out.worst_peak, meter.peak_bytes());
+    const ExecutorStats s = ex.last_step();
+    out.stall_seconds += s.stall_seconds + s.write_stall_seconds;
+    if (step == record) out.recorded = s;
+  }
+  trainer.remove_observer(&ex);
+  trainer.remove_observer(&tracer);
+  tracer.set_listener(nullptr);
+  return out;
+}
+
+struct Replay {
+  plan::Plan plan;
+  plan::SimResult sim;
+  Executed run;
+  std::uint64_t budget = 0;
+  std::set<trace::TensorId> moved;  // tensors the schedule migrates
+};
+
+Replay replay(unsigned delay_us) {
+  models::Trainer trainer(trainer_options());
+  Tracer tracer(Tracer::Options{"gpt-tiny", 4, 64});
+  MemoryMeter meter;
+  const Profile prof = profile(trainer, tracer, meter);
+  const trace::Trace& tr = prof.trace;
+  std::uint64_t trace_peak = 0;
+  for (std::uint64_t v : trace::analyze_lifetimes(tr).live_bytes)
+    trace_peak = std::max(trace_peak, v);
+
+  Replay r;
+  plan::Hardware hw = plan::hardware_preset("cpu-here");
+  hw.device_memory = trace_peak * 6 / 10;
+  hw.memory_margin = 0;
+  plan::PlannerOptions po;
+  po.min_bytes = kMinBytes;
+  r.plan = plan::make_plan(tr, hw, po);
+  plan::SimOptions so;
+  so.skip_clean_writes = false;  // the executor writes a tensor again each time it is offloaded
+  so.record_residency = true;
+  r.sim = plan::simulate(tr, &r.plan, hw, so);
+  for (const auto& m : plan::compile_schedule(tr, &r.plan).migrations) r.moved.insert(m.tensor);
+
+  // The executor's budget is in the meter's bytes, which also count what the trace does not see
+  // (allocator padding, tensors inside one op): the plan's peak plus that difference.
+  r.budget =
+      r.plan.summary.peak_after_bytes + (prof.meter_peak - std::min(prof.meter_peak, trace_peak));
+  testing::TestDir dir;
+  io::StoreOptions sto;
+  sto.dirs = {dir.path()};
+  sto.capacity = 256 * kMiB;
+  sto.faults.delay_us = delay_us;
+  auto store = std::make_shared<io::TensorStore>(sto);
+  r.run = execute(store, trainer, tracer, tr, r.plan, r.budget, 4, 2);
+
+  return r;
+}
+
+TEST(Replay, SimulatorAndExecutorAgreeOnResidencyAndBytesOnASlowStore) {
+  const Replay fast = replay(0);
+  const Replay slow = replay(3000);  // 3 ms on every request: far slower than the plan assumed
+  for (const Replay* r : {&fast, &slow}) {
+    const char* which = r == &fast ? "fast store" : "slow store";
+    ASSERT_FALSE(r->plan.actions.empty()) << which << ": the plan moves nothing";
+    ASSERT_EQ(r->run.residency.size(), r->sim.residency.size()) << which;
+    std::size_t compared = 0;
+    std::size_t differ = 0;
+    for (std::size_t k = 0; k < r->sim.residency.size(); ++k) {
+      for (trace::TensorId id : r->moved) {
+        const auto i = static_cast<std::size_t>(id);
+        const plan::Residency sim = r->sim.residency[k][i];
+        const plan::Residency exe = r->run.residency[k][i];
+        if (sim == plan::Residency::kAbsent || exe == plan::Residency::kAbsent) continue;
+        ++compared;
+        if (plan::on_device_side(sim) != plan::on_device_side(exe)) {
+          ++differ;
+          ADD_FAILURE() << which << ": before op " << k << " (" << r->run.recorded.ops.size()
+                        << " ops) tensor " << id << " is " << plan::to_string(exe)
+                        << " in the executor, " << plan::to_string(sim) << " in the simulator";
+          if (differ > 10) return;
+        }
+      }
+    }
+    EXPECT_GT(compared, 100u) << which;
+    const ExecutorStats& e = r->run.recorded;
+    EXPECT_EQ(e.evictions, 0u) << which << ": the plan should have sufficed";
+    const std::uint64_t exec_written = e.bytes_written + e.bytes_to_host;
+    const std::uint64_t sim_written = r->sim.ssd_bytes_written + r->sim.host_bytes_written;
+    const std::uint64_t exec_read = e.bytes_read + e.bytes_from_host;
+    const std::uint64_t sim_read = r->sim.ssd_bytes_read + r->sim.host_bytes_read;
+    EXPECT_EQ(exec_written, sim_written) << which;
+    EXPECT_EQ(exec_read, sim_read) << which;
+    EXPECT_LE(r->run.worst_peak, r->budget) << which;
+  }
+  EXPECT_GT(slow.run.stall_seconds, fast.run.stall_seconds + 0.01)
+      << "the slow store must cost time, not memory";
+}
+
+}  // namespace
+}  // namespace tidal::torch_layer
