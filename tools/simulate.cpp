@@ -16,6 +16,7 @@
 #include "tidal/plan/hardware.hpp"
 #include "tidal/plan/model_trace.hpp"
 #include "tidal/plan/policies.hpp"
+#include "tidal/plan/simulator.hpp"
 #include "tidal/trace/io.hpp"
 #include "trace_source.hpp"
 
@@ -30,6 +31,7 @@ struct SimulateArgs {
   std::string svg;
   std::uint64_t min_bytes = 0;
   std::string min_bytes_text;
+  std::string plan_file;
 };
 
 std::string pct(double x) {
@@ -97,8 +99,52 @@ std::string svg_plot(const std::vector<plan::PolicyResult>& results, std::uint64
   return s.str();
 }
 
+// --plan: the given plan (a training session's, from `tidal train --save-plan`) replayed as the
+// plan executor runs it, to set the simulator against what training measured.
+void run_given_plan(const SimulateArgs& a, const plan::Hardware& hw, const trace::Trace& tr) {
+  const plan::Plan p = plan::read_plan(a.plan_file);
+  plan::SimOptions so;
+  so.skip_clean_writes = false;  // the executor writes a tensor each time the plan offloads it
+  const plan::SimResult r = plan::simulate(tr, &p, hw, so);
+  std::printf("%s: %zu ops, %zu migrations from %s\n", tr.model.c_str(), tr.ops.size(),
+              p.actions.size(), a.plan_file.c_str());
+  std::printf("hardware %s: %s\n", hw.name.c_str(), hw.describe().c_str());
+  std::printf(
+      "iteration %s (compute %s, stall %s), peak %s of %s (%s), SSD %s written %s read, "
+      "host %s written %s read, %lld misses\n",
+      format_seconds(r.iteration_seconds).c_str(), format_seconds(r.compute_seconds).c_str(),
+      format_seconds(r.stall_seconds).c_str(),
+      format_bytes(static_cast<double>(r.peak_bytes)).c_str(),
+      format_bytes(static_cast<double>(r.capacity_bytes)).c_str(), r.fits ? "fits" : "DOES NOT FIT",
+      format_bytes(static_cast<double>(r.ssd_bytes_written)).c_str(),
+      format_bytes(static_cast<double>(r.ssd_bytes_read)).c_str(),
+      format_bytes(static_cast<double>(r.host_bytes_written)).c_str(),
+      format_bytes(static_cast<double>(r.host_bytes_read)).c_str(),
+      static_cast<long long>(r.misses));
+  if (a.json) {
+    nlohmann::json j = {{"model", tr.model},
+                        {"plan", a.plan_file},
+                        {"capacity_bytes", r.capacity_bytes},
+                        {"iteration_seconds", r.iteration_seconds},
+                        {"compute_seconds", r.compute_seconds},
+                        {"stall_seconds", r.stall_seconds},
+                        {"peak_bytes", r.peak_bytes},
+                        {"fits", r.fits},
+                        {"ssd_bytes_written", r.ssd_bytes_written},
+                        {"ssd_bytes_read", r.ssd_bytes_read},
+                        {"host_bytes_written", r.host_bytes_written},
+                        {"host_bytes_read", r.host_bytes_read},
+                        {"misses", r.misses}};
+    std::printf("%s\n", j.dump().c_str());
+  }
+}
+
 void run_simulate(const SimulateArgs& a) {
   auto [hw, tr] = load_trace_source(a.src);
+  if (!a.plan_file.empty()) {
+    run_given_plan(a, hw, tr);
+    return;
+  }
   std::vector<plan::Policy> policies;
   if (a.policy == "all") {
     policies = plan::all_policies();
@@ -253,6 +299,10 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_flag("--prefer-host", args->prefer_host,
                 "tidal: host memory before SSDs where both have the bandwidth (fewer SSD writes)");
   cmd->add_option("--svg", args->svg, "write a plot of memory over the iteration");
+  cmd->add_option("--plan", args->plan_file,
+                  "replay this plan (`tidal train --save-plan`) on the trace it was made for, as "
+                  "the plan executor runs it, instead of planning each policy")
+      ->check(CLI::ExistingFile);
   cmd->callback([args] {
     if (!args->min_bytes_text.empty()) args->min_bytes = parse_bytes(args->min_bytes_text);
     run_simulate(*args);

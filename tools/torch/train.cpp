@@ -282,6 +282,7 @@ void run_train(const TrainArgs& args) {
     j["misses"] = io.misses;
     j["write_failures"] = io.failures;
     j["offload_step_seconds_median"] = median(offload_seconds);
+    j["steps_offloaded"] = offload_seconds.size();  // the steps the byte and stall totals cover
     j["all_steps_median_seconds"] = median(seconds);
     if (so.mode == torch_layer::OffloadMode::kPlan) {
       j["memory_budget"] = st.memory_budget;

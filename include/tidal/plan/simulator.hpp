@@ -30,7 +30,7 @@ struct SimOptions {
 /// What one replayed iteration did. All byte counts are per iteration.
 struct SimResult {
   double iteration_seconds = 0;
-  double compute_seconds = 0;                ///< sum of op times
+  double compute_seconds = 0;                ///< sum of op times, with the host time between ops
   double stall_seconds = 0;                  ///< iteration_seconds - compute_seconds
   std::vector<std::uint64_t> memory_per_op;  ///< device bytes while op k runs
   std::vector<double> stall_per_op;          ///< seconds op k waited for transfers to start
@@ -61,7 +61,8 @@ struct SimResult {
 /// Replays `trace` with `plan` (nullptr: keep everything) on `hw`: the reference engine of the
 /// plan's Schedule (schedule.hpp), which the plan executor runs for real.
 ///
-/// Model: ops run back to back in trace order for their recorded duration. An op starts when
+/// Model: ops run in trace order for their recorded duration, each followed by the host time
+/// the trace recorded before the next (Schedule::op_seconds). An op starts when
 /// the previous one has ended, every tensor it uses is resident (prefetch reads done; a tensor
 /// neither resident nor being read is read at once, counted as a miss) and every offload whose
 /// deadline is this op has completed. Each channel (ChannelRates) moves one transfer at a time
