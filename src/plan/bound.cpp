@@ -88,7 +88,7 @@ StallBound stall_lower_bound(const trace::Trace& trace, const Hardware& hw) {
     };
     for (OpIndex j = i; j < n; ++j) {
       const auto& op = trace.ops[static_cast<std::size_t>(j)];
-      t += op.duration();
+      t += trace.op_seconds(static_cast<std::size_t>(j));
       for (const TensorId x : op.inputs) count_read(x);
       for (const TensorId x : op.outputs) {
         count_read(x);

@@ -256,8 +256,9 @@ struct LayerParams {
 };
 
 // The trace with its ops in `order` (a permutation of the op indices), renumbered and run back to
-// back with their durations; remap[k] receives old op k's new index, last[t] the new last use of
-// tensor t. Tensors are copied as they are: the caller moves their producers and free points.
+// back, each for its op_seconds (its duration and the host time after it travel with it); remap[k]
+// receives old op k's new index, last[t] the new last use of tensor t. Tensors are copied as they
+// are: the caller moves their producers and free points.
 trace::Trace with_op_order(const trace::Trace& in, const std::vector<OpIndex>& order,
                            std::vector<OpIndex>& remap, std::vector<OpIndex>& last) {
   remap.assign(in.ops.size(), trace::kNoOp);
@@ -266,7 +267,7 @@ trace::Trace with_op_order(const trace::Trace& in, const std::vector<OpIndex>& o
   double now = 0;
   for (OpIndex k : order) {
     trace::Op o = in.ops[static_cast<std::size_t>(k)];
-    const double d = o.duration();
+    const double d = in.op_seconds(static_cast<std::size_t>(k));
     o.index = static_cast<OpIndex>(out.ops.size());
     remap[static_cast<std::size_t>(k)] = o.index;
     o.start_s = now;

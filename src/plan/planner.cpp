@@ -281,8 +281,7 @@ class Planner {
     }
     tau_.resize(static_cast<std::size_t>(n_));
     for (int k = 0; k < n_; ++k)
-      tau_[static_cast<std::size_t>(k)] =
-          std::max(0.0, tr_.ops[static_cast<std::size_t>(k)].duration());
+      tau_[static_cast<std::size_t>(k)] = tr_.op_seconds(static_cast<std::size_t>(k));
     for (Channel c : kChannels) {  // buckets_ in Channel order
       std::vector<double> cap(static_cast<std::size_t>(n_));
       for (int k = 0; k < n_; ++k)

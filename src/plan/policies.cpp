@@ -32,6 +32,16 @@ constexpr PolicyName kPolicyNames[] = {
     {Policy::kTidal, "tidal"},
 };
 
+// The same trace with the host time before each next op folded into the op's duration, so
+// that a rewrite which copies or reorders ops and then retimes them keeps the iteration's time.
+trace::Trace gaps_in_durations(const trace::Trace& t) {
+  trace::Trace out = t;
+  for (std::size_t k = 0; k < out.ops.size(); ++k) {
+    out.ops[k].end_s = out.ops[k].start_s + t.op_seconds(k);
+  }
+  return out;
+}
+
 // Recomputes start/end times from durations, back to back.
 void retime(trace::Trace& t) {
   double now = 0;
@@ -75,7 +85,8 @@ void sort_actions(Plan& p) {
 
 // The ZeRO rewrite: the optimizer step leaves the GPU (one CPU op instead) with the optimizer
 // states; gradients become per-iteration tensors that are shipped out after their last use.
-trace::Trace zero_trace(const trace::Trace& in, double cpu_step_seconds) {
+trace::Trace zero_trace(const trace::Trace& given, double cpu_step_seconds) {
+  const trace::Trace in = gaps_in_durations(given);
   std::vector<TensorId> remap(in.tensors.size(), -1);
   trace::Trace out;
   out.version = in.version;
@@ -296,7 +307,8 @@ std::vector<Policy> all_policies() {
   return v;
 }
 
-trace::Trace recompute_trace(const trace::Trace& in) {
+trace::Trace recompute_trace(const trace::Trace& given) {
+  const trace::Trace in = gaps_in_durations(given);
   const auto la = trace::analyze_lifetimes(in);
   const auto n = static_cast<OpIndex>(in.ops.size());
   int layers = 0;
@@ -438,12 +450,14 @@ Plan activation_plan(const trace::Trace& t, const Hardware& hw, const PolicyOpti
     std::map<int, double> time;
     std::vector<int> order;
     double forward = 0;
-    for (const auto& op : t.ops) {
+    for (std::size_t k = 0; k < t.ops.size(); ++k) {
+      const auto& op = t.ops[k];
       if (op.phase != Phase::kForward) continue;
-      forward += op.duration();
+      const double seconds = t.op_seconds(k);
+      forward += seconds;
       if (op.layer < 0) continue;
       if (time.find(op.layer) == time.end()) order.push_back(op.layer);
-      time[op.layer] += op.duration();
+      time[op.layer] += seconds;
     }
     for (const auto& c : cands)
       bytes[c.layer] += static_cast<double>(t.tensors[static_cast<std::size_t>(c.id)].bytes);

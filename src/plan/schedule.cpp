@@ -56,9 +56,7 @@ Schedule compile_schedule(const trace::Trace& trace, const Plan* plan, bool stri
   s.op_seconds.assign(nn, 0.0);
   for (std::size_t k = 0; k < nn; ++k) {
     s.new_bytes[k] = trace.ops[k].workspace_bytes;
-    double gap = 0;
-    if (k + 1 < nn) gap = std::max(0.0, trace.ops[k + 1].start_s - trace.ops[k].end_s);
-    s.op_seconds[k] = std::max(0.0, trace.ops[k].duration()) + gap;
+    s.op_seconds[k] = trace.op_seconds(k);
   }
   for (std::size_t i = 0; i < trace.tensors.size(); ++i) {
     const trace::Tensor& t = trace.tensors[i];

@@ -231,8 +231,10 @@ std::shared_ptr<Record> ActivationOffloader::Impl::pack(const at::Tensor& t, at:
   if (it != by_storage.end()) {
     Record& r = *it->second;
     // The same live storage at the same version holds the same bytes: share the record. (The
-    // weak reference keeps the StorageImpl's address from being reused while we map it.)
-    if (r.identity.lock().get() == key && r.version == t._version()) {
+    // weak reference keeps the StorageImpl's address from being reused while we map it.) Not a
+    // record autograd has released (alive == 0): it gave up its bytes (a cancelled write leaves
+    // it kept with no storage), and sharing it would unpack an empty storage.
+    if (r.alive > 0 && r.identity.lock().get() == key && r.version == t._version()) {
       ++r.users;
       ++r.alive;
       ++stats.deduplicated;

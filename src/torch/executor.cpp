@@ -271,6 +271,13 @@ struct PlanExecutor::Impl {
     s.tier->read(s.ticket, s.incoming.get(), p);
     settle(s, State::kReading);
     (on_host(s) ? stats.bytes_from_host : stats.bytes_read) += s.nbytes;
+    issued(s, plan::Direction::kRead);
+  }
+
+  // Counts a transfer as it starts, on its channel (the simulator counts them so too).
+  void issued(const Slot& s, plan::Direction dir) {
+    const plan::Tier tier = on_host(s) ? plan::Tier::kHost : plan::Tier::kSsd;
+    stats.issued_bytes[plan::index_of(plan::channel_of(tier, dir))] += s.nbytes;
   }
 
   // Waits for the slot's read. On failure the memory it was filling goes back, the tensor stays
@@ -408,6 +415,7 @@ struct PlanExecutor::Impl {
       s.due = 0;  // waited for at once
       detail::sync_current_stream(s.device);
       s.ticket = store->write(victim->data(), s.nbytes, io::Priority::kUrgent);
+      issued(s, plan::Direction::kWrite);
       settle(s, State::kWriting);
       ++stats.offloads;
       ++stats.evictions;
@@ -477,6 +485,7 @@ struct PlanExecutor::Impl {
         }
       }
       s.ticket = s.tier->write(impl->data(), s.nbytes, io::Priority::kOffload);
+      issued(s, plan::Direction::kWrite);
       settle(s, State::kWriting);
       ++stats.offloads;
       return;

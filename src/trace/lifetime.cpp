@@ -103,7 +103,7 @@ LifetimeAnalysis analyze_lifetimes(const Trace& trace) {
   // Prefix sums of op durations: the idle time strictly between ops i and j (i < j) is
   // prefix[j] - prefix[i + 1].
   std::vector<double> prefix(n_ops + 1, 0);
-  for (std::size_t k = 0; k < n_ops; ++k) prefix[k + 1] = prefix[k] + trace.ops[k].duration();
+  for (std::size_t k = 0; k < n_ops; ++k) prefix[k + 1] = prefix[k] + trace.op_seconds(k);
   const double total = prefix[n_ops];
 
   // Live intervals through a difference array over ops.

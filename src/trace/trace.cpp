@@ -1,5 +1,6 @@
 #include "tidal/trace/trace.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <iterator>
@@ -55,9 +56,16 @@ TensorClass tensor_class_from_string(const std::string& s) {
   return static_cast<TensorClass>(i);
 }
 
+double Trace::op_seconds(std::size_t k) const {
+  const Op& op = ops[k];
+  double t = std::max(0.0, op.duration());
+  if (k + 1 < ops.size()) t += std::max(0.0, ops[k + 1].start_s - op.end_s);
+  return t;
+}
+
 double Trace::compute_seconds() const {
   double total = 0;
-  for (const Op& op : ops) total += op.duration();
+  for (std::size_t k = 0; k < ops.size(); ++k) total += op_seconds(k);
   return total;
 }
 

@@ -176,15 +176,23 @@ TEST(Replay, SimulatorAndExecutorAgreeOnResidencyAndBytesOnASlowStore) {
     EXPECT_GT(compared, 100u) << which;
     const ExecutorStats& e = r->run.recorded;
     EXPECT_EQ(e.evictions, 0u) << which << ": the plan should have sufficed";
-    const std::uint64_t exec_written = e.bytes_written + e.bytes_to_host;
-    const std::uint64_t sim_written = r->sim.ssd_bytes_written + r->sim.host_bytes_written;
-    const std::uint64_t exec_read = e.bytes_read + e.bytes_from_host;
-    const std::uint64_t sim_read = r->sim.ssd_bytes_read + r->sim.host_bytes_read;
-    EXPECT_EQ(exec_written, sim_written) << which;
-    EXPECT_EQ(exec_read, sim_read) << which;
+    // Transfers started in the step, as both engines count them.
+    const auto& b = e.issued_bytes;
+    using plan::Channel;
+    using plan::index_of;
+    EXPECT_EQ(b[index_of(Channel::kSsdWrite)] + b[index_of(Channel::kHostWrite)],
+              r->sim.ssd_bytes_written + r->sim.host_bytes_written)
+        << which << " (forwarded " << e.forwarded << ", cancelled " << e.cancelled << ", unbound "
+        << e.unbound << ", offloads " << e.offloads << ")";
+    EXPECT_EQ(b[index_of(Channel::kSsdRead)] + b[index_of(Channel::kHostRead)],
+              r->sim.ssd_bytes_read + r->sim.host_bytes_read)
+        << which << " (misses " << e.misses << ", prefetches " << e.prefetches << ")";
     EXPECT_LE(r->run.worst_peak, r->budget) << which;
   }
-  EXPECT_GT(slow.run.stall_seconds, fast.run.stall_seconds + 0.01)
+  // 3 ms on each of some 80 requests a step: the slow store must cost time (not memory). Both
+  // stalls are over four steps; a loaded machine stalls the plain store too, so the margin is
+  // a fraction of what the added latency alone costs.
+  EXPECT_GT(slow.run.stall_seconds, fast.run.stall_seconds + 0.05)
       << "the slow store must cost time, not memory";
 }
 

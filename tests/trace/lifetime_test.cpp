@@ -337,7 +337,8 @@ Reference brute_force(const Trace& t) {
 double idle_between(const Trace& t, OpIndex a, OpIndex b) {
   const auto n = static_cast<OpIndex>(t.ops.size());
   double s = 0;
-  for (OpIndex k = (a + 1) % n; k != b; k = (k + 1) % n) s += t.ops[k].duration();
+  for (OpIndex k = (a + 1) % n; k != b; k = (k + 1) % n)
+    s += t.op_seconds(static_cast<std::size_t>(k));
   return s;
 }
 

@@ -71,10 +71,18 @@ TEST(TraceNames, UnknownNameThrowsInvalidArgumentListingChoices) {
   EXPECT_THROW(tensor_class_from_string(""), InvalidArgument);
 }
 
-TEST(Trace, ComputeSecondsSumsDurationsNotWallTime) {
+TEST(Trace, OpSecondsCountTheHostTimeBeforeTheNextOp) {
   Trace t = tiny();
-  t.ops[1].start_s = 3.0;  // a 2 s gap between the ops is not compute time
+  EXPECT_DOUBLE_EQ(t.op_seconds(0), 1.0);  // back to back
+  EXPECT_DOUBLE_EQ(t.compute_seconds(), 1.5);
+  t.ops[1].start_s = 3.0;  // 2 s of host time between the ops: the framework's own work
   t.ops[1].end_s = 3.25;
+  EXPECT_DOUBLE_EQ(t.op_seconds(0), 3.0);
+  EXPECT_DOUBLE_EQ(t.op_seconds(1), 0.25);  // the last op: its duration
+  EXPECT_DOUBLE_EQ(t.compute_seconds(), 3.25);
+  t.ops[1].start_s = 0.5;  // out of order (overlapping ops): no negative host time
+  t.ops[1].end_s = 0.75;
+  EXPECT_DOUBLE_EQ(t.op_seconds(0), 1.0);
   EXPECT_DOUBLE_EQ(t.compute_seconds(), 1.25);
   EXPECT_DOUBLE_EQ(Trace{}.compute_seconds(), 0.0);
 }

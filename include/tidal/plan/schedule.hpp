@@ -62,9 +62,7 @@ struct Schedule {
   std::vector<std::vector<trace::TensorId>> freed;
   /// By op: the device memory it allocates (its workspace and the tensors it produces).
   std::vector<std::uint64_t> new_bytes;
-  /// By op: the time from its start to the next op's start: its duration plus the host time
-  /// between the two (the framework's own work, recorded in a profiled trace's timestamps; zero
-  /// in an analytic trace). The last op: its duration.
+  /// By op: Trace::op_seconds, its duration plus the host time before the next op.
   std::vector<double> op_seconds;
   /// By tensor: the ops that use it, ascending.
   std::vector<std::vector<trace::OpIndex>> uses_of;

@@ -82,9 +82,12 @@ struct ExecutorStats {
   std::uint64_t budget_waits = 0;    ///< ops that waited for writes so as not to cross the budget
   std::uint64_t deadline_waits = 0;  ///< ops that waited for a write due before them (the plan)
   std::uint64_t forwarded = 0;       ///< prefetches of a tensor whose write was in flight: kept
-  /// What the step's schedule moves, per channel (plan::index_of): planned against the bytes
-  /// above (0 when the step left its shape).
+  /// What the step's schedule moves, per channel (plan::index_of; 0 when the step left its
+  /// shape), and the transfers the step started, per channel, counted as they start (as the
+  /// simulator counts them; bytes_written and bytes_to_host count writes as they complete, so a
+  /// write started near a step's end counts there in the next step).
   std::array<std::uint64_t, plan::kNumChannels> planned_bytes{};
+  std::array<std::uint64_t, plan::kNumChannels> issued_bytes{};
   std::uint64_t delayed_prefetches = 0;  ///< prefetches held back until memory allowed them
   /// Tensors written out at once, outside the plan, because an op would have crossed the
   /// budget with no write left to wait for (the one used again latest first).

@@ -89,7 +89,12 @@ struct Trace {
   std::vector<Tensor> tensors;
   std::map<std::string, std::string> meta;  ///< free-form provenance (tool, torch version, ...)
 
-  /// Sum of op durations: the compute time of the iteration without stalls.
+  /// The time op k takes in the iteration: from its start to the next op's start, i.e. its
+  /// duration plus the host time before the next op (the framework's own work between ops,
+  /// recorded by a profiled trace's timestamps; zero where ops are back to back, as in analytic
+  /// traces, or out of order). The last op: its duration.
+  [[nodiscard]] double op_seconds(std::size_t k) const;
+  /// Sum of op_seconds: the time of the iteration without stalls.
   [[nodiscard]] double compute_seconds() const;
 };
 
