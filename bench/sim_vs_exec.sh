@@ -6,15 +6,21 @@
 #
 #   bench/sim_vs_exec.sh [BUILD] [DIR]
 #
+# Each configuration runs TIDAL_SIMEXEC_RUNS times (default 3; this machine's step times move
+# 20-40% from one run to the next) and the table gives medians.
+#
 # BUILD: the build directory (default build); DIR: the store directory (default
 # /var/tmp/tidal-simexec; O_DIRECT). TIDAL_SIMEXEC_CONFIGS overrides the configurations, one per
 # line: "<model flags> | <train flags>". The simulator gets the SSD figures the session measured
-# (its plan summary), the plan's capacity, no margin, and the run's --host-mem.
+# (its plan summary), the plan's capacity, no margin, and the run's --host-mem. The simulator
+# replays the profiled op times, so the profile is 5 steps (TIDAL_SIMEXEC_PROFILE_STEPS; medians
+# per op), not train's default 2: on a small CPU one slow step moves a 2-step median a lot.
 set -euo pipefail
 build=${1:-build}
 dir=${2:-/var/tmp/tidal-simexec}
 bin=$build/tidal
-steps=${TIDAL_SIMEXEC_STEPS:-20}
+steps=${TIDAL_SIMEXEC_STEPS:-24}
+profile_steps=${TIDAL_SIMEXEC_PROFILE_STEPS:-5}
 out=${TIDAL_SIMEXEC_OUT:-$build/simexec}
 [ -x "$bin" ] || { echo "no tidal binary at $bin: build first (scripts/build.sh)" >&2; exit 1; }
 mkdir -p "$dir" "$out"
@@ -27,24 +33,27 @@ configs=${TIDAL_SIMEXEC_CONFIGS:-"--model gpt-tiny --layers 2 --batch 8 --seq 12
 
 py=/usr/bin/python3
 [ -x "$py" ] || py=python3
-i=0
+repeats=${TIDAL_SIMEXEC_RUNS:-3}
 rows=()
-while IFS= read -r line; do
-  [ -z "$line" ] && continue
-  i=$((i + 1))
-  model=${line%%|*}
-  flags=${line#*|}
-  read -r -a model_a <<<"$model"
-  read -r -a flags_a <<<"$flags"
-  host=0
-  for ((k = 0; k < ${#flags_a[@]}; ++k)); do
-    [ "${flags_a[k]}" = "--host-mem" ] && host=${flags_a[k + 1]}
-  done
-  echo "== $i: $bin train ${model_a[*]} --offload plan ${flags_a[*]} --steps $steps" >&2
-  "$bin" train "${model_a[@]}" --steps "$steps" --offload plan --min-offload 16KiB \
-    "${flags_a[@]}" --dir "$dir" --save-trace "$out/trace$i.json" --save-plan "$out/plan$i.json" \
-    --json 2>"$out/train$i.log" | tail -n 1 >"$out/train$i.json"
-  read -r cap ssd < <("$py" - "$out/plan$i.json" "$out/train$i.json" <<'PY'
+for ((rep = 1; rep <= repeats; ++rep)); do
+  i=0
+  while IFS= read -r line; do
+    [ -z "$line" ] && continue
+    i=$((i + 1))
+    model=${line%%|*}
+    flags=${line#*|}
+    read -r -a model_a <<<"$model"
+    read -r -a flags_a <<<"$flags"
+    host=0
+    for ((k = 0; k < ${#flags_a[@]}; ++k)); do
+      [ "${flags_a[k]}" = "--host-mem" ] && host=${flags_a[k + 1]}
+    done
+    f="$out/$i-$rep"
+    echo "== run $rep, $i: $bin train ${model_a[*]} --offload plan ${flags_a[*]} --steps $steps --profile-steps $profile_steps" >&2
+    "$bin" train "${model_a[@]}" --steps "$steps" --profile-steps "$profile_steps" \
+      --offload plan --min-offload 16KiB "${flags_a[@]}" --dir "$dir" --save-trace "$f.trace.json" \
+      --save-plan "$f.plan.json" --json 2>"$f.train.log" | tail -n 1 >"$f.train.json"
+    read -r cap ssd < <("$py" - "$f.plan.json" "$f.train.json" <<'PY'
 import json, re, sys
 plan = json.load(open(sys.argv[1]))
 train = json.load(open(sys.argv[2]))
@@ -52,28 +61,39 @@ m = re.search(r"SSD (\d+)x([\d.]+)/([\d.]+)MB/s", train["plan_summary"])
 print(plan["summary"]["capacity_bytes"], f"{m.group(1)}x{m.group(2)}/{m.group(3)}MB/s")
 PY
 )
-  "$bin" simulate --trace "$out/trace$i.json" --plan "$out/plan$i.json" --hardware cpu-here \
-    --gpu-mem "$cap" --ssd "$ssd" --host-mem "$host" --margin 0 --json 2>"$out/sim$i.log" |
-    tail -n 1 >"$out/sim$i.json"
-  rows+=("$i|$model|$flags")
-done <<<"$configs"
+    "$bin" simulate --trace "$f.trace.json" --plan "$f.plan.json" --hardware cpu-here \
+      --gpu-mem "$cap" --ssd "$ssd" --host-mem "$host" --margin 0 --json 2>"$f.sim.log" |
+      tail -n 1 >"$f.sim.json"
+    ((rep == 1)) && rows+=("$i|$model|$flags")
+  done <<<"$configs"
+done
 
-"$py" - "$out" "${rows[@]}" <<'PY'
-import json, sys
-out = sys.argv[1]
-print(f"{'#':>2} {'configuration':<62} {'exec s/step':>11} {'sim/exec time':>13} "
-      f"{'exec MB/step':>12} {'sim/exec bytes':>14} {'exec peak/budget':>16} {'sim fits':>8}")
-for row in sys.argv[2:]:
+"$py" - "$out" "$repeats" "${rows[@]}" <<'PY'
+import json, statistics, sys
+out, repeats = sys.argv[1], int(sys.argv[2])
+print(f"{repeats} runs of each configuration, one after the other; medians over the runs "
+      f"(time ratio: min-max in brackets)")
+print(f"{'#':>2} {'configuration':<58} {'exec s/step':>11} {'sim/exec time':>22} "
+      f"{'exec MB/step':>12} {'sim/exec bytes':>14} {'max exec peak/budget':>20} {'sim fits':>8}")
+for row in sys.argv[3:]:
     i, model, flags = row.split("|")
-    t = json.load(open(f"{out}/train{i}.json"))
-    s = json.load(open(f"{out}/sim{i}.json"))
-    n = max(1, t["steps_offloaded"])
-    exec_s = t["offload_step_seconds_median"]
-    exec_b = (t["bytes_written"] + t["bytes_to_host"]) / n
-    sim_b = s["ssd_bytes_written"] + s["host_bytes_written"]
-    peak = max(t["step_peak_bytes"][-n:]) / t["memory_budget"]  # every executed step
+    ex, tr, eb, br, pk, fits = [], [], [], [], [], True
+    for rep in range(1, repeats + 1):
+        t = json.load(open(f"{out}/{i}-{rep}.train.json"))
+        s = json.load(open(f"{out}/{i}-{rep}.sim.json"))
+        n = max(1, t["steps_offloaded"])
+        exec_s = t["offload_step_seconds_median"]
+        exec_b = (t["bytes_written"] + t["bytes_to_host"]) / n
+        sim_b = s["ssd_bytes_written"] + s["host_bytes_written"]
+        ex.append(exec_s)
+        tr.append(s["iteration_seconds"] / exec_s)
+        eb.append(exec_b)
+        br.append(sim_b / exec_b if exec_b else float("nan"))
+        pk.append(max(t["step_peak_bytes"][-n:]) / t["memory_budget"])  # every executed step
+        fits = fits and s["fits"]
+    med = statistics.median
     name = (model.replace("--model ", "").strip() + " " + flags.strip()).replace("--", "")
-    print(f"{i:>2} {name:<62} {exec_s:>11.3f} {s['iteration_seconds'] / exec_s:>13.2f} "
-          f"{exec_b / 1e6:>12.1f} {sim_b / exec_b if exec_b else float('nan'):>14.3f} "
-          f"{peak:>16.3f} {str(s['fits']):>8}")
+    time_text = f"{med(tr):.2f} [{min(tr):.2f}-{max(tr):.2f}]"
+    print(f"{i:>2} {name:<58} {med(ex):>11.3f} {time_text:>22} {med(eb) / 1e6:>12.1f} "
+          f"{med(br):>14.3f} {max(pk):>20.3f} {str(fits):>8}")
 PY

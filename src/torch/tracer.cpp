@@ -633,25 +633,27 @@ ProfileResult fold_iterations(const std::vector<trace::Trace>& iterations) {
   r.trace.meta["iterations"] = std::to_string(r.iterations);
   r.trace.meta["consistent"] = r.consistent ? "true" : "false";
   if (r.consistent && iterations.size() > 1) {
-    // Median duration per op; the gaps between ops (host overhead) are the last iteration's.
+    // Per op, the median duration and the median host time before the next op (what the
+    // simulator and the planner count, Trace::op_seconds): one slow iteration moves neither.
     auto& ops = r.trace.ops;
+    const auto median = [](std::vector<double>& v) {
+      std::sort(v.begin(), v.end());
+      const std::size_t n = v.size();
+      return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+    };
     std::vector<double> durations(iterations.size());
-    double shift = 0;
+    std::vector<double> gaps(iterations.size());
+    double now = ops.empty() ? 0.0 : ops.front().start_s;
     for (std::size_t k = 0; k < ops.size(); ++k) {
       for (std::size_t i = 0; i < iterations.size(); ++i) {
-        durations[i] = iterations[i].ops[k].duration();
-      }
-      std::sort(durations.begin(), durations.end());
-      const std::size_t n = durations.size();
-      const double med =
-          n % 2 == 1 ? durations[n / 2] : 0.5 * (durations[n / 2 - 1] + durations[n / 2]);
-      for (const auto& it : iterations) {
+        const trace::Trace& it = iterations[i];
+        durations[i] = std::max(0.0, it.ops[k].duration());
+        gaps[i] = it.op_seconds(k) - durations[i];
         ops[k].workspace_bytes = std::max(ops[k].workspace_bytes, it.ops[k].workspace_bytes);
       }
-      const double old_duration = ops[k].duration();
-      ops[k].start_s += shift;
-      ops[k].end_s = ops[k].start_s + med;
-      shift += med - old_duration;
+      ops[k].start_s = now;
+      ops[k].end_s = now + median(durations);
+      now = ops[k].end_s + median(gaps);
     }
     r.trace.meta["op_durations"] = "median over iterations";
   }

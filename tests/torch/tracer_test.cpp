@@ -235,6 +235,27 @@ TEST(Tracer, HandBuiltModelHasTheOpsAndSavedTensorsDerivedByHand) {
   }
 }
 
+// Three iterations of the same two ops, one of them slow in both the op and the host time
+// after it: the folded trace has the medians of each, so one slow step moves neither.
+TEST(Tracer, FoldingTakesTheMedianOpTimeAndHostTime) {
+  const auto iteration = [](double d0, double gap, double d1) {
+    tidal::trace::Trace t;
+    t.ops.resize(2);
+    t.ops[0] = tidal::trace::Op{0, "a", Phase::kForward, 10.0, 10.0 + d0, {}, {}, 0};
+    t.ops[1] =
+        tidal::trace::Op{1, "b", Phase::kForward, 10.0 + d0 + gap, 10.0 + d0 + gap + d1, {}, {}, 0};
+    return t;
+  };
+  const tidal::torch_layer::ProfileResult r = tidal::torch_layer::fold_iterations(
+      {iteration(1.0, 0.1, 2.0), iteration(5.0, 3.0, 2.2), iteration(1.2, 0.2, 1.8)});
+  ASSERT_TRUE(r.consistent);
+  EXPECT_NEAR(r.trace.ops[0].duration(), 1.2, 1e-12);
+  EXPECT_NEAR(r.trace.op_seconds(0), 1.2 + 0.2, 1e-12);
+  EXPECT_NEAR(r.trace.ops[1].duration(), 2.0, 1e-12);
+  EXPECT_NEAR(r.trace.compute_seconds(), 1.2 + 0.2 + 2.0, 1e-12);
+  EXPECT_GE(r.trace.ops[1].start_s, r.trace.ops[0].end_s);
+}
+
 TEST(Tracer, ReportsTheFirstDivergence) {
   HandModel m;
   m.step(nullptr, 0);

@@ -42,8 +42,9 @@ struct ProfileResult {
   std::string divergence;       ///< the first difference when !consistent, else empty
 };
 
-/// Folds iterations that ran the same ops into one trace: the last, with each op's duration the
-/// median over them. Throws tidal::Error when `iterations` is empty.
+/// Folds iterations that ran the same ops into one trace: the last, with each op's duration and
+/// the host time before the next op (Trace::op_seconds) the medians over them. Throws
+/// tidal::Error when `iterations` is empty.
 ProfileResult fold_iterations(const std::vector<trace::Trace>& iterations);
 
 /// Records iterations as traces. Drive it as a StepObserver (Trainer::add_observer) or call the
