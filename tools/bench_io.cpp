@@ -141,6 +141,12 @@ void run_bench_io(const BenchIoArgs& a) {
     if (!d.empty()) o.dirs.push_back(d);
   }
   o.stripe_unit = parse_bytes(a.stripe);
+  // Checked here too: the sizing below divides by it before the store sees it.
+  TIDAL_EXPECT_AS(InvalidArgument,
+                  o.stripe_unit >= 4 * kKiB && o.stripe_unit <= 256 * kMiB &&
+                      (o.stripe_unit & (o.stripe_unit - 1)) == 0,
+                  "--stripe ", a.stripe,
+                  " must be a power of two from 4KiB to 256MiB (default 1MiB)");
   o.backend = io::backend_kind_from_string(a.backend);
   o.checksum = !a.no_checksum;
   o.buffered = a.buffered;
@@ -170,7 +176,7 @@ void run_bench_io(const BenchIoArgs& a) {
               << (o.dirs.size() == 1 ? "y" : "ies") << ", stripe "
               << format_bytes(static_cast<double>(o.stripe_unit)) << ", backend " << s0.backend
               << ", " << (a.buffered ? "BUFFERED (page cache: not a real offload)" : "O_DIRECT")
-              << ", checksums " << (o.checksum ? "on" : "off") << "\n";
+              << ", checksums " << (store.options().checksum ? "on" : "OFF") << "\n";
   }
 
   // Write phase.

@@ -40,6 +40,11 @@ Env read_env() {
                     "' must be 0 or 1");
     e.checksum = (*v == "1");
   }
+  if (auto v = get("TIDAL_MEMORY_STORE")) {
+    TIDAL_EXPECT_AS(InvalidArgument, *v == "0" || *v == "1", "TIDAL_MEMORY_STORE='", *v,
+                    "' must be 0 or 1");
+    e.memory_store = (*v == "1");
+  }
   return e;
 }
 

@@ -71,9 +71,14 @@ MeasuredBandwidth measure_bandwidth(TensorStore& store, std::uint64_t bytes, std
 
 std::string ssd_spec(const MeasuredBandwidth& m, std::size_t ssds) {
   const double k = static_cast<double>(std::max<std::size_t>(1, ssds));
+  // Within what plan::parse_ssd_spec takes (1 MB/s to 1 TB/s a drive): a store measured slower
+  // still (a failing or saturated disk) is planned as a 1 MB/s one rather than refused.
+  const auto mbps = [k](double bytes_per_second) {
+    return std::clamp(bytes_per_second / k / 1e6, 1.0, 1e6);
+  };
   char text[96];
   std::snprintf(text, sizeof text, "%zux%.1f/%.1fMB/s", std::max<std::size_t>(1, ssds),
-                m.write_bytes_per_second / k / 1e6, m.read_bytes_per_second / k / 1e6);
+                mbps(m.write_bytes_per_second), mbps(m.read_bytes_per_second));
   return text;
 }
 

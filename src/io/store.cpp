@@ -3,7 +3,9 @@
 #include "tidal/io/store.hpp"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -59,6 +61,27 @@ std::uint64_t free_space(const std::string& dir) {
   struct statvfs st {};
   if (::statvfs(dir.c_str(), &st) != 0) return 0;
   return static_cast<std::uint64_t>(st.f_bavail) * st.f_frsize;
+}
+
+// A store directory must exist, be a directory, and be on a disk: not /proc or /sys, and not
+// tmpfs or ramfs unless memory is allowed (offloading into memory saves nothing).
+void check_store_dir(const std::string& dir, bool allow_memory_fs) {
+  struct stat st {};
+  TIDAL_EXPECT_AS(InvalidArgument, ::stat(dir.c_str(), &st) == 0, "store directory '", dir,
+                  "' does not exist; create it (mkdir -p ", dir, ") or pass another directory");
+  TIDAL_EXPECT_AS(InvalidArgument, S_ISDIR(st.st_mode), "store directory '", dir,
+                  "' is not a directory; pass a directory on the SSD (e.g. /mnt/nvme0/tidal)");
+  struct statfs fs {};
+  if (::statfs(dir.c_str(), &fs) != 0) return;
+  const auto type = static_cast<unsigned long>(fs.f_type);
+  TIDAL_EXPECT_AS(InvalidArgument, type != PROC_SUPER_MAGIC && type != SYSFS_MAGIC,
+                  "store directory '", dir,
+                  "' is on a pseudo file system (/proc, /sys), not a disk; pass a directory on "
+                  "the SSD");
+  TIDAL_EXPECT_AS(InvalidArgument, allow_memory_fs || (type != TMPFS_MAGIC && type != RAMFS_MAGIC),
+                  "store directory '", dir,
+                  "' is in memory (tmpfs or ramfs): offloading there frees no memory; pass a "
+                  "directory on the SSD, or set TIDAL_MEMORY_STORE=1 to try tidal without one");
 }
 
 void open_store_file(StoreFile& f, std::uint64_t bytes, bool buffered) {
@@ -208,6 +231,8 @@ TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
   TIDAL_EXPECT_AS(InvalidArgument, !opt.dirs.empty(),
                   "no store directory given: pass one directory per SSD (e.g. --dir "
                   "/mnt/nvme0,/mnt/nvme1) or set TIDAL_DIRS");
+  if (env.memory_store) opt.allow_memory_fs = *env.memory_store;
+  for (const auto& d : opt.dirs) check_store_dir(d, opt.allow_memory_fs);
   if (opt.stripe_unit == 0) opt.stripe_unit = env.stripe_unit.value_or(kMiB);
   TIDAL_EXPECT_AS(InvalidArgument,
                   opt.stripe_unit >= kBlockSize && opt.stripe_unit <= 256 * kMiB &&

@@ -172,8 +172,11 @@ SsdSpec parse_ssd_spec(const std::string& text) {
     spec.write_bw = first_unit.empty() ? spec.read_bw * first_num / second_num
                                        : parse_bandwidth(rest.substr(0, slash));
   }
-  TIDAL_EXPECT_AS(InvalidArgument, spec.write_bw > 0 && spec.read_bw > 0, "'", text,
-                  "': SSD bandwidths must be positive");
+  // 1 MB/s to 1 TB/s per drive: outside that, a typo (a unit, an exponent), not an SSD.
+  const auto plausible = [](double bw) { return bw >= 1e6 && bw <= 1e12; };
+  TIDAL_EXPECT_AS(InvalidArgument, plausible(spec.write_bw) && plausible(spec.read_bw), "'", text,
+                  "': each SSD's bandwidth must be from 1MB/s to 1TB/s (tidal bench-io measures "
+                  "it); e.g. 4x6.5/6.7GB/s");
   return spec;
 }
 

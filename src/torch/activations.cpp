@@ -417,6 +417,26 @@ at::Tensor ActivationOffloader::Impl::unpack(Record& r, const c10::TensorOptions
       break;
     }
   }
+  if (!r.storage) {
+    // The record has no bytes although a saved variable still needs them. Seen twice in ~20
+    // runs of the session tests (an unpack at the first backward node), cause not yet found:
+    // take the tensor from memory when its storage is still alive, or read it back; failing
+    // that, stop the step with an error. Never an empty storage (PyTorch asserts on it).
+    ++stats.recovered;
+    if (auto live = r.identity.lock()) {
+      r.storage = c10::Storage(std::move(live));
+    } else {
+      TIDAL_EXPECT(r.ticket.valid(),
+                   "a saved activation lost its bytes before backward used it (record ", r.index,
+                   " of this step); this is a tidal bug, please report it");
+      start_read_locked(r, io::Priority::kUrgent);
+      const io::Ticket t = r.ticket;
+      lock.unlock();
+      store->wait(t);
+      lock.lock();
+    }
+    r.state = Record::State::kRestored;
+  }
   prefetch_locked(r.index);
   c10::Storage storage = r.storage;
   if (++r.unpacked >= r.users && r.state == Record::State::kRestored) {

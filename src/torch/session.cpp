@@ -182,10 +182,8 @@ struct Session::Impl {
     plan::Hardware hw = hardware();
     plan::PlannerOptions po;
     po.min_bytes = opt.executor.min_bytes;
-    po.more_memory_hint =
-        "a larger memory budget (SessionOptions::memory_budget or "
-        "budget_fraction; now " +
-        bytes_text(stats.memory_budget) + " for the whole process)";
+    po.more_memory_hint = "a larger memory budget (" + opt.budget_option + "; now " +
+                          bytes_text(stats.memory_budget) + " for the whole process)";
     const auto try_plan = [&](double cap) {
       hw.device_memory = static_cast<std::uint64_t>(std::max(cap, 1.0));
       return plan::make_plan(t, hw, po);

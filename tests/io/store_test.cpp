@@ -1,9 +1,12 @@
 #include "tidal/io/store.hpp"
 
 #include <gtest/gtest.h>
+#include <linux/magic.h>
+#include <sys/statfs.h>
 
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -452,6 +455,39 @@ TEST(StoreErrors, MissingDirectorySaysWhatToDo) {
     FAIL();
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("mkdir -p"), std::string::npos) << e.what();
+  }
+}
+
+// Without a capacity the store sizes itself from the directory's free space: a missing
+// directory, a file, /proc or a memory file system must each be named as such, not reported as
+// "capacity 0 B is too small".
+TEST(StoreErrors, EachBadDirectorySaysWhatItIs) {
+  const auto message = [](const std::string& dir) {
+    StoreOptions o;
+    o.dirs = {dir};  // capacity 0: from free space
+    try {
+      TensorStore store(o);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("(accepted)");
+  };
+  EXPECT_NE(message("/nonexistent/tidal-dir").find("does not exist; create it"), std::string::npos);
+  TestDir dir;
+  const std::string file = dir.path() + "/a-file";
+  std::fclose(std::fopen(file.c_str(), "w"));
+  EXPECT_NE(message(file).find("is not a directory"), std::string::npos) << message(file);
+  EXPECT_NE(message("/proc").find("pseudo file system"), std::string::npos) << message("/proc");
+  struct statfs fs {};
+  if (::statfs("/dev/shm", &fs) == 0 && static_cast<unsigned long>(fs.f_type) == TMPFS_MAGIC) {
+    EXPECT_NE(message("/dev/shm").find("TIDAL_MEMORY_STORE=1"), std::string::npos)
+        << message("/dev/shm");
+    StoreOptions o;
+    o.dirs = {"/dev/shm"};
+    o.capacity = kMiB;
+    o.buffered = true;  // tmpfs before Linux 6.6 has no O_DIRECT
+    o.allow_memory_fs = true;
+    EXPECT_NO_THROW(TensorStore{o});
   }
 }
 

@@ -158,6 +158,9 @@ TEST(Hardware, ParseSsdAndRates) {
   EXPECT_DOUBLE_EQ(b.read_bw, b.write_bw);
   EXPECT_THROW(parse_ssd_spec("fast"), InvalidArgument);
   EXPECT_THROW(parse_ssd_spec("0x1GB/s"), InvalidArgument);
+  EXPECT_THROW(parse_ssd_spec("1x1e30/1e-30GB/s"), InvalidArgument);  // not a stall of 3e27 s
+  EXPECT_THROW(parse_ssd_spec("1x10B/s"), InvalidArgument);
+  EXPECT_NO_THROW(parse_ssd_spec("1x2/1.5GB/s"));
   EXPECT_DOUBLE_EQ(parse_rate("60T"), 60e12);
   EXPECT_DOUBLE_EQ(parse_rate("60TFLOPS"), 60e12);
   EXPECT_DOUBLE_EQ(parse_rate("2e9"), 2e9);

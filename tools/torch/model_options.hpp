@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <string>
 
+#include "tidal/common/error.hpp"
 #include "tidal/models/gpt.hpp"
 #include "tidal/models/trainer.hpp"
 #include "tidal/torch/build_info.hpp"
@@ -79,7 +80,15 @@ inline models::TrainerOptions to_trainer_options(const ModelArgs& a) {
     o.device =
         torch_layer::cuda_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
   } else {
-    o.device = torch::Device(a.device);
+    try {
+      o.device = torch::Device(a.device);
+    } catch (const c10::Error&) {
+      TIDAL_EXPECT_AS(InvalidArgument, false, "--device ", a.device,
+                      " is not a device: use auto, cpu or cuda[:N]");
+    }
+    TIDAL_EXPECT_AS(InvalidArgument, !o.device.is_cuda() || torch_layer::cuda_available(),
+                    "--device ", a.device,
+                    ": this libtorch has no CUDA or no GPU is visible; use --device cpu (or auto)");
   }
   return o;
 }

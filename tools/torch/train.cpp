@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -112,6 +113,23 @@ void run_train(const TrainArgs& args) {
     }
     so.store.capacity = parse_bytes(args.capacity);
   }
+  const bool plan_mode = so.mode == torch_layer::OffloadMode::kPlan;
+  TIDAL_EXPECT_AS(InvalidArgument, args.warmup_steps >= 0, "--warmup-steps must be 0 or more");
+  TIDAL_EXPECT_AS(InvalidArgument, args.profile_steps >= 1, "--profile-steps must be 1 or more");
+  TIDAL_EXPECT_AS(InvalidArgument, args.ssd.empty() || plan_mode,
+                  "--ssd gives the planner its SSD figures: it is for --offload plan");
+  TIDAL_EXPECT_AS(InvalidArgument, args.save_plan.empty() || plan_mode,
+                  "--save-plan writes plan mode's plan: it is for --offload plan");
+  // Files to write at the end are opened now: a bad path fails before the run, not after it.
+  for (const auto* path : {&args.save_plan, &args.save_trace}) {
+    if (path->empty()) continue;
+    const bool existed = std::filesystem::exists(*path);
+    const bool ok = std::ofstream(*path, std::ios::app).good();
+    if (!existed) std::filesystem::remove(*path);
+    TIDAL_EXPECT_AS(InvalidArgument, ok, "cannot write '", *path, "' (",
+                    path == &args.save_plan ? "--save-plan" : "--save-trace",
+                    "): check that its directory exists and is writable");
+  }
   so.activations.min_bytes = parse_bytes(args.min_offload);
   so.executor.min_bytes = parse_bytes(args.min_offload);
   so.warmup_steps = args.warmup_steps;
@@ -123,7 +141,10 @@ void run_train(const TrainArgs& args) {
     so.budget_fraction = pct / 100;
   } else {
     so.memory_budget = parse_bytes(args.mem_budget);
+    TIDAL_EXPECT_AS(InvalidArgument, so.memory_budget > 0, "--mem-budget ", args.mem_budget,
+                    " must be more than 0: a size such as 2GiB or a percentage such as 50%");
   }
+  so.budget_option = "--mem-budget";
   if (!args.ssd.empty()) so.hardware_overrides.ssd = args.ssd;
   so.peak_bytes = [&meter] { return meter.peak_bytes(); };
   so.current_bytes = [&meter] { return meter.current_bytes(); };
@@ -167,7 +188,7 @@ void run_train(const TrainArgs& args) {
   if (session.store()) {
     const auto st = session.store()->stats();
     std::fprintf(
-        stderr, "store: %s on %s, backend %s, %s\n",
+        stderr, "store: %s on %s, backend %s, %s%s\n",
         format_bytes(static_cast<double>(st.capacity)).c_str(),
         [&] {
           std::string s;
@@ -175,7 +196,10 @@ void run_train(const TrainArgs& args) {
           return s;
         }()
             .c_str(),
-        st.backend.c_str(), st.buffered ? "BUFFERED (frees no memory)" : "O_DIRECT");
+        st.backend.c_str(), st.buffered ? "BUFFERED (frees no memory)" : "O_DIRECT",
+        session.store()->options().checksum
+            ? ""
+            : ", checksums OFF (TIDAL_CHECKSUM=0: a corrupt read would go unnoticed)");
   }
 
   ProgressBar bar(args.model.steps);

@@ -18,6 +18,7 @@ struct Env {
   std::optional<std::uint64_t> stripe_unit;  ///< TIDAL_STRIPE_UNIT: e.g. 1MiB
   std::optional<int> queue_depth;            ///< TIDAL_QUEUE_DEPTH: requests in flight per file
   std::optional<bool> checksum;              ///< TIDAL_CHECKSUM: 0|1
+  std::optional<bool> memory_store;  ///< TIDAL_MEMORY_STORE: 0|1, a store on tmpfs/ramfs allowed
 };
 
 /// Reads the variables now. Throws tidal::InvalidArgument naming the variable on a bad value.

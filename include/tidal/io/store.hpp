@@ -52,6 +52,10 @@ struct StoreOptions {
   /// Page-cache I/O instead of O_DIRECT. Only for filesystems without O_DIRECT (tmpfs before
   /// Linux 6.6); the data then sits in host memory, so it frees no memory. Reported in stats().
   bool buffered = false;
+  /// A directory on tmpfs or ramfs keeps the "offloaded" bytes in host memory, which frees
+  /// nothing (and takes the memory the budget was meant to save): refused unless this is set
+  /// (or TIDAL_MEMORY_STORE=1), for trying tidal where no disk is at hand.
+  bool allow_memory_fs = false;
   /// Test hook: deterministic faults injected between the store and its backend.
   FaultPlan faults;
 };

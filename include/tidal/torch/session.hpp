@@ -86,6 +86,9 @@ struct SessionOptions {
   /// end_step() that would have started it (true), or run with the smallest peak a plan can
   /// reach and say why in stats() (false, the default: a training loop is never stopped for it).
   bool strict_budget = false;
+  /// How messages name the budget to the user: the options here, or a front-end's flag (the
+  /// CLI sets "--mem-budget").
+  std::string budget_option = "SessionOptions::memory_budget or budget_fraction";
   BetweenSteps between_steps = BetweenSteps::kResident;
   /// Plan mode: host memory offloaded tensors may use, in bytes (0: none, SSD only). The
   /// planner sends a tensor there where the SSD channel has no room for its migration in time;

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Bad input to the CLI gets a clear error that names what is wrong and what to do: an exit
+# status of 1 or 2, never a signal, and the expected words in the message.
+#
+#   tests/cli/errors.sh PATH_TO_TIDAL
+set -uo pipefail
+tidal=$1
+tmp=$(mktemp -d /var/tmp/tidal-cli-XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+
+expect() {  # expect FRAGMENT ARGS...: `tidal ARGS...` fails cleanly and prints FRAGMENT
+  local want=$1
+  shift
+  local out rc
+  out=$("$tidal" "$@" 2>&1)
+  rc=$?
+  if ((rc == 0 || rc > 2)); then
+    echo "FAIL (exit status $rc, expected 1 or 2): tidal $*"
+    tail -n 3 <<<"$out" | sed 's/^/    /'
+    failures=$((failures + 1))
+  elif ! grep -qF -- "$want" <<<"$out"; then
+    echo "FAIL (no '$want' in the message): tidal $*"
+    tail -n 3 <<<"$out" | sed 's/^/    /'
+    failures=$((failures + 1))
+  else
+    echo "ok   tidal $*"
+  fi
+}
+
+expect "--stripe 0 must be a power of two" bench-io --dir "$tmp" --size 1MiB --stripe 0
+expect "does not exist; create it" bench-io --dir "$tmp/missing" --size 1MiB
+touch "$tmp/a-file"
+expect "is not a directory" bench-io --dir "$tmp/a-file" --size 1MiB
+expect "pseudo file system" bench-io --dir /proc --size 1MiB
+
+train=(train --model gpt-tiny --batch 2 --seq 16 --steps 6 --dir "$tmp")
+expect "--mem-budget 0 must be more than 0" "${train[@]}" --offload plan --mem-budget 0
+expect "--warmup-steps must be 0 or more" "${train[@]}" --offload plan --warmup-steps -1
+expect "--ssd gives the planner its SSD figures" "${train[@]}" --offload activations --ssd 1x2GB/s
+expect "--save-plan writes plan mode's plan" "${train[@]}" --offload activations \
+  --save-plan "$tmp/plan.json"
+expect "(--save-trace): check that its directory exists" "${train[@]}" --offload plan \
+  --save-trace "$tmp/no/such/dir/trace.json"
+if "$tidal" "${train[@]}" --steps 1 --device cuda >/dev/null 2>&1; then
+  echo "skip --device cuda: a GPU is here"
+else
+  expect "this libtorch has no CUDA or no GPU is visible" "${train[@]}" --device cuda
+fi
+expect "is not a device" "${train[@]}" --device tpu
+# A budget no plan can meet is reported with the CLI's flag, not the library's option names.
+out=$("$tidal" "${train[@]}" --offload plan --mem-budget 1B 2>&1)
+if grep -q "a larger memory budget (--mem-budget" <<<"$out"; then
+  echo "ok   an unmeetable --mem-budget names the flag"
+else
+  echo "FAIL: an unmeetable --mem-budget does not name the flag"
+  tail -n 3 <<<"$out" | sed 's/^/    /'
+  failures=$((failures + 1))
+fi
+
+# Checksums switched off by the environment are said, not silent.
+out=$(TIDAL_CHECKSUM=0 "$tidal" "${train[@]}" --offload activations 2>&1)
+if grep -q "checksums OFF" <<<"$out"; then
+  echo "ok   TIDAL_CHECKSUM=0 is reported"
+else
+  echo "FAIL: TIDAL_CHECKSUM=0 is not reported"
+  failures=$((failures + 1))
+fi
+
+((failures == 0)) && echo "all CLI error checks passed"
+exit $((failures > 0))
