@@ -73,10 +73,26 @@ void validate(const Trace& trace) {
   const std::size_t n_ops = trace.ops.size();
   const std::size_t n_tensors = trace.tensors.size();
 
+  // Sizes: every sum of them (live bytes, bandwidth buckets) must fit in 64 bits.
+  constexpr std::uint64_t kMaxTensorBytes = std::uint64_t{1} << 50;  // 1 PiB
+  constexpr std::uint64_t kMaxTotalBytes = std::uint64_t{1} << 62;
+  std::uint64_t total = 0;
   for (std::size_t i = 0; i < n_tensors; ++i) {
     const Tensor& t = trace.tensors[i];
     TIDAL_EXPECT(t.id == static_cast<TensorId>(i), "tensor at position ", i, " ('", t.name,
                  "') has id ", t.id, "; tensor ids must be dense and equal to the position");
+    TIDAL_EXPECT(t.bytes <= kMaxTensorBytes, "tensor ", i, " ('", t.name, "') has ", t.bytes,
+                 " bytes: more than 1 PiB (2^50) is not a tensor; check the trace's sizes");
+    total += t.bytes;
+    TIDAL_EXPECT(total <= kMaxTotalBytes,
+                 "the trace's tensors add up to more than 2^62 bytes "
+                 "(at tensor ",
+                 i, "); check the trace's sizes");
+  }
+  for (const Op& op : trace.ops) {
+    TIDAL_EXPECT(op.workspace_bytes <= kMaxTensorBytes, "op ", op.index, " ('", op.name,
+                 "') has a workspace of ", op.workspace_bytes,
+                 " bytes: more than 1 PiB (2^50); check the trace's sizes");
   }
 
   // First and last use of every tensor, and whether its producer lists it as an output.

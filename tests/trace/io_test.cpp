@@ -107,7 +107,7 @@ TEST(TraceJson, RoundTripIsLosslessOnRandomTraces) {
     }
     t.ops.back().end_s = std::nextafter(t.ops.back().end_s, 1e9);
     for (std::size_t k = 0; k < t.ops.size(); k += 3) t.ops[k].workspace_bytes = 4096 * k + seed;
-    t.tensors[0].bytes = std::numeric_limits<std::uint64_t>::max();
+    t.tensors[0].bytes = (std::uint64_t{1} << 50) - 1;  // near the largest size allowed
     t.tensors[1].name = "quote\" backslash\\ tab\t newline\n unicode \xc3\xa9";
     t.meta["torch"] = "2.5.1+cu124";
     t.meta[""] = "";
@@ -117,6 +117,17 @@ TEST(TraceJson, RoundTripIsLosslessOnRandomTraces) {
     expect_same(t, back);
     // Writing what was read gives the same bytes.
     EXPECT_EQ(trace_to_json(back), f.read());
+  }
+  // A size the integer allows but no tensor has is refused on reading, with the reason.
+  Trace t = testutil::random_trace(1);
+  t.tensors[0].bytes = std::numeric_limits<std::uint64_t>::max();
+  TempFile f("hugetensor");
+  write_trace(t, f.path());
+  try {
+    (void)read_trace(f.path());
+    ADD_FAILURE() << "a 2^64-1 byte tensor was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("more than 1 PiB"), std::string::npos) << e.what();
   }
 }
 

@@ -102,6 +102,17 @@ TEST(Validate, NamesTheViolation) {
     expect_invalid(t, {"tensor at position 1", "has id 5"});
   }
   {
+    // A size the format's integer allows but no tensor has: sums of it would overflow (the
+    // planner used to say "fits").
+    Trace t = tiny();
+    t.tensors[2].bytes = ~std::uint64_t{0};
+    expect_invalid(t, {"tensor 2", "more than 1 PiB"});
+    t.tensors[2].bytes = std::uint64_t{1} << 50;  // the largest allowed
+    EXPECT_NO_THROW(validate(t));
+    t.ops[0].workspace_bytes = ~std::uint64_t{0};
+    expect_invalid(t, {"op 0", "workspace", "more than 1 PiB"});
+  }
+  {
     Trace t = tiny();
     t.ops[1].index = 0;
     expect_invalid(t, {"op at position 1", "has index 0"});
