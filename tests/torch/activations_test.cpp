@@ -82,14 +82,17 @@ TEST(Activations, BitIdenticalTrainingWithEveryActivationThroughTheStore) {
   ActivationOptions opt;
   opt.min_bytes = 4096;
   opt.adaptive = false;
-  ActivationOffloader off(make_store(dir), opt);
+  auto store = make_store(dir);
+  ActivationOffloader off(store, opt);
   const RunResult offloaded = train(&off, 5);
   expect_identical(plain, offloaded);
   const ActivationStats s = off.last_step();
   EXPECT_GT(s.offloaded, 0u);
   EXPECT_GT(s.kept_parameter, 0u) << "weights reach the pack hook and must be skipped";
   EXPECT_GT(s.deduplicated, 0u) << "h is saved by fc2 and fc3";
-  EXPECT_GT(s.bytes_written, 0u);
+  // Over the run, not the last step alone: on a loaded machine one step's writes may all still
+  // be queued when backward begins, and those are dropped (the tensors stay in memory).
+  EXPECT_GT(store->stats().bytes_written, 0u);
   EXPECT_GT(s.bytes_read + s.forwarded, 0u);
   EXPECT_EQ(s.write_failures, 0u);
 }
