@@ -418,10 +418,9 @@ at::Tensor ActivationOffloader::Impl::unpack(Record& r, const c10::TensorOptions
     }
   }
   if (!r.storage) {
-    // The record has no bytes although a saved variable still needs them. Seen twice in ~20
-    // runs of the session tests (an unpack at the first backward node), cause not yet found:
-    // take the tensor from memory when its storage is still alive, or read it back; failing
-    // that, stop the step with an error. Never an empty storage (PyTorch asserts on it).
+    // The record has no bytes although a saved variable still needs them: should not happen
+    // (see below for the case that did); take the tensor from memory when its storage is still
+    // alive, or read it back, or stop the step with an error. Never an empty storage.
     ++stats.recovered;
     if (auto live = r.identity.lock()) {
       r.storage = c10::Storage(std::move(live));
@@ -437,8 +436,11 @@ at::Tensor ActivationOffloader::Impl::unpack(Record& r, const c10::TensorOptions
     }
     r.state = Record::State::kRestored;
   }
-  prefetch_locked(r.index);
+  // Taken before prefetch_locked: it retires finished writes, and when this record's own write
+  // (still running: the tensor was forwarded from memory) finishes there, the record drops its
+  // storage. Read after that, it was empty: PyTorch's "storage INTERNAL ASSERT" under load.
   c10::Storage storage = r.storage;
+  prefetch_locked(r.index);
   if (++r.unpacked >= r.users && r.state == Record::State::kRestored) {
     r.storage = c10::Storage();  // autograd now holds what it needs
   }
