@@ -53,11 +53,7 @@ Schedule compile_schedule(const trace::Trace& trace, const Plan* plan, bool stri
   }
 
   trace::LifetimeAnalysis la = trace::analyze_lifetimes(trace);
-  s.op_seconds.assign(nn, 0.0);
-  for (std::size_t k = 0; k < nn; ++k) {
-    s.new_bytes[k] = trace.ops[k].workspace_bytes;
-    s.op_seconds[k] = trace.op_seconds(k);
-  }
+  for (std::size_t k = 0; k < nn; ++k) s.new_bytes[k] = trace.ops[k].workspace_bytes;
   for (std::size_t i = 0; i < trace.tensors.size(); ++i) {
     const trace::Tensor& t = trace.tensors[i];
     const auto id = static_cast<TensorId>(i);

@@ -106,7 +106,7 @@ class Simulator {
         t = start;
         for (TensorId id : tr_.ops[kk].outputs) ++tensors_[static_cast<std::size_t>(id)].version;
         if (last) res.memory_per_op[kk] = resident_;
-        t += sched_.op_seconds[kk];
+        t += tr_.op_seconds(kk);
         advance_all(t);
         for (std::int32_t m : sched_.issued_after[kk]) {
           fire(sched_.migrations[static_cast<std::size_t>(m)], it, n, t);
@@ -115,7 +115,7 @@ class Simulator {
       }
     }
     res.iteration_seconds = t - iter_start;
-    for (double x : sched_.op_seconds) res.compute_seconds += x;
+    res.compute_seconds = tr_.compute_seconds();
     res.stall_seconds = std::max(0.0, res.iteration_seconds - res.compute_seconds);
     for (std::size_t k = 0; k < res.memory_per_op.size(); ++k) {
       if (res.memory_per_op[k] > res.peak_bytes) {

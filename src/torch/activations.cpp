@@ -417,25 +417,8 @@ at::Tensor ActivationOffloader::Impl::unpack(Record& r, const c10::TensorOptions
       break;
     }
   }
-  if (!r.storage) {
-    // The record has no bytes although a saved variable still needs them: should not happen
-    // (see below for the case that did); take the tensor from memory when its storage is still
-    // alive, or read it back, or stop the step with an error. Never an empty storage.
-    ++stats.recovered;
-    if (auto live = r.identity.lock()) {
-      r.storage = c10::Storage(std::move(live));
-    } else {
-      TIDAL_EXPECT(r.ticket.valid(),
-                   "a saved activation lost its bytes before backward used it (record ", r.index,
-                   " of this step); this is a tidal bug, please report it");
-      start_read_locked(r, io::Priority::kUrgent);
-      const io::Ticket t = r.ticket;
-      lock.unlock();
-      store->wait(t);
-      lock.lock();
-    }
-    r.state = Record::State::kRestored;
-  }
+  TIDAL_EXPECT(r.storage, "a saved activation lost its bytes before backward used it (record ",
+               r.index, " of this step); this is a tidal bug, please report it");
   // Taken before prefetch_locked: it retires finished writes, and when this record's own write
   // (still running: the tensor was forwarded from memory) finishes there, the record drops its
   // storage. Read after that, it was empty: PyTorch's "storage INTERNAL ASSERT" under load.

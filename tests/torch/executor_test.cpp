@@ -7,6 +7,7 @@
 #include <random>
 
 #include "io/test_dir.hpp"
+#include "register_trainer.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/models/trainer.hpp"
@@ -29,17 +30,6 @@ std::vector<double> plain_losses(int steps) {
   std::vector<double> losses;
   for (int i = 0; i < steps; ++i) losses.push_back(t.step().loss);
   return losses;
-}
-
-void register_all(Tracer& tracer, models::Trainer& t) {
-  auto named = t.persistent_tensors();
-  for (auto& [n, x] : named.parameters)
-    tracer.register_persistent(x, n, trace::TensorClass::kParameter);
-  for (auto& [n, x] : named.gradients)
-    tracer.register_persistent(x, n, trace::TensorClass::kGradient);
-  for (auto& [n, x] : named.optimizer_state) {
-    tracer.register_persistent(x, n, trace::TensorClass::kOptimizerState);
-  }
 }
 
 // 400 random actions; with `host`, each offload goes to host memory or the SSD at random.
@@ -73,7 +63,7 @@ RandomRun run_random_plan(const std::shared_ptr<io::TensorStore>& store, int ste
   models::Trainer trainer(options());
   Tracer tracer(Tracer::Options{"gpt-tiny", 4, 32});
   r.losses.push_back(trainer.step().loss);  // gradients exist from here on
-  register_all(tracer, trainer);
+  testing::register_trainer(tracer, trainer);
   tracer.start();
   trainer.add_observer(&tracer);
   r.losses.push_back(trainer.step().loss);  // profiled

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "io/test_dir.hpp"
+#include "register_trainer.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/models/trainer.hpp"
 #include "tidal/plan/hardware.hpp"
@@ -41,13 +42,7 @@ struct Profile {
 // One plain step (gradients and optimizer state exist from then on), then one profiled.
 Profile profile(models::Trainer& trainer, Tracer& tracer, MemoryMeter& meter) {
   trainer.step();
-  auto named = trainer.persistent_tensors();
-  for (auto& [n, x] : named.parameters)
-    tracer.register_persistent(x, n, trace::TensorClass::kParameter);
-  for (auto& [n, x] : named.gradients)
-    tracer.register_persistent(x, n, trace::TensorClass::kGradient);
-  for (auto& [n, x] : named.optimizer_state)
-    tracer.register_persistent(x, n, trace::TensorClass::kOptimizerState);
+  testing::register_trainer(tracer, trainer);
   tracer.start();
   trainer.add_observer(&tracer);
   meter.reset_peak();

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "register_trainer.hpp"
 #include "tidal/models/trainer.hpp"
 #include "tidal/trace/io.hpp"
 #include "tidal/trace/lifetime.hpp"
@@ -273,19 +274,6 @@ TEST(Tracer, ReportsTheFirstDivergence) {
       << r.divergence;
 }
 
-// Registers the trainer's parameters, optimizer states and, with `gradients`, its gradients.
-void register_trainer(Tracer& tracer, tidal::models::Trainer& trainer, bool gradients) {
-  const auto named = trainer.persistent_tensors();
-  for (const auto& [n, x] : named.parameters)
-    tracer.register_persistent(x, n, TensorClass::kParameter);
-  if (gradients) {
-    for (const auto& [n, x] : named.gradients)
-      tracer.register_persistent(x, n, TensorClass::kGradient);
-  }
-  for (const auto& [n, x] : named.optimizer_state)
-    tracer.register_persistent(x, n, TensorClass::kOptimizerState);
-}
-
 // With the deferred optimizer schedule each gradient is made in backward and read (then dropped)
 // by its update in the next step's forward: the tracer joins the two into one tensor with a gap
 // per parameter, made by a backward op and freed after an op of forward.
@@ -301,7 +289,7 @@ TEST(Tracer, DeferredGradientsBecomeTensorsWithAGap) {
   trainer.step();  // warm-up
   Tracer tracer({"llama-tiny", o.batch, o.seq});
   // Its gradients are dropped by their updates: not persistent, so not registered.
-  register_trainer(tracer, trainer, false);
+  tidal::testing::register_trainer(tracer, trainer, false);
   tracer.start();
   trainer.add_observer(&tracer);
   for (int i = 0; i < 3; ++i) trainer.step();
@@ -342,7 +330,7 @@ TEST(Tracer, ProfiledGptTinyTrainsExactlyLikeAnUnprofiledOne) {
   b.push_back(profiled.step().loss);  // warm-up
 
   Tracer tracer({"gpt-tiny", o.batch, o.seq});
-  register_trainer(tracer, profiled, true);
+  tidal::testing::register_trainer(tracer, profiled, true);
   tracer.start();
   profiled.add_observer(&tracer);
   for (int i = 0; i < 3; ++i) {

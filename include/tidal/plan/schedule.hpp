@@ -62,8 +62,6 @@ struct Schedule {
   std::vector<std::vector<trace::TensorId>> freed;
   /// By op: the device memory it allocates (its workspace and the tensors it produces).
   std::vector<std::uint64_t> new_bytes;
-  /// By op: Trace::op_seconds, its duration plus the host time before the next op.
-  std::vector<double> op_seconds;
   /// By tensor: the ops that use it, ascending.
   std::vector<std::vector<trace::OpIndex>> uses_of;
   /// Bytes the migrations move per iteration, per channel.

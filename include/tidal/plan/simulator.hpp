@@ -62,7 +62,7 @@ struct SimResult {
 /// plan's Schedule (schedule.hpp), which the plan executor runs for real.
 ///
 /// Model: ops run in trace order for their recorded duration, each followed by the host time
-/// the trace recorded before the next (Schedule::op_seconds). An op starts when
+/// the trace recorded before the next (Trace::op_seconds). An op starts when
 /// the previous one has ended, every tensor it uses is resident (prefetch reads done; a tensor
 /// neither resident nor being read is read at once, counted as a miss) and every offload whose
 /// deadline is this op has completed. Each channel (ChannelRates) moves one transfer at a time

@@ -50,9 +50,6 @@ struct ActivationStats {
   /// Writes dropped before they started because autograd released the tensor first (its
   /// backward ran while the write waited in the queue): its memory went back at once.
   std::uint64_t cancelled_writes = 0;
-  /// Unpacks that found their record without bytes and took them from memory or the store
-  /// (a lifetime case not yet understood; see unpack): should stay 0.
-  std::uint64_t recovered = 0;
   std::uint64_t bytes_written = 0;
   std::uint64_t bytes_read = 0;
   double stall_seconds = 0;           ///< time unpack waited for reads
