@@ -14,6 +14,9 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   clang-format          # CI's format check
   fio                   # bench/io_vs_fio.sh
+  python3-torch         # the Python front-end (python/): PyTorch on the same libtorch
+  python3-dev pybind11-dev python3-pybind11  # builds the extension module tidal._C
+  python3-pytest        # tests/python
 )
 
 missing=()

@@ -59,8 +59,9 @@ double byte_multiplier(const std::string& unit, std::string_view original) {
   for (const auto& u : kUnits) {
     if (unit == u.name) return u.factor;
   }
-  TIDAL_FAIL("'", original, "': unknown size unit '", unit,
-             "'; use B, KiB, MiB, GiB, TiB (binary) or KB, MB, GB, TB (decimal)");
+  TIDAL_EXPECT_AS(InvalidArgument, false, "'", original, "': unknown size unit '", unit,
+                  "'; use B, KiB, MiB, GiB, TiB (binary) or KB, MB, GB, TB (decimal)");
+  return 0;
 }
 
 }  // namespace

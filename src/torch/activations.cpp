@@ -150,12 +150,21 @@ class OffloadHooks final : public torch::autograd::SavedVariableHooks {
   at::ScalarType dtype_ = at::kFloat;
 };
 
+// The default engine before tidal's was installed (PyTorch's own, or its Python engine).
+torch::autograd::Engine* g_previous_engine = nullptr;
+
 class TidalEngine final : public torch::autograd::Engine {
  public:
   TidalEngine() = default;
   ~TidalEngine() override { stop(); }
 
   std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks() override {
+    // Hooks of the engine tidal's replaced come first: in a Python process that is PyTorch's
+    // Python engine, whose hooks are torch.autograd.graph.saved_tensors_hooks (save_on_cpu,
+    // non-reentrant checkpointing), which the user set around this very code.
+    if (g_previous_engine != nullptr) {
+      if (auto hooks = g_previous_engine->get_default_saved_variable_hooks()) return hooks;
+    }
     if (g_active.load(std::memory_order_acquire) == nullptr) return nullptr;
     if (!at::SavedTensorDefaultHooks::is_enabled()) return nullptr;
     std::shared_ptr<ActivationOffloader::Impl> impl;
@@ -165,6 +174,12 @@ class TidalEngine final : public torch::autograd::Engine {
     }
     if (!impl || g_backward_running.load() > 0) return nullptr;  // saved inside backward: keep
     return std::make_unique<OffloadHooks>(std::move(impl));
+  }
+
+  // Python's anomaly mode (torch.autograd.detect_anomaly) records Python stacks through it.
+  std::unique_ptr<torch::autograd::AnomalyMetadata> make_anomaly_metadata() override {
+    return g_previous_engine != nullptr ? g_previous_engine->make_anomaly_metadata()
+                                        : Engine::make_anomaly_metadata();
   }
 
   torch::autograd::variable_list execute(const torch::autograd::edge_list& roots,
@@ -188,7 +203,10 @@ torch::autograd::Engine& tidal_engine() {
 
 void install_autograd_engine() {
   static std::once_flag once;
-  std::call_once(once, [] { torch::autograd::set_default_engine_stub(&tidal_engine); });
+  std::call_once(once, [] {
+    g_previous_engine = &torch::autograd::Engine::get_default_engine();
+    torch::autograd::set_default_engine_stub(&tidal_engine);
+  });
 }
 
 std::shared_ptr<Record> ActivationOffloader::Impl::pack(const at::Tensor& t, at::Tensor* kept) {

@@ -1,0 +1,82 @@
+"""The small GPT with DistributedDataParallel, one tidal Session per rank.
+
+On PyTorch 2.x:
+    torchrun --nproc_per_node 2 examples/python/ddp.py --mode plan --dir '/var/tmp/tidal/r{rank}'
+Without torchrun (Debian's 1.13 torchrun fails under Python 3.11), the env:// variables:
+    for r in 0 1; do MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 WORLD_SIZE=2 RANK=$r LOCAL_RANK=$r \\
+        PYTHONPATH=build/python python3 examples/python/ddp.py --mode plan \\
+        --dir '/var/tmp/tidal/r{rank}' & done; wait
+
+Each rank trains on its own batches, has its own store directory ({rank} and {local_rank} in
+--dir are replaced; a directory without a placeholder gets a rank<N> subdirectory) and plans its
+own trace. gloo on CPU, NCCL when CUDA is there (CUDA tensors through the Python API are not
+tested yet: see docs/python.md).
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import tidal
+from gpt import GPT, CharCorpus, add_model_args
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(p)
+    p.add_argument("--mode", choices=["none", "activations", "plan"], default="plan")
+    p.add_argument("--dir", action="append", help="store directory; {rank} is replaced")
+    p.add_argument("--budget", default="50%")
+    p.add_argument("--min-bytes", default="1MiB")
+    p.add_argument("--capacity", default="4GiB")
+    a = p.parse_args()
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method="env://")
+    rank = dist.get_rank()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+
+    torch.manual_seed(a.seed)  # the same initial weights on every rank
+    corpus = CharCorpus(a.text)
+    model = DDP(GPT(corpus.vocab, a.layers, a.d, a.heads, a.block))
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    g = torch.Generator().manual_seed(a.seed + 1000 * rank)  # each rank its own batches
+    session = None
+    if a.mode != "none":
+        session = tidal.Session(mode=a.mode, dirs=a.dir, budget=a.budget, capacity=a.capacity,
+                                min_bytes=a.min_bytes, model=model, optimizer=opt, name="gpt")
+    skip = 3 if a.mode == "plan" else 2
+    times, peaks = [], []
+    for step in range(a.steps):
+        x, y = corpus.batch(g, a.batch, a.block)
+        tidal.reset_peak_memory()
+        t0 = time.perf_counter()
+        if session:
+            session.begin_step()
+        opt.zero_grad(set_to_none=False)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        if session:
+            session.end_step()
+        times.append(time.perf_counter() - t0)
+        peaks.append(max(tidal.memory_stats()["peak_bytes"],
+                         session.stats().step_peak if session else 0))
+        print(f"rank {rank} step {step:3d}  loss {loss.item():.6f}  {1e3 * times[-1]:8.1f} ms  "
+              f"peak {tidal.format_bytes(peaks[-1])}  {session.stats() if session else ''}",
+              flush=True)
+    store = session.store_stats() if session else None
+    print(f"summary: rank {rank} mode {a.mode}, median step "
+          f"{1e3 * statistics.median(times[skip:] or times):.1f} ms, peak "
+          f"{tidal.format_bytes(max(peaks[skip:] or peaks))}, store wrote "
+          f"{tidal.format_bytes(store['bytes_written'] if store else 0)}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""tidal.Session: the C++ tidal::torch_layer::Session, around the steps of a Python loop."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import torch
+
+from . import _C
+from ._options import Size, parse_budget, parse_size, store_options
+from .distributed import prepare_model
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionStats:
+    """What the session did in the last step, and overall (tidal::torch_layer::SessionStats).
+
+    Byte counts are ints, times are seconds. `str(stats)` is one line for a progress bar.
+    """
+
+    mode: str
+    state: str  # "off", "warmup", "profiling", "executing"
+    bytes_written: int
+    bytes_read: int
+    bytes_to_host: int
+    bytes_from_host: int
+    host_stall_seconds: float
+    planned_bytes_to_ssd: int
+    planned_bytes_to_host: int
+    stall_seconds: float
+    write_stall_seconds: float
+    misses: int
+    write_failures: int
+    step_peak: int
+    memory_budget: int
+    untouched_bytes: int
+    profiled_peak: int
+    within_budget: bool
+    steps_measured: int
+    steps_over_budget: int
+    budget_reason: str
+    shapes: int
+    shape: int
+    replans: int
+    tightenings: int
+    executed_peak: int
+    plan_summary: str
+    notice: str
+
+    def __str__(self) -> str:
+        b = _C.format_bytes
+        line = (f"tidal {self.mode}/{self.state}: peak {b(self.step_peak)}, "
+                f"wrote {b(self.bytes_written)}, read {b(self.bytes_read)}, "
+                f"stall {self.stall_seconds:.3f} s")
+        if self.mode == "plan" and self.memory_budget:
+            line += (f", budget {b(self.memory_budget)} "
+                     f"({'met' if self.within_budget else 'not met yet'})")
+        return line
+
+
+class Session:
+    """Offloads a training loop's tensors to SSDs in one of three modes.
+
+    mode: "none" (nothing moves: the reference), "activations" (autograd's saved tensors, the
+    SSDTrain/TBA way), or "plan" (profile the first steps, plan every tensor class, execute).
+    dirs: one directory per SSD (`{rank}`/`{local_rank}` are replaced; None: TIDAL_DIRS).
+    budget: plan mode's memory budget, a share of the profiled peak ("50%", 0.5) or whole-process
+    bytes (an int or "8GiB"). host_memory: plan mode's host tier ("8GiB"; 0: SSD only).
+    model, optimizer: their parameters, buffers and optimizer state are registered with their
+    names (the session finds such tensors without it; names make the trace and plan readable,
+    and in activation mode they are never written as activations).
+
+    Create it before the model when you can: the memory meter counts tensors allocated after
+    `import tidal`, and the session's own meter after its creation.
+
+    Use `with session.step():` around forward, backward and the optimizer step, or
+    `begin_step()` / `end_step()`. Call it from the thread that runs the loop.
+    Errors raise tidal.Error (tidal.InvalidArgument for a bad option, tidal.IoError for a failing
+    store) with the C++ message.
+    """
+
+    def __init__(self,
+                 mode: str = "plan",
+                 dirs: Optional[Union[str, Sequence[str]]] = None,
+                 budget: Union[int, float, str] = "50%",
+                 host_memory: Size = 0,
+                 model: Optional[torch.nn.Module] = None,
+                 optimizer: Optional[torch.optim.Optimizer] = None,
+                 *,
+                 capacity: Optional[Size] = None,
+                 min_bytes: Optional[Size] = None,
+                 warmup_steps: int = 1,
+                 profile_steps: int = 2,
+                 strict_budget: bool = False,
+                 between_steps: str = "resident",
+                 adaptive: bool = True,
+                 checksum: bool = True,
+                 hardware: str = "cpu-here",
+                 name: str = "") -> None:
+        opt = _C.SessionOptions()
+        opt.mode = mode
+        if mode != "none":
+            opt.store = store_options(dirs, capacity, checksum)
+        opt.memory_budget, opt.budget_fraction = parse_budget(budget)
+        opt.budget_option = "Session(budget=...)"
+        opt.host_memory = parse_size(host_memory, "host_memory")
+        if min_bytes is not None:
+            b = parse_size(min_bytes, "min_bytes")
+            act = opt.activations
+            act.min_bytes = b
+            opt.activations = act
+            opt.executor_min_bytes = b
+        act = opt.activations
+        act.adaptive = adaptive
+        opt.activations = act
+        opt.warmup_steps = warmup_steps
+        opt.profile_steps = profile_steps
+        opt.strict_budget = strict_budget
+        opt.between_steps = between_steps
+        opt.hardware = hardware
+        opt.model_name = name or (type(model).__name__ if model is not None else "")
+        self._session = _C.Session(opt)
+        self._mode = mode
+        self._model = model
+        self._optimizer = optimizer
+        self._registered: set[int] = set()
+        self._param_names: dict[int, str] = {}
+        self._in_step = False
+        if model is not None:
+            prepare_model(model, mode)
+            for n, p in model.named_parameters():
+                self._param_names[id(p)] = n
+                self._register(p, n, "parameter")
+            for n, b in model.named_buffers():
+                self._register(b, n, "parameter")
+        self._register_optimizer()
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """A step starts (forward, backward and the optimizer step follow)."""
+        self._register_optimizer()
+        self._session.begin_step()
+        self._in_step = True
+
+    def end_step(self) -> None:
+        """The step's ops have run. Plan mode may plan here. Raises tidal.IoError when a tensor
+        cannot be read back."""
+        self._in_step = False
+        self._session.end_step()
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator["Session"]:
+        """`with session.step():` around one training step."""
+        self.begin_step()
+        try:
+            yield self
+        except BaseException:
+            # The step's own error wins; the session is still closed for the next step.
+            try:
+                self.end_step()
+            except _C.Error:
+                pass
+            raise
+        self.end_step()
+
+    def phase(self, name: str) -> None:
+        """Optional: the step enters "forward", "backward" or "optimizer" (labels the trace;
+        starts activation prefetching at "backward")."""
+        self._session.begin_phase(name)
+
+    def make_resident(self) -> None:
+        """Plan mode with between_steps="offloaded": bring every moved tensor back now (before
+        code that reads raw bytes, e.g. torch.save)."""
+        self._session.make_resident()
+
+    # -- what it did ------------------------------------------------------------------------
+
+    def stats(self) -> SessionStats:
+        return SessionStats(**self._session.stats())
+
+    def store_stats(self) -> Optional[dict]:
+        """The store's counters since it opened (None in mode "none")."""
+        return self._session.store_stats()
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @property
+    def trace(self) -> Optional[dict]:
+        """Plan mode: the profiled trace in use (docs/trace-format.md), None before planning."""
+        text = self._session.trace_json()
+        return None if text is None else json.loads(text)
+
+    @property
+    def plan(self) -> Optional[dict]:
+        """Plan mode: the plan in use (docs/plan-format.md), None before planning."""
+        text = self._session.plan_json()
+        return None if text is None else json.loads(text)
+
+    def trace_json(self) -> Optional[str]:
+        return self._session.trace_json()
+
+    def plan_json(self) -> Optional[str]:
+        return self._session.plan_json()
+
+    # -- registration -----------------------------------------------------------------------
+
+    def _register(self, t: Any, name: str, cls: str) -> None:
+        if not isinstance(t, torch.Tensor) or id(t) in self._registered:
+            return
+        self._registered.add(id(t))
+        self._session.register_persistent(t.detach(), name, cls)
+
+    def _register_optimizer(self) -> None:
+        # Adam's state is made at its first step: looked for again at every step's start.
+        if self._optimizer is None:
+            return
+        for i, (p, state) in enumerate(self._optimizer.state.items()):
+            base = self._param_names.get(id(p), f"param{i}")
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    self._register(value, f"{base}.{key}", "optimizer_state")
+
+    def __repr__(self) -> str:
+        return f"tidal.Session(mode={self._mode!r}, state={self.stats().state!r})"

@@ -1,0 +1,36 @@
+"""Shared fixtures of the Python tests: a store directory on a real disk, a small model."""
+
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+
+import tidal  # noqa: F401  (before any model: the memory meter counts from here)
+
+# Store directories go where the C++ tests put them: a real disk, not tmpfs.
+STORE_ROOT = os.environ.get("TIDAL_TEST_DIR", "/var/tmp/tidal")
+
+
+@pytest.fixture
+def store_dir():
+    os.makedirs(STORE_ROOT, exist_ok=True)
+    d = tempfile.mkdtemp(prefix="pytest-", dir=STORE_ROOT)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def make_mlp(seed: int, width: int = 1024) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(256, width), torch.nn.GELU(),
+        torch.nn.Linear(width, width), torch.nn.GELU(),
+        torch.nn.Linear(width, width), torch.nn.Tanh(),
+        torch.nn.Linear(width, 10))
+
+
+def batches(seed: int, steps: int, batch: int = 128):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 256, generator=g), torch.randint(0, 10, (batch,), generator=g))
+            for _ in range(steps)]

@@ -1,0 +1,70 @@
+"""One rank of the DDP test (test_distributed.py): trains the same model without tidal, with
+activation offloading and in plan mode, each with its own Session and store directory, and
+writes the losses. Launched with the env:// variables torchrun sets (MASTER_ADDR, MASTER_PORT,
+RANK, WORLD_SIZE, LOCAL_RANK)."""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import tidal
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import batches, make_mlp  # noqa: E402
+
+STEPS = 6
+
+
+def train(mode, store_root, wrap):
+    model = wrap(make_mlp(seed=5, width=512))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    session = None
+    if mode != "none":
+        # {rank}: every rank has its own directory, store and plan.
+        session = tidal.Session(mode=mode, dirs=[os.path.join(store_root, mode + "-{rank}")],
+                                budget="50%", capacity="256MiB", min_bytes="64KiB",
+                                model=model, optimizer=opt)
+    losses, written = [], 0
+    for x, y in batches(seed=100 + dist.get_rank(), steps=STEPS):
+        if session:
+            session.begin_step()
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        if session:
+            session.end_step()
+            written += session.stats().bytes_written
+        losses.append(loss.item())
+    out = {"losses": losses, "bytes_written": written}
+    if session:
+        out["state"] = session.stats().state
+        out["dir"] = os.path.join(store_root, mode + "-" + str(dist.get_rank()))
+        out["dir_exists"] = os.path.isdir(out["dir"])
+    return out
+
+
+def main():
+    kind, store_root, out_path = sys.argv[1], sys.argv[2], sys.argv[3]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://")
+    if kind == "ddp":
+        wrap = DDP
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        wrap = FSDP
+    result = {"rank": dist.get_rank(), "world": dist.get_world_size()}
+    for mode in ("none", "activations", "plan"):
+        result[mode] = train(mode, store_root, wrap)
+    dist.barrier()
+    dist.destroy_process_group()
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

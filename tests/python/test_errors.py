@@ -1,0 +1,67 @@
+"""Bad input reaches Python as tidal's exceptions, with the C++ message and the option named."""
+
+import os
+
+import pytest
+
+import tidal
+
+
+def test_exception_hierarchy():
+    assert issubclass(tidal.InvalidArgument, tidal.Error)
+    assert issubclass(tidal.InvalidArgument, ValueError)
+    assert issubclass(tidal.IoError, tidal.Error)
+    assert issubclass(tidal.IoError, OSError)
+    assert issubclass(tidal.Error, RuntimeError)
+
+
+def test_bad_directory(store_dir):
+    missing = os.path.join(store_dir, "does", "not", "exist")
+    with pytest.raises(tidal.Error, match="does/not/exist"):
+        tidal.Session(mode="plan", dirs=[missing], capacity="64MiB")
+    with pytest.raises(tidal.Error, match="does/not/exist"):
+        tidal.offload_activations(dirs=[missing], capacity="64MiB")
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here")
+def test_memory_filesystem_is_refused():
+    with pytest.raises(tidal.InvalidArgument, match="memory"):
+        tidal.Session(mode="activations", dirs=["/dev/shm"], capacity="64MiB")
+
+
+def test_no_directory(monkeypatch):
+    monkeypatch.delenv("TIDAL_DIRS", raising=False)
+    with pytest.raises(tidal.InvalidArgument, match="TIDAL_DIRS"):
+        tidal.Session(mode="plan")
+
+
+@pytest.mark.parametrize("budget, words", [
+    ("lots", "budget"),
+    ("150%", "percentage"),
+    ("0%", "percentage"),
+    (1.5, r"\(0, 1\]"),
+    (0, "budget=0"),
+    ([1], "budget"),
+])
+def test_bad_budget(store_dir, budget, words):
+    with pytest.raises(tidal.InvalidArgument, match=words):
+        tidal.Session(mode="plan", dirs=[store_dir], budget=budget, capacity="64MiB")
+
+
+def test_bad_sizes_and_mode(store_dir):
+    with pytest.raises(tidal.InvalidArgument, match="host_memory"):
+        tidal.Session(mode="plan", dirs=[store_dir], host_memory="8 gigs")
+    with pytest.raises(tidal.InvalidArgument, match="unknown offload mode 'fast'"):
+        tidal.Session(mode="fast", dirs=[store_dir])
+    with pytest.raises(tidal.InvalidArgument, match="between_steps"):
+        tidal.Session(mode="plan", dirs=[store_dir], between_steps="elsewhere")
+    with pytest.raises(tidal.InvalidArgument, match="min_bytes"):
+        tidal.offload_activations(dirs=[store_dir], min_bytes=-1)
+    with pytest.raises(tidal.InvalidArgument):
+        tidal.parse_bytes("12 parsecs")
+    assert tidal.parse_bytes("1.5GiB") == 3 << 29
+
+
+def test_capacity_too_small_for_the_disk(store_dir):
+    with pytest.raises(tidal.Error):
+        tidal.Session(mode="plan", dirs=[store_dir], capacity=1 << 53)

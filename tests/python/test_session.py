@@ -1,0 +1,137 @@
+"""tidal.Session from Python: plan and activation modes give the losses of training without
+tidal, bit for bit, and report what they did."""
+
+import pytest
+import torch
+
+import tidal
+from conftest import batches, make_mlp
+
+STEPS = 7  # plan mode: 1 warm-up + 2 profiled steps, then 4 executed
+
+
+def train(data, session=None):
+    model = make_mlp(seed=3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if callable(session):
+        session = session(model, opt)
+    losses, stats = [], []
+    for x, y in data:
+        if session is not None:
+            session.begin_step()
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        if session is not None:
+            session.end_step()
+            stats.append(session.stats())
+        losses.append(loss.detach().clone())
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters()], stats
+
+
+@pytest.fixture(scope="module")
+def reference():
+    data = batches(seed=4, steps=STEPS)
+    losses, params, _ = train(data)
+    return data, losses, params
+
+
+def test_plan_mode_is_bit_identical_and_keeps_its_budget(reference, store_dir):
+    data, ref_losses, ref_params = reference
+
+    def session(model, opt):
+        # Between steps the tensors may stay on the SSD: half the profiled peak is reachable.
+        return tidal.Session(mode="plan", dirs=[store_dir], budget="50%", capacity="512MiB",
+                             min_bytes="64KiB", model=model, optimizer=opt,
+                             between_steps="offloaded")
+
+    losses, params, stats = train(data, session)
+    assert torch.equal(losses, ref_losses), (losses - ref_losses).abs().max()
+    for p, r in zip(params, ref_params):
+        assert torch.equal(p, r)
+    # Seen after each end_step: the second profiled step's end made the plan.
+    assert [s.state for s in stats[:2]] == ["warmup", "profiling"]
+    assert all(s.state == "executing" for s in stats[2:])
+    last = stats[-1]
+    assert last.mode == "plan"
+    assert 0 < last.memory_budget < last.profiled_peak
+    assert last.shapes >= 1 and last.plan_summary.startswith("plan 0:")
+    # The executed steps moved bytes through the store, as the plan said.
+    assert sum(s.bytes_written for s in stats[3:]) > 0
+    assert last.planned_bytes_to_ssd > 0
+    # Every executed step peaked within the budget, half of what the profiled steps used.
+    assert last.within_budget, last.budget_reason
+    assert last.steps_measured >= 1 and last.steps_over_budget == 0
+    assert max(s.step_peak for s in stats[3:]) <= last.memory_budget
+
+
+def test_plan_and_trace_are_readable(reference, store_dir):
+    data, ref_losses, _ = reference
+    holder = {}
+
+    def session(model, opt):
+        holder["s"] = tidal.Session(mode="plan", dirs=store_dir, budget=0.5, capacity="512MiB",
+                                    model=model, optimizer=opt, name="mlp")
+        assert holder["s"].plan is None and holder["s"].trace is None
+        return holder["s"]
+
+    losses, _, _ = train(data[:4], session)
+    assert torch.equal(losses, ref_losses[:4])
+    s = holder["s"]
+    trace, plan = s.trace, s.plan
+    assert trace is not None and plan is not None
+    names = {t["name"] for t in trace["tensors"]}
+    # The model's parameters and Adam's state carry their Python names.
+    assert "0.weight" in names
+    assert "0.weight.exp_avg" in names
+    assert isinstance(plan["actions"], list)
+    assert str(s.stats()).startswith("tidal plan/executing: peak ")
+
+
+def test_activation_mode_is_bit_identical(reference, store_dir):
+    data, ref_losses, ref_params = reference
+
+    def session(model, opt):
+        return tidal.Session(mode="activations", dirs=[store_dir], capacity="256MiB",
+                             min_bytes="64KiB", model=model, optimizer=opt)
+
+    losses, params, stats = train(data, session)
+    assert torch.equal(losses, ref_losses)
+    for p, r in zip(params, ref_params):
+        assert torch.equal(p, r)
+    assert all(s.state == "executing" for s in stats)
+    # After the warm-up and the reference step, the session offloaded (or said why it stopped).
+    assert sum(s.bytes_written for s in stats) > 0 or stats[-1].notice
+
+
+def test_step_context_manager_and_mode_none(reference):
+    data, ref_losses, _ = reference
+    model = make_mlp(seed=3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    session = tidal.Session(mode="none", model=model, optimizer=opt)
+    losses = []
+    for x, y in data[:3]:
+        with session.step():
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+        losses.append(loss.detach())
+    assert torch.equal(torch.stack(losses), ref_losses[:3])
+    st = session.stats()
+    assert st.mode == "none" and st.state == "off"
+    assert st.step_peak > 0  # the meter saw the step's tensors
+    assert session.store_stats() is None
+
+
+def test_step_closes_on_error_and_the_error_wins(store_dir):
+    session = tidal.Session(mode="plan", dirs=[store_dir], capacity="64MiB")
+    with pytest.raises(KeyError):
+        with session.step():
+            raise KeyError("from the loop")
+    session.begin_step()  # the failed step was closed
+    session.end_step()
+    with pytest.raises(tidal.Error, match="still open"):
+        session.begin_step()
+        session.begin_step()
