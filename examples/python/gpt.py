@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int, block: int) -> None:
+    def __init__(self, d: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
         self.ln1 = nn.LayerNorm(d)
@@ -17,15 +17,14 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(d)
         self.fc = nn.Linear(d, 4 * d)
         self.out = nn.Linear(4 * d, d)
-        self.register_buffer("mask", torch.tril(torch.ones(block, block, dtype=torch.bool)),
-                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // self.heads))
-        att = att.masked_fill(~self.mask[:T, :T], float("-inf")).softmax(dim=-1)
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)
         y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
         x = x + self.proj(y)
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
@@ -36,7 +35,7 @@ class GPT(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(block, d)
-        self.blocks = nn.ModuleList(Block(d, heads, block) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
 

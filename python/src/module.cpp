@@ -67,8 +67,6 @@ void register_errors(py::module_& m) {
   });
 }
 
-tt::SessionStats stats_of(const tt::Session& s) { return s.stats(); }
-
 py::dict store_stats_dict(const tidal::io::StoreStats& s) {
   py::dict d;
   d["capacity"] = s.capacity;
@@ -181,6 +179,17 @@ PYBIND11_MODULE(_C, m) {
       },
       "Restarts the CPU peak from the bytes held now.");
 
+  // Test hook: deterministic faults between the store and its backend (io/backend.hpp).
+  py::class_<tidal::io::FaultPlan>(m, "FaultPlan")
+      .def(py::init<>())
+      .def_readwrite("fail_op", &tidal::io::FaultPlan::fail_op)
+      .def_readwrite("fail_errno", &tidal::io::FaultPlan::fail_errno)
+      .def_readwrite("fail_every_after", &tidal::io::FaultPlan::fail_every_after)
+      .def_readwrite("only_writes", &tidal::io::FaultPlan::only_writes)
+      .def_readwrite("only_reads", &tidal::io::FaultPlan::only_reads)
+      .def_readwrite("corrupt_read", &tidal::io::FaultPlan::corrupt_read)
+      .def_readwrite("delay_us", &tidal::io::FaultPlan::delay_us);
+
   py::class_<tidal::io::StoreOptions>(m, "StoreOptions")
       .def(py::init<>())
       .def_readwrite("dirs", &tidal::io::StoreOptions::dirs)
@@ -190,7 +199,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("threads", &tidal::io::StoreOptions::threads)
       .def_readwrite("checksum", &tidal::io::StoreOptions::checksum)
       .def_readwrite("buffered", &tidal::io::StoreOptions::buffered)
-      .def_readwrite("allow_memory_fs", &tidal::io::StoreOptions::allow_memory_fs);
+      .def_readwrite("allow_memory_fs", &tidal::io::StoreOptions::allow_memory_fs)
+      .def_readwrite("faults", &tidal::io::StoreOptions::faults);
 
   py::class_<tt::ActivationOptions>(m, "ActivationOptions")
       .def(py::init<>())
@@ -256,7 +266,7 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("tensor"), py::arg("name"), py::arg("cls"))
       .def("make_resident", &tt::Session::make_resident, py::call_guard<py::gil_scoped_release>())
-      .def("stats", [](const tt::Session& s) { return session_stats_dict(stats_of(s)); })
+      .def("stats", [](const tt::Session& s) { return session_stats_dict(s.stats()); })
       .def("trace_json",
            [](const tt::Session& s) -> py::object {
              if (!s.trace()) return py::none();

@@ -106,8 +106,15 @@ def _as_list(dirs: Iterable) -> list:
     return list(dirs)
 
 
-def store_options(dirs, capacity: Optional[Size], checksum: bool) -> "_C.StoreOptions":
+def store_options(dirs, capacity: Optional[Size], checksum: bool,
+                  faults: Optional[dict] = None) -> "_C.StoreOptions":
+    """The store's options; `faults` (a test hook) sets fields of io::FaultPlan."""
     so = _C.StoreOptions()
+    if faults:
+        plan = _C.FaultPlan()
+        for k, v in faults.items():
+            setattr(plan, k, v)
+        so.faults = plan
     so.dirs = store_dirs(dirs)
     if capacity is not None:
         so.capacity = parse_size(capacity, "capacity")

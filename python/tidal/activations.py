@@ -70,12 +70,13 @@ class offload_activations:
                  lookahead: Size = "32MiB",
                  adaptive: bool = True,
                  checksum: bool = True,
-                 model: Optional[torch.nn.Module] = None) -> None:
+                 model: Optional[torch.nn.Module] = None,
+                 _faults: Optional[dict] = None) -> None:
         ao = _C.ActivationOptions()
         ao.min_bytes = parse_size(min_bytes, "min_bytes")
         ao.lookahead_bytes = parse_size(lookahead, "lookahead")
         ao.adaptive = adaptive
-        self._offloader = _C.ActivationOffloader(store_options(dirs, capacity, checksum), ao)
+        self._offloader = _C.ActivationOffloader(store_options(dirs, capacity, checksum, _faults), ao)
         self._open = False
         if model is not None:
             self._offloader.keep_storages_of(

@@ -99,11 +99,12 @@ class Session:
                  adaptive: bool = True,
                  checksum: bool = True,
                  hardware: str = "cpu-here",
-                 name: str = "") -> None:
+                 name: str = "",
+                 _faults: Optional[dict] = None) -> None:
         opt = _C.SessionOptions()
         opt.mode = mode
         if mode != "none":
-            opt.store = store_options(dirs, capacity, checksum)
+            opt.store = store_options(dirs, capacity, checksum, _faults)
         opt.memory_budget, opt.budget_fraction = parse_budget(budget)
         opt.budget_option = "Session(budget=...)"
         opt.host_memory = parse_size(host_memory, "host_memory")

@@ -3,6 +3,7 @@
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 import torch
@@ -34,3 +35,11 @@ def batches(seed: int, steps: int, batch: int = 128):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(batch, 256, generator=g), torch.randint(0, 10, (batch,), generator=g))
             for _ in range(steps)]
+
+
+def wait_for_writes(offload, at_least: int, seconds: float = 10.0) -> None:
+    """Waits until the offloader's store has completed `at_least` writes (so that backward
+    reads from the store rather than from memory, also on a loaded machine)."""
+    deadline = time.monotonic() + seconds
+    while offload.store_stats()["writes"] < at_least and time.monotonic() < deadline:
+        time.sleep(0.005)

@@ -52,11 +52,8 @@ def main():
     kind, store_root, out_path = sys.argv[1], sys.argv[2], sys.argv[3]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://")
-    if kind == "ddp":
-        wrap = DDP
-    else:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        wrap = FSDP
+    assert kind == "ddp", kind
+    wrap = DDP
     result = {"rank": dist.get_rank(), "world": dist.get_world_size()}
     for mode in ("none", "activations", "plan"):
         result[mode] = train(mode, store_root, wrap)

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import tidal
-from conftest import batches, make_mlp
+from conftest import batches, make_mlp, wait_for_writes
 
 STEPS = 4
 
 
-def train(data, forward_ctx=None, pause=0.0):
+def train(data, forward_ctx=None):
     """Losses and final weights of Adam on the MLP; forward inside `forward_ctx` when given."""
     model = make_mlp(seed=1)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -21,9 +21,11 @@ def train(data, forward_ctx=None, pause=0.0):
         if forward_ctx is None:
             loss = torch.nn.functional.cross_entropy(model(x), y)
         else:
+            writes = forward_ctx.store_stats()["writes"]
             with forward_ctx:
                 loss = torch.nn.functional.cross_entropy(model(x), y)
-            time.sleep(pause)  # lets the writes finish, so that backward reads from the store
+            # Some writes finish before backward, so that it reads from the store.
+            wait_for_writes(forward_ctx, writes + 1)
         loss.backward()
         opt.step()
         losses.append(loss.detach().clone())
@@ -34,7 +36,7 @@ def test_context_manager_is_bit_identical_and_uses_the_store(store_dir):
     data = batches(seed=2, steps=STEPS)
     ref_losses, ref_params = train(data)
     offload = tidal.offload_activations(dirs=[store_dir], min_bytes="64KiB", capacity="256MiB")
-    losses, params = train(data, offload, pause=0.05)
+    losses, params = train(data, offload)
     offload.end_step()
     last = offload.stats()
     store = offload.store_stats()
@@ -55,7 +57,7 @@ def test_no_offloading_once_the_step_ended(store_dir):
     a = torch.randn(256, 256, requires_grad=True)
     with offload:
         b = a.exp()
-    time.sleep(0.05)
+    wait_for_writes(offload, 1)
     b.sum().backward()
     offload.end_step()
     assert offload.stats().offloaded >= 1

@@ -65,3 +65,14 @@ def test_bad_sizes_and_mode(store_dir):
 def test_capacity_too_small_for_the_disk(store_dir):
     with pytest.raises(tidal.Error):
         tidal.Session(mode="plan", dirs=[store_dir], capacity=1 << 53)
+
+
+def test_python_dash_m_tidal_runs_the_cli():
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "tidal", "plan", "--trace", "/nonexistent.json"],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+    # The CLI's own error for a missing file, with its exit status.
+    assert p.returncode != 0
+    assert "nonexistent.json" in p.stdout
