@@ -148,6 +148,22 @@ struct Offloader {
   std::unique_ptr<tt::ActivationOffloader> offloader;
 };
 
+// Destroys with the GIL released: the session's and the offloader's destructors wait for I/O
+// threads, which may need the GIL to drop a tensor that a Python object shares.
+struct DeleteWithoutGil {
+  template <typename T>
+  void operator()(T* p) const {
+    if (PyGILState_Check() == 0) {  // e.g. a constructor that threw, under its call guard
+      std::default_delete<T>()(p);
+      return;
+    }
+    py::gil_scoped_release release;
+    std::default_delete<T>()(p);
+  }
+};
+template <typename T>
+using Holder = std::unique_ptr<T, DeleteWithoutGil>;
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -246,7 +262,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("batch", &tt::SessionOptions::batch)
       .def_readwrite("seq", &tt::SessionOptions::seq);
 
-  py::class_<tt::Session>(m, "Session")
+  py::class_<tt::Session, Holder<tt::Session>>(m, "Session")
       .def(py::init<tt::SessionOptions>(), py::call_guard<py::gil_scoped_release>())
       .def("begin_step", py::overload_cast<>(&tt::Session::begin_step),
            py::call_guard<py::gil_scoped_release>())
@@ -282,9 +298,9 @@ PYBIND11_MODULE(_C, m) {
         return store_stats_dict(s.store()->stats());
       });
 
-  py::class_<Offloader>(m, "ActivationOffloader")
+  py::class_<Offloader, Holder<Offloader>>(m, "ActivationOffloader")
       .def(py::init([](const tidal::io::StoreOptions& so, const tt::ActivationOptions& ao) {
-             auto o = std::make_unique<Offloader>();
+             Holder<Offloader> o(std::make_unique<Offloader>().release());
              o->store = std::make_shared<tidal::io::TensorStore>(so);
              o->offloader = std::make_unique<tt::ActivationOffloader>(o->store, ao);
              return o;

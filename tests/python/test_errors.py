@@ -76,3 +76,19 @@ def test_python_dash_m_tidal_runs_the_cli():
     # The CLI's own error for a missing file, with its exit status.
     assert p.returncode != 0
     assert "nonexistent.json" in p.stdout
+
+
+def test_store_dirs_per_rank(monkeypatch, store_dir):
+    from tidal._options import store_dirs
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert store_dirs([store_dir + "/n{local_rank}/r{rank}"]) == [store_dir + "/n1/r3"]
+    # Without a placeholder, a job of several ranks gets one subdirectory per rank, made here.
+    assert store_dirs(store_dir) == [store_dir + "/rank3"]
+    assert os.path.isdir(store_dir + "/rank3")
+    monkeypatch.setenv("TIDAL_DIRS", f"{store_dir}/a{{rank}},{store_dir}/b{{rank}}")
+    assert store_dirs(None) == [store_dir + "/a3", store_dir + "/b3"]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert store_dirs([store_dir]) == [store_dir]
