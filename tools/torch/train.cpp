@@ -1,6 +1,7 @@
 // `tidal train`: trains a reference model, optionally offloading tensors to SSDs, and reports
 // losses, step times, peak memory and what moved.
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -42,6 +43,27 @@ struct TrainArgs {
   std::string between_steps = "resident";
   bool strict_budget = false;
   std::string host_mem = "0";
+  std::string checkpoint;  // directory checkpoints are written to
+  int checkpoint_every = 0;
+  std::string resume;    // directory to resume from
+  int kill_at_step = 0;  // testing: SIGKILL in the middle of this step (1-based)
+};
+
+constexpr const char* kCheckpointFile = "checkpoint.pt";
+
+// Testing a crash: kills the process (SIGKILL, no clean-up) in the backward pass of one step,
+// when activations and planned migrations are in flight.
+class KillAtStep final : public torch_layer::StepObserver {
+ public:
+  explicit KillAtStep(std::int64_t step) : step_(step) {}
+  void begin_step(std::int64_t step, const std::vector<torch::Tensor>&) override { now_ = step; }
+  void begin_phase(trace::Phase phase) override {
+    if (phase == trace::Phase::kBackward && now_ + 1 == step_) std::raise(SIGKILL);
+  }
+
+ private:
+  std::int64_t step_;
+  std::int64_t now_ = -1;
 };
 
 std::vector<std::string> split_dirs(const std::string& text) {
@@ -121,13 +143,25 @@ void run_train(const TrainArgs& args) {
   TIDAL_EXPECT_AS(InvalidArgument, args.save_plan.empty() || plan_mode,
                   "--save-plan writes plan mode's plan: it is for --offload plan");
   // Files to write at the end are opened now: a bad path fails before the run, not after it.
-  for (const auto* path : {&args.save_plan, &args.save_trace}) {
+  TIDAL_EXPECT_AS(InvalidArgument, args.checkpoint_every >= 0,
+                  "--checkpoint-every must be 0 (at the end only) or more");
+  TIDAL_EXPECT_AS(InvalidArgument, args.checkpoint_every == 0 || !args.checkpoint.empty(),
+                  "--checkpoint-every needs --checkpoint DIR (where to write them)");
+  std::string checkpoint_path;
+  if (!args.checkpoint.empty()) {
+    std::filesystem::create_directories(args.checkpoint);
+    checkpoint_path = (std::filesystem::path(args.checkpoint) / kCheckpointFile).string();
+  }
+  const std::string probe_checkpoint = checkpoint_path.empty() ? "" : checkpoint_path + ".probe";
+  for (const auto* path : {&args.save_plan, &args.save_trace, &probe_checkpoint}) {
     if (path->empty()) continue;
     const bool existed = std::filesystem::exists(*path);
     const bool ok = std::ofstream(*path, std::ios::app).good();
     if (!existed) std::filesystem::remove(*path);
     TIDAL_EXPECT_AS(InvalidArgument, ok, "cannot write '", *path, "' (",
-                    path == &args.save_plan ? "--save-plan" : "--save-trace",
+                    path == &args.save_plan    ? "--save-plan"
+                    : path == &args.save_trace ? "--save-trace"
+                                               : "--checkpoint",
                     "): check that its directory exists and is writable");
   }
   so.activations.min_bytes = parse_bytes(args.min_offload);
@@ -168,6 +202,22 @@ void run_train(const TrainArgs& args) {
   }
 
   models::Trainer trainer(options);
+  if (!args.resume.empty()) {
+    trainer.load_checkpoint((std::filesystem::path(args.resume) / kCheckpointFile).string());
+  }
+  const std::int64_t first_step = trainer.steps_done();
+  TIDAL_EXPECT_AS(InvalidArgument, first_step < args.model.steps, "--resume: the checkpoint in '",
+                  args.resume, "' is at step ", first_step, " and --steps is ", args.model.steps,
+                  ": --steps counts from the start of training, raise it");
+  if (so.mode == torch_layer::OffloadMode::kPlan && first_step > 0) {
+    TIDAL_EXPECT_AS(InvalidArgument,
+                    args.model.steps - first_step > args.warmup_steps + args.profile_steps,
+                    "--offload plan profiles again after --resume: --steps must leave more than "
+                    "--warmup-steps + --profile-steps (",
+                    args.warmup_steps + args.profile_steps, ") steps after step ", first_step);
+  }
+  KillAtStep killer(args.kill_at_step);
+  if (args.kill_at_step > 0) trainer.add_observer(&killer);
   if (args.recompute) {
     trainer.model()->set_block_wrapper(
         [](std::int64_t, const models::BlockFn& block, const torch::Tensor& x) {
@@ -202,7 +252,12 @@ void run_train(const TrainArgs& args) {
             : ", checksums OFF (TIDAL_CHECKSUM=0: a corrupt read would go unnoticed)");
   }
 
-  ProgressBar bar(args.model.steps);
+  if (first_step > 0) {
+    std::fprintf(stderr, "resumed from '%s' after step %lld\n", args.resume.c_str(),
+                 static_cast<long long>(first_step));
+  }
+  int checkpoints_written = 0;
+  ProgressBar bar(args.model.steps - first_step);
   std::vector<double> losses;
   std::vector<double> seconds;
   std::vector<double> offload_seconds;  // steps that ran with offloading on
@@ -210,11 +265,11 @@ void run_train(const TrainArgs& args) {
   IoTotals io;  // over the steps that ran with offloading on
   std::uint64_t offload_peak = 0;
   const double tokens_per_step = static_cast<double>(options.batch * options.seq);
-  for (std::int64_t i = 0; i < args.model.steps; ++i) {
+  for (std::int64_t i = first_step; i < args.model.steps; ++i) {
     const bool executing = session.stats().state == torch_layer::SessionState::kExecuting;
     const auto r = trainer.step();
     // Gradients exist now; they stay (zeroed in place) only on the after-backward schedule.
-    if (i == 0) {
+    if (i == first_step) {
       register_persistent(session, trainer,
                           !options.optimizer_in_backward && !options.optimizer_deferred);
     }
@@ -229,7 +284,13 @@ void run_train(const TrainArgs& args) {
     char text[160];
     std::snprintf(text, sizeof(text), "loss %.4f  %.0f tok/s  %s", r.loss,
                   tokens_per_step / r.seconds, torch_layer::to_string(s.state));
-    bar.update(i + 1, text);
+    bar.update(i + 1 - first_step, text);
+    const bool last = i + 1 == args.model.steps;
+    if (!checkpoint_path.empty() &&
+        (last || (args.checkpoint_every > 0 && (i + 1) % args.checkpoint_every == 0))) {
+      trainer.save_checkpoint(checkpoint_path, &session);
+      ++checkpoints_written;
+    }
   }
   trainer.remove_observer(&session);
   const double total = std::accumulate(seconds.begin(), seconds.end(), 0.0);
@@ -291,6 +352,8 @@ void run_train(const TrainArgs& args) {
     j["batch"] = options.batch;
     j["seq"] = options.seq;
     j["seed"] = options.seed;
+    j["first_step"] = first_step;  // losses[0] is step first_step + 1
+    j["checkpoints_written"] = checkpoints_written;
     j["losses"] = losses;
     j["step_seconds"] = seconds;
     j["peak_bytes"] = offload_peak;
@@ -378,6 +441,18 @@ void add_train_command(CLI::App& app) {
                   "plan mode: host memory offloaded tensors may use (e.g. 8GiB; 0: SSD only); "
                   "the planner puts there what the SSDs cannot move in time")
       ->capture_default_str();
+  cmd->add_option("--checkpoint", args->checkpoint,
+                  "write checkpoints (model, optimizer, data position, RNG, step) to this "
+                  "directory, atomically: at the end, and every --checkpoint-every steps");
+  cmd->add_option("--checkpoint-every", args->checkpoint_every,
+                  "steps between checkpoints (0: at the end only)")
+      ->capture_default_str();
+  cmd->add_option("--resume", args->resume,
+                  "continue the run whose --checkpoint directory this is (same model, data and "
+                  "optimizer options; --steps is the total)");
+  cmd->add_option("--kill-at-step", args->kill_at_step,
+                  "testing: the process kills itself (SIGKILL) in this step's backward pass")
+      ->group("");  // hidden
   cmd->add_flag("--json", args->json, "print one JSON object with the results as the last line");
   cmd->callback([args] { run_train(*args); });
 }
