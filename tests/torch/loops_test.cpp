@@ -340,10 +340,13 @@ TEST_P(FaultMatrix, WritesKeepTheTensorReadsStopTheStepLatencyOnlyCostsTime) {
   }
   const LoopRun run = train_mlp(so, 12);
   EXPECT_EQ(run.losses, none.losses);
-  std::uint64_t failed = 0, written = 0, read = 0;
+  std::uint64_t failed = 0, full = 0, written = 0, read = 0;
+  std::string why;
   double stall = 0;
   for (const auto& s : run.per_step) {
     failed += s.write_failures;
+    full += s.store_full_writes;
+    if (!s.write_error.empty()) why = s.write_error;
     written += s.bytes_written;
     read += s.bytes_read;
     stall += s.stall_seconds + s.write_stall_seconds;
@@ -354,7 +357,33 @@ TEST_P(FaultMatrix, WritesKeepTheTensorReadsStopTheStepLatencyOnlyCostsTime) {
     EXPECT_GT(stall, 0.0) << "3 ms per op and not one wait";
   } else {
     EXPECT_GT(failed, 0u) << "the failed writes were not counted";
+    // Each degraded write is counted with its reason; only ENOSPC counts as "store full".
+    EXPECT_EQ(full > 0, c.fault == Fault::kEnospc) << full << " of " << failed;
+    const char* says = c.fault == Fault::kEio      ? "Input/output error"
+                       : c.fault == Fault::kEnospc ? "No space left on device"
+                                                   : "short write";
+    EXPECT_NE(why.find(says), std::string::npos) << why;
   }
+}
+
+// A store too small for what a step offloads: the writes it cannot place are refused up front
+// (the store is full), counted as such with the store's message, and training goes on unchanged.
+TEST(Loops, AFullStoreIsReportedAndChangesNoLoss) {
+  testing::TestDir dir;
+  const LoopRun none = train_mlp(options_for(OffloadMode::kNone, dir.path()), 8);
+  SessionOptions so = options_for(OffloadMode::kActivations, dir.path());
+  so.store.capacity = 64 * 1024;  // room for one of the MLP's 128 KiB activations: none
+  so.activations.adaptive = false;
+  const LoopRun run = train_mlp(so, 8);
+  EXPECT_EQ(run.losses, none.losses);
+  std::uint64_t full = 0;
+  std::string why;
+  for (const auto& s : run.per_step) {
+    full += s.store_full_writes;
+    if (!s.write_error.empty()) why = s.write_error;
+  }
+  EXPECT_GT(full, 0u);
+  EXPECT_NE(why.find("the store is full"), std::string::npos) << why;
 }
 
 std::vector<FaultCase> fault_cases() {

@@ -102,7 +102,8 @@ double median(std::vector<double> v) {
 // The I/O of a run's offloaded steps, summed from the session's per-step stats.
 struct IoTotals {
   std::uint64_t bytes_written = 0, bytes_read = 0, bytes_to_host = 0, bytes_from_host = 0;
-  std::uint64_t planned_to_ssd = 0, planned_to_host = 0, misses = 0, failures = 0;
+  std::uint64_t planned_to_ssd = 0, planned_to_host = 0, misses = 0, failures = 0, full = 0;
+  std::string write_error;  // the last failed write's message
   double stall = 0, host_stall = 0, write_stall = 0;
   void add(const torch_layer::SessionStats& s) {
     bytes_written += s.bytes_written;
@@ -113,6 +114,8 @@ struct IoTotals {
     planned_to_host += s.planned_bytes_to_host;
     misses += s.misses;
     failures += s.write_failures;
+    full += s.store_full_writes;
+    if (!s.write_error.empty()) write_error = s.write_error;
     stall += s.stall_seconds;
     host_stall += s.host_stall_seconds;
     write_stall += s.write_stall_seconds;
@@ -311,6 +314,15 @@ void run_train(const TrainArgs& args) {
                  format_bytes(static_cast<double>(io.bytes_read)).c_str(),
                  static_cast<unsigned long long>(io.misses), io.stall,
                  static_cast<unsigned long long>(io.failures));
+    if (io.failures > 0) {
+      // Degraded, not wrong: a tensor whose write failed stayed in memory.
+      std::fprintf(stderr,
+                   "DEGRADED: %llu write(s) failed (%llu for want of space: raise "
+                   "--store-capacity or free disk space); those tensors stayed in memory and the "
+                   "losses are unaffected. Last: %s\n",
+                   static_cast<unsigned long long>(io.failures),
+                   static_cast<unsigned long long>(io.full), io.write_error.c_str());
+    }
   }
   if (so.mode == torch_layer::OffloadMode::kPlan) {
     std::fprintf(stderr,
@@ -368,6 +380,9 @@ void run_train(const TrainArgs& args) {
     j["stall_seconds"] = io.stall;
     j["misses"] = io.misses;
     j["write_failures"] = io.failures;
+    j["store_full_writes"] = io.full;
+    j["write_error"] = io.write_error;
+    if (session.store()) j["io_backend"] = session.store()->stats().backend;
     j["offload_step_seconds_median"] = median(offload_seconds);
     j["steps_offloaded"] = offload_seconds.size();  // the steps the byte and stall totals cover
     j["all_steps_median_seconds"] = median(seconds);
