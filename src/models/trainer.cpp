@@ -380,10 +380,7 @@ void Trainer::save_checkpoint(const std::string& path, torch_layer::Session* ses
   out.write("adamw.steps", c10::IValue(optimizer_.steps_taken()));
   out.write("data.position", c10::IValue(data_.position()));
   out.write("rng.cpu", torch_layer::cpu_rng_state());
-  auto named = persistent_tensors();
-  for (const auto* group : {&named.parameters, &named.buffers, &named.optimizer_state}) {
-    for (const auto& [name, t] : *group) out.write(name, t);
-  }
+  for (const auto& p : persistent_tensors(false)) out.write(p.name, p.tensor);
   torch_layer::write_checkpoint(out, path, session);
 }
 
@@ -414,17 +411,14 @@ void Trainer::load_checkpoint(const std::string& path) {
     return x.toStringRef();
   };
   torch::NoGradGuard no_grad;
-  auto named = persistent_tensors();
-  for (const auto* group : {&named.parameters, &named.buffers, &named.optimizer_state}) {
-    for (const auto& [name, t] : *group) {
-      torch::Tensor saved;
-      TIDAL_EXPECT_AS(InvalidArgument, in.try_read(name, saved), "checkpoint '", path,
-                      "' has no tensor '", name, "'");
-      TIDAL_EXPECT_AS(InvalidArgument, saved.sizes() == t.sizes(), "checkpoint '", path,
-                      "': tensor '", name, "' has shape ", saved.sizes(), ", the model's is ",
-                      t.sizes());
-      t.copy_(saved);
-    }
+  for (auto& p : persistent_tensors(false)) {
+    torch::Tensor saved;
+    TIDAL_EXPECT_AS(InvalidArgument, in.try_read(p.name, saved), "checkpoint '", path,
+                    "' has no tensor '", p.name, "'");
+    TIDAL_EXPECT_AS(InvalidArgument, saved.sizes() == p.tensor.sizes(), "checkpoint '", path,
+                    "': tensor '", p.name, "' has shape ", saved.sizes(), ", the model's is ",
+                    p.tensor.sizes());
+    p.tensor.copy_(saved);
   }
   const auto step = read_int("step");
   optimizer_.set_steps_taken(read_int("adamw.steps"));
@@ -438,17 +432,24 @@ void Trainer::load_checkpoint(const std::string& path) {
   step_ = step;
 }
 
-Trainer::NamedTensors Trainer::persistent_tensors() {
-  NamedTensors out;
+std::vector<Trainer::PersistentTensor> Trainer::persistent_tensors(bool gradients) {
+  std::vector<PersistentTensor> out;
   for (const auto& p : model_->named_parameters()) {
-    out.parameters.emplace_back("param:" + p.key(), p.value());
-    if (p.value().grad().defined()) out.gradients.emplace_back("grad:" + p.key(), p.value().grad());
+    out.push_back({"param:" + p.key(), p.value(), trace::TensorClass::kParameter});
+  }
+  for (const auto& b : model_->named_buffers()) {
+    out.push_back({"buffer:" + b.key(), b.value(), trace::TensorClass::kParameter});
+  }
+  if (gradients) {
+    for (const auto& p : model_->named_parameters()) {
+      if (p.value().grad().defined()) {
+        out.push_back({"grad:" + p.key(), p.value().grad(), trace::TensorClass::kGradient});
+      }
+    }
   }
   for (auto& s : optimizer_.named_state()) {
-    out.optimizer_state.emplace_back("adamw:" + s.first, s.second);
+    out.push_back({"adamw:" + s.first, s.second, trace::TensorClass::kOptimizerState});
   }
-  for (const auto& b : model_->named_buffers())
-    out.buffers.emplace_back("buffer:" + b.key(), b.value());
   return out;
 }
 

@@ -33,22 +33,6 @@ double median(std::vector<double> v) {
   return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-void register_persistent(torch_layer::Tracer& tracer, models::Trainer& trainer) {
-  const auto named = trainer.persistent_tensors();
-  for (const auto& [name, t] : named.parameters) {
-    tracer.register_persistent(t, name, trace::TensorClass::kParameter);
-  }
-  for (const auto& [name, t] : named.buffers) {
-    tracer.register_persistent(t, name, trace::TensorClass::kParameter);
-  }
-  for (const auto& [name, t] : named.gradients) {
-    tracer.register_persistent(t, name, trace::TensorClass::kGradient);
-  }
-  for (const auto& [name, t] : named.optimizer_state) {
-    tracer.register_persistent(t, name, trace::TensorClass::kOptimizerState);
-  }
-}
-
 void print_summary(const trace::Trace& t, const trace::LifetimeAnalysis& a) {
   std::uint64_t bytes_by_class[6] = {};
   std::int64_t count_by_class[6] = {};
@@ -119,7 +103,7 @@ void run_profile(const ProfileArgs& args) {
   }
 
   torch_layer::Tracer tracer({c.name, options.batch, options.seq});
-  register_persistent(tracer, trainer);
+  trainer.register_persistent(tracer);
   tracer.start();
   trainer.add_observer(&tracer);
   meter.reset_peak();

@@ -75,24 +75,6 @@ std::vector<std::string> split_dirs(const std::string& text) {
   return out;
 }
 
-void register_persistent(torch_layer::Session& session, models::Trainer& trainer, bool grads) {
-  auto named = trainer.persistent_tensors();
-  for (auto& [name, t] : named.parameters) {
-    session.register_persistent(t, name, trace::TensorClass::kParameter);
-  }
-  for (auto& [name, t] : named.optimizer_state) {
-    session.register_persistent(t, name, trace::TensorClass::kOptimizerState);
-  }
-  for (auto& [name, t] : named.buffers) {
-    session.register_persistent(t, name, trace::TensorClass::kParameter);
-  }
-  if (grads) {
-    for (auto& [name, t] : named.gradients) {
-      session.register_persistent(t, name, trace::TensorClass::kGradient);
-    }
-  }
-}
-
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
@@ -228,7 +210,7 @@ void run_train(const TrainArgs& args) {
         });
   }
   torch_layer::Session session(so);
-  register_persistent(session, trainer, false);
+  trainer.register_persistent(session, false);
   trainer.add_observer(&session);
   const auto& c = options.config;
   std::fprintf(stderr,
@@ -273,8 +255,8 @@ void run_train(const TrainArgs& args) {
     const auto r = trainer.step();
     // Gradients exist now; they stay (zeroed in place) only on the after-backward schedule.
     if (i == first_step) {
-      register_persistent(session, trainer,
-                          !options.optimizer_in_backward && !options.optimizer_deferred);
+      trainer.register_persistent(session,
+                                  !options.optimizer_in_backward && !options.optimizer_deferred);
     }
     const auto s = session.stats();
     losses.push_back(r.loss);

@@ -166,13 +166,23 @@ class Trainer {
   [[nodiscard]] const TrainerOptions& options() const { return options_; }
   [[nodiscard]] std::int64_t steps_done() const { return step_; }
 
-  /// Named persistent tensors: parameters ("param:<name>"), gradients ("grad:<name>", those
-  /// defined), optimizer state ("adamw:<state>.<i>") and buffers ("buffer:<name>").
-  struct NamedTensors {
-    std::vector<std::pair<std::string, torch::Tensor>> parameters, gradients, optimizer_state,
-        buffers;
+  /// A tensor that lives across steps, with its name and class.
+  struct PersistentTensor {
+    std::string name;  ///< "param:<name>", "buffer:<name>", "grad:<name>", "adamw:<state>.<i>"
+    torch::Tensor tensor;
+    trace::TensorClass cls;  ///< kParameter (parameters and buffers), kGradient, kOptimizerState
   };
-  [[nodiscard]] NamedTensors persistent_tensors();
+  /// Parameters, buffers, the gradients that exist now (when `gradients`), optimizer state.
+  [[nodiscard]] std::vector<PersistentTensor> persistent_tensors(bool gradients = true);
+
+  /// Registers persistent_tensors(gradients) with `registry`: anything with
+  /// register_persistent(tensor, name, class), such as a torch_layer::Session or Tracer.
+  template <typename Registry>
+  void register_persistent(Registry& registry, bool gradients = true) {
+    for (const auto& p : persistent_tensors(gradients)) {
+      registry.register_persistent(p.tensor, p.name, p.cls);
+    }
+  }
 
   /// Writes everything a resumed run needs to continue bit for bit (parameters, buffers,
   /// optimizer state and step count, the data position, torch's CPU random state, the step) to
