@@ -9,6 +9,7 @@
 #include "commands.hpp"
 #include "model_options.hpp"
 #include "tidal/common/error.hpp"
+#include "tidal/common/stats.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/models/trainer.hpp"
 #include "tidal/torch/memory.hpp"
@@ -25,13 +26,6 @@ struct ProfileArgs {
   std::string chrome;
   std::int64_t baseline_steps = -1;  // -1: as many as --steps
 };
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const auto n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 void print_summary(const trace::Trace& t, const trace::LifetimeAnalysis& a) {
   std::uint64_t bytes_by_class[6] = {};

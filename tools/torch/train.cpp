@@ -16,6 +16,8 @@
 #include "model_options.hpp"
 #include "tidal/common/env.hpp"
 #include "tidal/common/error.hpp"
+#include "tidal/common/stats.hpp"
+#include "tidal/common/text.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/models/trainer.hpp"
 #include "tidal/torch/checkpoint.hpp"
@@ -66,21 +68,6 @@ class KillAtStep final : public torch_layer::StepObserver {
   std::int64_t now_ = -1;
 };
 
-std::vector<std::string> split_dirs(const std::string& text) {
-  std::vector<std::string> out;
-  std::stringstream ss(text);
-  for (std::string d; std::getline(ss, d, ',');) {
-    if (!d.empty()) out.push_back(d);
-  }
-  return out;
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-  return v[v.size() / 2];
-}
-
 // The I/O of a run's offloaded steps, summed from the session's per-step stats.
 struct IoTotals {
   std::uint64_t bytes_written = 0, bytes_read = 0, bytes_to_host = 0, bytes_from_host = 0;
@@ -113,7 +100,7 @@ void run_train(const TrainArgs& args) {
   torch_layer::SessionOptions so;
   so.mode = torch_layer::offload_mode_from_string(args.offload);
   if (so.mode != torch_layer::OffloadMode::kNone) {
-    so.store.dirs = split_dirs(args.dirs);
+    so.store.dirs = split_list(args.dirs);
     if (so.store.dirs.empty() && !env().dirs) {
       so.store.dirs = {"/var/tmp/tidal"};  // the default: created if missing
       std::filesystem::create_directories(so.store.dirs[0]);
