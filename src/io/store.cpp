@@ -146,6 +146,7 @@ struct OpSlot {
   std::uint64_t seq = 0;
   int staging = -1;
   bool queued = false;
+  const Backend* backend = nullptr;  // where the op went (for its failure message)
 };
 
 struct Entry {
@@ -162,6 +163,7 @@ struct Entry {
   char* user = nullptr;
   int pending = 0;
   int err = 0;
+  bool corrupt = false;  // err is a checksum mismatch
   std::string err_msg;
   std::vector<OpSlot> slots;
 };
@@ -178,6 +180,10 @@ struct TensorStore::Impl {
   std::vector<std::unique_ptr<StoreFile>> files;
   std::unique_ptr<Backend> host_backend;
   std::unique_ptr<Backend> device_backend;  // cuFile, when in use
+  // Host backends that broke while running, kept until the store closes: their threads may
+  // still deliver completions.
+  std::vector<std::unique_ptr<Backend>> retired_backends;
+  std::vector<int> fds;
   std::string backend_name;
 
   // Staging pool: fixed aligned buffers of stripe_unit bytes, pinned when a GPU exists.
@@ -216,8 +222,11 @@ struct TensorStore::Impl {
   void throw_pending_error(Entry& e);
   void dispatch_loop();
   void prepare_and_submit(OpSlot* s);
+  std::unique_ptr<Backend> make_posix() const;
+  void fall_back_if_broken();
   static void on_complete(IoOp* io, long result);
-  void complete(OpSlot* s, int err, std::string msg);
+  void complete(OpSlot* s, int err, std::string msg, bool corrupt = false);
+  void count_failure(const Entry& e);
 };
 
 TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
@@ -267,7 +276,6 @@ TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
                   format_bytes(static_cast<double>(opt.capacity)), " is too small for ", nfiles,
                   " director", nfiles == 1 ? "y" : "ies", "; give at least 4 KiB per directory");
 
-  std::vector<int> fds;
   counters.tmpfile = true;
   for (const auto& d : opt.dirs) {
     auto f = std::make_unique<StoreFile>();
@@ -291,26 +299,24 @@ TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
   }
 #ifdef TIDAL_WITH_CUDA
   if (detail::cuda::device_available()) {
-    staging_pinned = true;
-    for (auto& b : staging) {
-      staging_pinned =
-          detail::cuda::pin_host_memory(b.get(), opt.stripe_unit) == 0 && staging_pinned;
-    }
+    // All or none, so that the destructor knows what to unpin.
+    staging_pinned =
+        detail::pin_all(regions, &detail::cuda::pin_host_memory, &detail::cuda::unpin_host_memory);
   }
 #endif
 
-  const bool want_uring = opt.backend == BackendKind::kIoUring ||
-                          (opt.backend == BackendKind::kAuto && uring_compiled());
-  if (want_uring) {
+  if (opt.backend != BackendKind::kPosix) {
     try {
       host_backend =
           make_uring_backend(fds, static_cast<unsigned>(opt.queue_depth * nfiles), regions);
-    } catch (const IoError&) {
+      if (opt.faults.any()) host_backend = make_fault_backend(std::move(host_backend), opt.faults);
+    } catch (const IoError& e) {
       if (opt.backend == BackendKind::kIoUring) throw;
+      counters.backend_fallback.count = 1;
+      counters.backend_fallback.reason = e.what();
     }
   }
-  if (!host_backend) host_backend = make_posix_backend(fds, opt.threads);
-  if (opt.faults.any()) host_backend = make_fault_backend(std::move(host_backend), opt.faults);
+  if (!host_backend) host_backend = make_posix();
   backend_name = host_backend->name();
 #ifdef TIDAL_WITH_CUDA
   if (opt.gds != GdsMode::kOff && detail::cuda::device_available() && !opt.buffered) {
@@ -337,12 +343,38 @@ TensorStore::Impl::~Impl() {
   dispatch_cv.notify_all();
   dispatcher.join();
   host_backend.reset();
+  retired_backends.clear();
   device_backend.reset();
 #ifdef TIDAL_WITH_CUDA
   if (staging_pinned) {
     for (auto& b : staging) detail::cuda::unpin_host_memory(b.get());
   }
 #endif
+}
+
+std::unique_ptr<Backend> TensorStore::Impl::make_posix() const {
+  auto b = make_posix_backend(fds, opt.threads);
+  if (opt.faults.any()) b = make_fault_backend(std::move(b), opt.faults);
+  return b;
+}
+
+// On the dispatcher thread: when the io_uring ring broke (its failed ops have been reported),
+// later ops go to the POSIX backend, unless io_uring was asked for by name.
+void TensorStore::Impl::fall_back_if_broken() {
+  std::string why = host_backend->broken_reason();
+  if (why.empty() || opt.backend == BackendKind::kIoUring) return;
+  auto posix = make_posix();
+  std::lock_guard<std::mutex> lock(mu);
+  retired_backends.push_back(std::move(host_backend));
+  host_backend = std::move(posix);
+  backend_name = host_backend->name();
+  if (device_backend) backend_name += "+cufile";
+  counters.backend = backend_name;
+  ++counters.backend_fallback.count;
+  if (counters.backend_fallback.reason.empty()) {
+    counters.backend_fallback.reason =
+        ::tidal::detail::concat(why, "; moved to the posix backend while running");
+  }
 }
 
 bool TensorStore::Impl::fits_direct(const char* p, std::uint32_t len, bool device) const {
@@ -482,6 +514,7 @@ void TensorStore::Impl::dispatch_loop() {
       continue;
     }
     lock.unlock();
+    fall_back_if_broken();
     bool device_ops = false;
     for (OpSlot* s : batch) {
       device_ops = device_ops || (s->entry->device && s->staging < 0);
@@ -518,11 +551,9 @@ void TensorStore::Impl::prepare_and_submit(OpSlot* s) {
     s->io.length = p.length;
     s->io.fixed_buffer = -1;
   }
-  if (e.device && !staged) {
-    device_backend->submit(&s->io);
-  } else {
-    host_backend->submit(&s->io);
-  }
+  Backend& b = e.device && !staged ? *device_backend : *host_backend;
+  s->backend = &b;
+  b.submit(&s->io);
 }
 
 void TensorStore::Impl::on_complete(IoOp* io, long result) {
@@ -534,11 +565,19 @@ void TensorStore::Impl::on_complete(IoOp* io, long result) {
   const std::uint32_t want = s->io.length;
   std::string msg;
   int err = 0;
+  bool corrupt = false;
   if (result < 0) {
     err = static_cast<int>(-result);
     msg = ::tidal::detail::concat(what, " of ", want, " bytes at offset ", p.file_offset, " in '",
                                   self->files[static_cast<std::size_t>(p.file)]->dir,
                                   "' failed: ", std::strerror(err));
+    const std::string broken = s->backend != nullptr ? s->backend->broken_reason() : "";
+    if (!broken.empty()) {
+      msg += ::tidal::detail::concat(
+          " (the ", s->backend->name(), " backend stopped working: ", broken,
+          self->opt.backend == BackendKind::kIoUring ? "; open the store with the posix backend)"
+                                                     : "; later requests use the posix backend)");
+    }
   } else if (static_cast<std::uint64_t>(result) < want) {
     err = EIO;
     msg = ::tidal::detail::concat("short ", what, ": ", result, " of ", want, " bytes at offset ",
@@ -555,6 +594,7 @@ void TensorStore::Impl::on_complete(IoOp* io, long result) {
                                        : (e.device ? nullptr : e.user + p.tensor_offset);
     if (e.checksummed && data != nullptr && XXH3_64bits(data, p.length) != p.checksum) {
       err = EIO;
+      corrupt = true;
       msg = ::tidal::detail::concat("checksum mismatch in the stripe at tensor byte ",
                                     p.tensor_offset, " (file offset ", p.file_offset, " in '",
                                     self->files[static_cast<std::size_t>(p.file)]->dir,
@@ -565,10 +605,10 @@ void TensorStore::Impl::on_complete(IoOp* io, long result) {
       msg = "copying the staging buffer to device memory failed";
     }
   }
-  self->complete(s, err, std::move(msg));
+  self->complete(s, err, std::move(msg), corrupt);
 }
 
-void TensorStore::Impl::complete(OpSlot* s, int err, std::string msg) {
+void TensorStore::Impl::complete(OpSlot* s, int err, std::string msg, bool corrupt) {
   Entry& e = *s->entry;
   std::lock_guard<std::mutex> lock(mu);
   --in_flight[static_cast<std::size_t>(e.pieces[s->piece].file)];
@@ -582,11 +622,12 @@ void TensorStore::Impl::complete(OpSlot* s, int err, std::string msg) {
   }
   if (err != 0 && e.err == 0) {
     e.err = err;
+    e.corrupt = corrupt;
     e.err_msg = std::move(msg);
   }
   if (--e.pending == 0) {
     if (e.err != 0) {
-      ++counters.failed_requests;
+      count_failure(e);
     } else if (e.writing) {
       ++counters.writes;
       counters.bytes_written += e.bytes;
@@ -602,13 +643,27 @@ void TensorStore::Impl::complete(OpSlot* s, int err, std::string msg) {
   dispatch_cv.notify_one();
 }
 
+namespace {
+std::string request_error(const Entry& e) {
+  return ::tidal::detail::concat("tensor store ", e.writing ? "write" : "read", " of ",
+                                 format_bytes(static_cast<double>(e.bytes)), " (ticket ", e.id,
+                                 ") failed: ", e.err_msg);
+}
+}  // namespace
+
+// With mu held: counts a failed request under its degraded path.
+void TensorStore::Impl::count_failure(const Entry& e) {
+  ++counters.failed_requests;
+  DegradedPath& path = e.writing ? (e.err == ENOSPC ? counters.store_full : counters.write_failed)
+                                 : (e.corrupt ? counters.read_corrupt : counters.read_failed);
+  if (path.count++ == 0) path.reason = request_error(e);
+}
+
 // With mu held: reports (once) the error of the finished request.
 void TensorStore::Impl::throw_pending_error(Entry& e) {
   if (e.err == 0) return;
   const int err = e.err;
-  std::string msg = ::tidal::detail::concat("tensor store ", e.writing ? "write" : "read", " of ",
-                                            format_bytes(static_cast<double>(e.bytes)), " (ticket ",
-                                            e.id, ") failed: ", e.err_msg);
+  std::string msg = request_error(e);
   e.err = 0;
   e.err_msg.clear();
   throw IoError(msg, err);
@@ -644,7 +699,7 @@ Ticket TensorStore::write(const void* src, std::uint64_t bytes, Priority priorit
         " is free (largest free extent ", format_bytes(static_cast<double>(largest)),
         "); free tickets or open the store with a larger capacity");
     e.writing = true;
-    ++impl_->counters.failed_requests;
+    impl_->count_failure(e);
     return Ticket{e.id};
   }
   impl_->start_request(e, static_cast<char*>(const_cast<void*>(src)), true, priority, device);
