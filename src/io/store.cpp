@@ -11,6 +11,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -164,6 +165,7 @@ struct Entry {
   int pending = 0;
   int err = 0;
   bool corrupt = false;  // err is a checksum mismatch
+  int waiters = 0;       // threads waiting for this request (completions wake only those)
   std::string err_msg;
   std::vector<OpSlot> slots;
 };
@@ -201,10 +203,15 @@ struct TensorStore::Impl {
   std::uint64_t next_seq = 0;
   std::uint64_t rotate = 0;
   int busy_entries = 0;
+  bool closing = false;  // the destructor waits for busy_entries to reach 0
+  // One thread at a time submits to the backends: the dispatcher thread, or a caller that
+  // submits its own request's ops (kick).
+  bool dispatching = false;
   int ops_in_flight = 0;  // over all files, for busy_seconds
   std::chrono::steady_clock::time_point busy_start;
   bool stop = false;
   StoreStats counters;
+  std::atomic<std::uint64_t> checksum_ns{0};  // summed over the threads that hash
   std::thread dispatcher;
 
   explicit Impl(StoreOptions o);
@@ -220,11 +227,27 @@ struct TensorStore::Impl {
   void release_extents(Entry& e);
   void start_request(Entry& e, char* user, bool write, Priority prio, bool device);
   void throw_pending_error(Entry& e);
+  void wait_idle(std::unique_lock<std::mutex>& lock, Entry& e);
+  [[nodiscard]] bool ops_queued() const;
   void dispatch_loop();
+  bool collect(std::vector<OpSlot*>& batch, bool direct_only);
+  void submit_batch(const std::vector<OpSlot*>& batch);
+  void kick(std::unique_lock<std::mutex>& lock);
   void prepare_and_submit(OpSlot* s);
   std::unique_ptr<Backend> make_posix() const;
   void fall_back_if_broken();
   static void on_complete(IoOp* io, long result);
+  // XXH3 of a stripe, its time added to checksum_ns.
+  std::uint64_t hash(const char* data, std::uint32_t length) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::uint64_t h = XXH3_64bits(data, length);
+    checksum_ns.fetch_add(
+        static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                       std::chrono::steady_clock::now() - t0)
+                                       .count()),
+        std::memory_order_relaxed);
+    return h;
+  }
   void complete(OpSlot* s, int err, std::string msg, bool corrupt = false);
   void count_failure(const Entry& e);
 };
@@ -337,6 +360,7 @@ TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
 TensorStore::Impl::~Impl() {
   {
     std::unique_lock<std::mutex> lock(mu);
+    closing = true;
     done_cv.wait(lock, [this] { return busy_entries == 0; });
     stop = true;
   }
@@ -483,7 +507,73 @@ void TensorStore::Impl::start_request(Entry& e, char* user, bool write, Priority
     if (write) e.has_data = true;
     done_cv.notify_all();
   }
-  dispatch_cv.notify_one();
+}
+
+// With mu held: moves the ops that may start now (a free slot in their file's queue, and a
+// staging buffer where they need one) from the lanes into batch, highest priority first. With
+// direct_only, a lane stops at an op that needs staging (its copy is the dispatcher thread's
+// job); returns true when that happened.
+bool TensorStore::Impl::collect(std::vector<OpSlot*>& batch, bool direct_only) {
+  bool left_staged = false;
+  for (std::size_t f = 0; f < lanes.size(); ++f) {
+    auto& lane = lanes[f];
+    while (in_flight[f] < opt.queue_depth && !lane.empty()) {
+      OpSlot* s = *lane.begin();
+      const Piece& p = s->entry->pieces[s->piece];
+      if (!fits_direct(s->entry->user + p.tensor_offset, p.length, s->entry->device)) {
+        if (direct_only) {
+          left_staged = true;
+          break;
+        }
+        if (staging_free.empty()) break;  // wait for a completion to return a buffer
+        s->staging = staging_free.back();
+        staging_free.pop_back();
+        ++counters.staged_ops;
+      }
+      lane.erase(lane.begin());
+      s->queued = false;
+      ++in_flight[f];
+      if (ops_in_flight++ == 0) busy_start = std::chrono::steady_clock::now();
+      batch.push_back(s);
+    }
+  }
+  return left_staged;
+}
+
+// Without mu, by the one thread that holds the dispatching role: hands batch to the backends.
+void TensorStore::Impl::submit_batch(const std::vector<OpSlot*>& batch) {
+  fall_back_if_broken();
+  bool device_ops = false;
+  for (OpSlot* s : batch) {
+    device_ops = device_ops || (s->entry->device && s->staging < 0);
+    prepare_and_submit(s);
+  }
+  host_backend->flush();
+  if (device_ops) device_backend->flush();
+}
+
+// With mu held (through lock), on the thread that just queued a request: submits the ops that
+// need no staging copy right here, which saves waking the dispatcher thread for each request
+// (on a machine with few cores that hand-off costs bandwidth). Ops that need a staging copy are
+// left to the dispatcher thread, so that the caller never copies.
+void TensorStore::Impl::kick(std::unique_lock<std::mutex>& lock) {
+  if (dispatching) {  // the holder of the role collects again before it lets go
+    dispatch_cv.notify_one();
+    return;
+  }
+  std::vector<OpSlot*> batch;
+  bool left_staged = false;
+  for (;;) {
+    batch.clear();
+    left_staged = collect(batch, true);
+    if (batch.empty()) break;
+    dispatching = true;
+    lock.unlock();
+    submit_batch(batch);
+    lock.lock();
+    dispatching = false;
+  }
+  if (left_staged) dispatch_cv.notify_one();
 }
 
 void TensorStore::Impl::dispatch_loop() {
@@ -491,38 +581,16 @@ void TensorStore::Impl::dispatch_loop() {
   std::unique_lock<std::mutex> lock(mu);
   while (!stop) {
     batch.clear();
-    for (std::size_t f = 0; f < lanes.size(); ++f) {
-      auto& lane = lanes[f];
-      while (in_flight[f] < opt.queue_depth && !lane.empty()) {
-        OpSlot* s = *lane.begin();
-        const Piece& p = s->entry->pieces[s->piece];
-        if (!fits_direct(s->entry->user + p.tensor_offset, p.length, s->entry->device)) {
-          if (staging_free.empty()) break;  // wait for a completion to return a buffer
-          s->staging = staging_free.back();
-          staging_free.pop_back();
-          ++counters.staged_ops;
-        }
-        lane.erase(lane.begin());
-        s->queued = false;
-        ++in_flight[f];
-        if (ops_in_flight++ == 0) busy_start = std::chrono::steady_clock::now();
-        batch.push_back(s);
-      }
-    }
+    if (!dispatching) collect(batch, false);
     if (batch.empty()) {
       dispatch_cv.wait(lock);
       continue;
     }
+    dispatching = true;
     lock.unlock();
-    fall_back_if_broken();
-    bool device_ops = false;
-    for (OpSlot* s : batch) {
-      device_ops = device_ops || (s->entry->device && s->staging < 0);
-      prepare_and_submit(s);
-    }
-    host_backend->flush();
-    if (device_ops) device_backend->flush();
+    submit_batch(batch);
     lock.lock();
+    dispatching = false;
   }
 }
 
@@ -588,11 +656,11 @@ void TensorStore::Impl::on_complete(IoOp* io, long result) {
     // backend's thread and in parallel with other ops, sees the bytes that were written.
     const char* data = s->staging >= 0 ? static_cast<const char*>(s->io.buffer)
                                        : (e.device ? nullptr : e.user + p.tensor_offset);
-    if (e.checksummed && data != nullptr) p.checksum = XXH3_64bits(data, p.length);
+    if (e.checksummed && data != nullptr) p.checksum = self->hash(data, p.length);
   } else {
     const char* data = s->staging >= 0 ? static_cast<const char*>(s->io.buffer)
                                        : (e.device ? nullptr : e.user + p.tensor_offset);
-    if (e.checksummed && data != nullptr && XXH3_64bits(data, p.length) != p.checksum) {
+    if (e.checksummed && data != nullptr && self->hash(data, p.length) != p.checksum) {
       err = EIO;
       corrupt = true;
       msg = ::tidal::detail::concat("checksum mismatch in the stripe at tensor byte ",
@@ -638,9 +706,25 @@ void TensorStore::Impl::complete(OpSlot* s, int err, std::string msg, bool corru
     if (e.writing) e.has_data = e.err == 0;
     e.busy = false;
     --busy_entries;
-    done_cv.notify_all();
+    // Wake only threads that wait for this request (or for the store to go idle): with many
+    // requests in flight, waking every waiter on every completion costs context switches that
+    // a two-core machine pays for in bandwidth.
+    if (e.waiters > 0 || closing) done_cv.notify_all();
   }
-  dispatch_cv.notify_one();
+  // The op's slot (and staging buffer) is free: wake the dispatcher only if an op waits for it.
+  if (ops_queued()) dispatch_cv.notify_one();
+}
+
+bool TensorStore::Impl::ops_queued() const {
+  return std::any_of(lanes.begin(), lanes.end(), [](const auto& lane) { return !lane.empty(); });
+}
+
+// With mu held (through lock): waits until e has no request in flight.
+void TensorStore::Impl::wait_idle(std::unique_lock<std::mutex>& lock, Entry& e) {
+  if (!e.busy) return;
+  ++e.waiters;
+  done_cv.wait(lock, [&] { return !e.busy; });
+  --e.waiters;
 }
 
 namespace {
@@ -677,7 +761,7 @@ TensorStore::~TensorStore() = default;
 Ticket TensorStore::write(const void* src, std::uint64_t bytes, Priority priority) {
   TIDAL_EXPECT(src != nullptr || bytes == 0, "TensorStore::write: null source buffer");
   const bool device = bytes > 0 && is_device_memory(src);
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::unique_lock<std::mutex> lock(impl_->mu);
   auto entry = std::make_unique<Entry>();
   Entry& e = *entry;
   e.id = impl_->next_id++;
@@ -703,19 +787,22 @@ Ticket TensorStore::write(const void* src, std::uint64_t bytes, Priority priorit
     return Ticket{e.id};
   }
   impl_->start_request(e, static_cast<char*>(const_cast<void*>(src)), true, priority, device);
-  return Ticket{e.id};
+  const Ticket t{e.id};
+  impl_->kick(lock);  // e may be gone after this (a failed op completes, another thread frees)
+  return t;
 }
 
 void TensorStore::read(Ticket ticket, void* dst, Priority priority) {
   std::unique_lock<std::mutex> lock(impl_->mu);
   Entry& e = impl_->find(ticket);
   TIDAL_EXPECT(dst != nullptr || e.bytes == 0, "TensorStore::read: null destination buffer");
-  impl_->done_cv.wait(lock, [&] { return !e.busy; });
+  impl_->wait_idle(lock, e);
   impl_->throw_pending_error(e);
   TIDAL_EXPECT(e.has_data, "ticket ", ticket.id,
                " holds no data: its write failed, so there is nothing to read back");
   const bool device = e.bytes > 0 && is_device_memory(dst);
   impl_->start_request(e, static_cast<char*>(dst), false, priority, device);
+  impl_->kick(lock);
 }
 
 bool TensorStore::ready(Ticket ticket) const {
@@ -726,7 +813,7 @@ bool TensorStore::ready(Ticket ticket) const {
 void TensorStore::wait(Ticket ticket) {
   std::unique_lock<std::mutex> lock(impl_->mu);
   Entry& e = impl_->find(ticket);
-  impl_->done_cv.wait(lock, [&] { return !e.busy; });
+  impl_->wait_idle(lock, e);
   impl_->throw_pending_error(e);
 }
 
@@ -747,7 +834,7 @@ void TensorStore::prioritize(Ticket ticket, Priority priority) {
 void TensorStore::free(Ticket ticket) {
   std::unique_lock<std::mutex> lock(impl_->mu);
   Entry& e = impl_->find(ticket);
-  impl_->done_cv.wait(lock, [&] { return !e.busy; });
+  impl_->wait_idle(lock, e);
   impl_->release_extents(e);
   impl_->entries.erase(ticket.id);
 }
@@ -788,6 +875,7 @@ StoreStats TensorStore::stats() const {
     s.used_bytes += f->extents->used_bytes();
   }
   s.tickets = impl_->entries.size();
+  s.checksum_seconds = static_cast<double>(impl_->checksum_ns.load()) * 1e-9;
   return s;
 }
 

@@ -93,8 +93,11 @@ struct StoreStats {
   DegradedPath backend_fallback;
   std::uint64_t staged_ops = 0;  ///< ops that went through the staging pool
   double busy_seconds = 0;       ///< time with at least one op in flight (device busy)
-  std::uint64_t tickets = 0;     ///< tickets alive
-  std::string backend;           ///< in use now, e.g. "io_uring", "posix", "+cufile"
+  /// Thread time spent computing and checking checksums (summed over the threads doing it;
+  /// they run beside the I/O, so this is CPU cost, not necessarily added latency).
+  double checksum_seconds = 0;
+  std::uint64_t tickets = 0;  ///< tickets alive
+  std::string backend;        ///< in use now, e.g. "io_uring", "posix", "+cufile"
   bool buffered = false;
   bool tmpfile = false;  ///< every file is an O_TMPFILE (no name in the directory)
 };
