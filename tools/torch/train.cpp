@@ -222,6 +222,9 @@ void run_train(const TrainArgs& args) {
         session.store()->options().checksum
             ? ""
             : ", checksums OFF (TIDAL_CHECKSUM=0: a corrupt read would go unnoticed)");
+    if (st.backend_fallback.count > 0) {
+      std::fprintf(stderr, "store: DEGRADED backend: %s\n", st.backend_fallback.reason.c_str());
+    }
   }
 
   if (first_step > 0) {
@@ -320,6 +323,25 @@ void run_train(const TrainArgs& args) {
     }
   }
   if (!st.notice.empty()) std::fprintf(stderr, "note: %s\n", st.notice.c_str());
+  nlohmann::json store_degraded = nlohmann::json::object();
+  if (session.store()) {
+    // Every degraded path of the store, with how often and the first reason.
+    const auto ss = session.store()->stats();
+    const std::pair<const char*, const io::DegradedPath*> paths[] = {
+        {"store_full", &ss.store_full},
+        {"write_failed", &ss.write_failed},
+        {"read_failed", &ss.read_failed},
+        {"read_corrupt", &ss.read_corrupt},
+        {"backend_fallback", &ss.backend_fallback}};
+    for (const auto& [name, path] : paths) {
+      if (path->count == 0) continue;
+      store_degraded[name] = {{"count", path->count}, {"reason", path->reason}};
+      const bool said = path == &ss.store_full || path == &ss.write_failed;  // the DEGRADED line
+      if (said && io.failures > 0) continue;
+      std::fprintf(stderr, "store DEGRADED: %s x%llu: %s\n", name,
+                   static_cast<unsigned long long>(path->count), path->reason.c_str());
+    }
+  }
   if (!args.save_trace.empty() && session.trace()) {
     trace::write_trace(*session.trace(), args.save_trace);
   }
@@ -352,6 +374,7 @@ void run_train(const TrainArgs& args) {
     j["store_full_writes"] = io.full;
     j["write_error"] = io.write_error;
     if (session.store()) j["io_backend"] = session.store()->stats().backend;
+    j["store_degraded"] = store_degraded;  // {path: {count, reason}} for each that happened
     j["offload_step_seconds_median"] = median(offload_seconds);
     j["steps_offloaded"] = offload_seconds.size();  // the steps the byte and stall totals cover
     j["all_steps_median_seconds"] = median(seconds);
