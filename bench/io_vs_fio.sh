@@ -1,34 +1,52 @@
 #!/usr/bin/env bash
 # Compares tidal's tensor store with fio on the same directory, in the same run.
 #
-#   bench/io_vs_fio.sh [--two] [--json FILE] DIR [SIZE]
+#   bench/io_vs_fio.sh [--two] [--rounds N] [--block B] [--depth Q] [--no-checksum]
+#                      [--json FILE] DIR [SIZE]
 #
-# fio: O_DIRECT, 1 MiB blocks, queue depth 16, io_uring (libaio where io_uring does not work),
-# a sequential write then a sequential read of SIZE bytes (default 2GiB) in one file in DIR.
-# tidal: `tidal bench-io --dir DIR --size SIZE --block 1MiB --depth 16 --json`, which writes then
-# reads SIZE bytes of random data and verifies every byte.
+# fio: O_DIRECT, B-byte blocks (default 1MiB), queue depth Q (default 16), io_uring (libaio
+# where io_uring does not work), a sequential write then a sequential read of SIZE bytes
+# (default 2GiB) in one file in DIR, written fresh (the file is removed first), as tidal's store
+# file is.
+# tidal: `tidal bench-io --dir DIR --size SIZE --block B --depth Q --json`, which writes then
+# reads SIZE bytes of random data through the store, with checksums (unless --no-checksum), and
+# verifies every byte.
 #
-# --two   stripes over two subdirectories DIR/a and DIR/b: tidal gets `--dir DIR/a,DIR/b`, fio
-#         runs two concurrent jobs of SIZE/2, one file in each subdirectory.
-# --json  also writes the figures as one JSON object to FILE.
+# --rounds N  (default 3) measures both tools N times, alternating which goes first (fio first in
+#             odd rounds, tidal first in even ones), so that a disk whose speed drifts (a cloud
+#             or virtual disk, a busy host) favours neither. Each round gives a ratio; the
+#             result is the median ratio of the rounds, per direction.
+# --two       stripes over two subdirectories DIR/a and DIR/b: tidal gets `--dir DIR/a,DIR/b`, fio
+#             runs two concurrent jobs of SIZE/2, one file in each subdirectory.
+# --json      also writes the figures (every round, and the medians) as one JSON object to FILE.
 #
-# Prints GB/s (10^9 bytes/s) of both and the ratio tidal/fio for write and read. Exits non-zero
-# when fio or tidal fails, or when tidal's verification fails. fio's files are removed at exit.
-# The tidal binary is $TIDAL_BIN (default ./build/tidal).
+# Prints GB/s (10^9 bytes/s) of both and the ratio tidal/fio for write and read, per round and
+# the median, and tidal's checksum CPU time. Exits non-zero when fio or tidal fails, or when
+# tidal's verification fails. fio's files are removed at exit. The tidal binary is $TIDAL_BIN
+# (default ./build/tidal).
 set -euo pipefail
 
 usage() {
-  echo "usage: $0 [--two] [--json FILE] DIR [SIZE]   (SIZE default 2GiB; units B KiB MiB GiB KB MB GB)" >&2
+  echo "usage: $0 [--two] [--rounds N] [--block B] [--depth Q] [--no-checksum] [--json FILE] DIR [SIZE]" >&2
+  echo "       (SIZE default 2GiB; units B KiB MiB GiB KB MB GB)" >&2
   exit 2
 }
 
 two=0
 json_out=""
+rounds=3
+block_text=1MiB
+depth=16
+checksum_flag=""
 args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --two) two=1 ;;
     --json) [ $# -ge 2 ] || usage; json_out="$2"; shift ;;
+    --rounds) [ $# -ge 2 ] || usage; rounds="$2"; shift ;;
+    --block) [ $# -ge 2 ] || usage; block_text="$2"; shift ;;
+    --depth) [ $# -ge 2 ] || usage; depth="$2"; shift ;;
+    --no-checksum) checksum_flag="--no-checksum" ;;
     -h|--help) usage ;;
     -*) echo "unknown option: $1" >&2; usage ;;
     *) args+=("$1") ;;
@@ -36,6 +54,8 @@ while [ $# -gt 0 ]; do
   shift
 done
 if [ ${#args[@]} -lt 1 ] || [ ${#args[@]} -gt 2 ]; then usage; fi
+[[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "--rounds must be a positive integer" >&2; exit 2; }
+[[ "$depth" =~ ^[1-9][0-9]*$ ]] || { echo "--depth must be a positive integer" >&2; exit 2; }
 dir="${args[0]}"
 size_text="${args[1]:-2GiB}"
 tidal_bin="${TIDAL_BIN:-./build/tidal}"
@@ -46,7 +66,8 @@ command -v python3 >/dev/null || { echo "python3 is needed to read fio's JSON" >
 [ -d "$dir" ] || { echo "$dir is not a directory" >&2; exit 1; }
 
 # The same units as tidal's parser, so both tools move exactly the same number of bytes.
-size=$(python3 - "$size_text" <<'EOF'
+to_bytes() {
+  python3 - "$1" <<'EOF'
 import re, sys
 units = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20,
          "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40,
@@ -56,10 +77,15 @@ if not m or m.group(2) not in units:
     sys.exit(f"'{sys.argv[1]}' is not a size (e.g. 2GiB, 512MiB)")
 print(int(float(m.group(1)) * units[m.group(2)]))
 EOF
-)
-block=$((1 << 20))
+}
+size=$(to_bytes "$size_text")
+block=$(to_bytes "$block_text")
+if [ "$block" -lt 4096 ] || [ $((block % 4096)) -ne 0 ]; then
+  echo "--block must be a multiple of 4KiB (O_DIRECT)" >&2
+  exit 2
+fi
 if [ "$size" -lt "$block" ]; then
-  echo "SIZE must be at least 1MiB" >&2
+  echo "SIZE must be at least one block ($block_text)" >&2
   exit 2
 fi
 
@@ -98,8 +124,8 @@ fi
 # One fio run over all files at once (one job per file), for one direction.
 run_fio() {
   local rw=$1 out=$2
-  local cmd=(fio --output-format=json --direct=1 --bs="$block" --iodepth=16 --ioengine="$engine"
-             --size="$per_file" --rw="$rw" --thread)
+  local cmd=(fio --output-format=json --direct=1 --bs="$block" --iodepth="$depth"
+             --ioengine="$engine" --size="$per_file" --rw="$rw" --thread)
   local i
   for i in "${!files[@]}"; do cmd+=(--name="$rw$i" --filename="${files[$i]}"); done
   if ! "${cmd[@]}" >"$out" 2>"$out.err"; then
@@ -109,25 +135,43 @@ run_fio() {
   fi
 }
 
-echo "fio: $engine, O_DIRECT, 1MiB blocks, depth 16, $size bytes over ${#files[@]} file(s)" >&2
-run_fio write "$tmp/fio_write.json"
-run_fio read "$tmp/fio_read.json"
+fio_round() {
+  rm -f "${files[@]}"
+  run_fio write "$tmp/fio_write.$1.json"
+  run_fio read "$tmp/fio_read.$1.json"
+}
 
 tidal_dirs=$(IFS=,; echo "${dirs[*]}")
-echo "tidal: $tidal_bin bench-io --dir $tidal_dirs --size $size --block 1MiB --depth 16 --json" >&2
-tidal_rc=0
-"$tidal_bin" bench-io --dir "$tidal_dirs" --size "$size" --block 1MiB --depth 16 --json \
-  >"$tmp/tidal.out" 2>"$tmp/tidal.err" || tidal_rc=$?
-if [ "$tidal_rc" -ne 0 ]; then
-  echo "tidal bench-io failed (exit $tidal_rc):" >&2
-  cat "$tmp/tidal.err" "$tmp/tidal.out" >&2
-  exit 1
-fi
+tidal_cmd=("$tidal_bin" bench-io --dir "$tidal_dirs" --size "$size" --block "$block"
+           --depth "$depth" --json $checksum_flag)
+tidal_round() {
+  local rc=0
+  "${tidal_cmd[@]}" >"$tmp/tidal.$1.out" 2>"$tmp/tidal.$1.err" || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    echo "tidal bench-io failed (exit $rc):" >&2
+    cat "$tmp/tidal.$1.err" "$tmp/tidal.$1.out" >&2
+    exit 1
+  fi
+}
 
-python3 - "$tmp" "$engine" "$size" "${#files[@]}" "$json_out" <<'EOF'
-import json, sys
+echo "fio: $engine, O_DIRECT, $block_text blocks, depth $depth, $size bytes over ${#files[@]} file(s)" >&2
+echo "tidal: ${tidal_cmd[*]}" >&2
+for r in $(seq 1 "$rounds"); do
+  if [ $((r % 2)) -eq 1 ]; then
+    fio_round "$r"
+    tidal_round "$r"
+  else
+    tidal_round "$r"
+    fio_round "$r"
+  fi
+done
 
-tmp, engine, size, nfiles, json_out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+python3 - "$tmp" "$engine" "$size" "${#files[@]}" "$rounds" "$block" "$depth" "$json_out" <<'EOF'
+import json, statistics, sys
+
+tmp, engine, size, nfiles, rounds, block, depth, json_out = (
+    sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]),
+    int(sys.argv[6]), int(sys.argv[7]), sys.argv[8])
 
 
 def fio_gbps(path, direction):
@@ -143,30 +187,43 @@ def fio_gbps(path, direction):
     return moved / seconds / 1e9
 
 
-lines = [l for l in open(f"{tmp}/tidal.out").read().splitlines() if l.strip()]
-try:
-    tidal = json.loads(lines[-1])
-except (IndexError, ValueError):
-    sys.exit("tidal bench-io --json did not end with a JSON line")
+def tidal_result(r):
+    lines = [l for l in open(f"{tmp}/tidal.{r}.out").read().splitlines() if l.strip()]
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, ValueError):
+        sys.exit("tidal bench-io --json did not end with a JSON line")
 
-rows = []
-for direction, key in (("write", "write_gbps"), ("read", "read_gbps")):
-    f = fio_gbps(f"{tmp}/fio_{direction}.json", direction)
-    t = float(tidal[key])
-    rows.append((direction, f, t, t / f if f > 0 else 0.0))
 
-print(f"{'':6} {'fio GB/s':>9} {'tidal GB/s':>11} {'tidal/fio':>10}")
-for direction, f, t, r in rows:
-    print(f"{direction:6} {f:9.2f} {t:11.2f} {r:9.2f}x")
-verified = tidal.get("verified") is True
-print(f"files {nfiles}, {size} bytes, fio engine {engine}; tidal verified: {'yes' if verified else 'NO'}")
+per_round = []
+verified = True
+print(f"{'round':>5} {'first':>5} {'':6} {'fio GB/s':>9} {'tidal GB/s':>11} {'tidal/fio':>10} "
+      f"{'checksum CPU s':>15}")
+for r in range(1, rounds + 1):
+    tidal = tidal_result(r)
+    verified = verified and tidal.get("verified") is True
+    row = {"round": r, "first": "fio" if r % 2 == 1 else "tidal"}
+    for direction in ("write", "read"):
+        f = fio_gbps(f"{tmp}/fio_{direction}.{r}.json", direction)
+        t = float(tidal[f"{direction}_gbps"])
+        c = float(tidal.get(f"{direction}_checksum_seconds", 0.0))
+        row[f"fio_{direction}_gbps"] = f
+        row[f"tidal_{direction}_gbps"] = t
+        row[f"{direction}_ratio"] = t / f
+        row[f"tidal_{direction}_checksum_seconds"] = c
+        print(f"{r:>5} {row['first']:>5} {direction:6} {f:9.2f} {t:11.2f} {t / f:9.2f}x {c:15.3f}")
+    per_round.append(row)
+
+medians = {d: statistics.median(row[f"{d}_ratio"] for row in per_round) for d in ("write", "read")}
+print(f"median tidal/fio over {rounds} round(s): write {medians['write']:.2f}x, "
+      f"read {medians['read']:.2f}x")
+print(f"files {nfiles}, {size} bytes, block {block}, depth {depth}, fio engine {engine}; "
+      f"tidal verified: {'yes' if verified else 'NO'}")
 
 if json_out:
-    result = {"size": size, "files": nfiles, "fio_engine": engine, "verified": verified}
-    for direction, f, t, r in rows:
-        result[f"fio_{direction}_gbps"] = f
-        result[f"tidal_{direction}_gbps"] = t
-        result[f"{direction}_ratio"] = r
+    result = {"size": size, "files": nfiles, "block": block, "depth": depth, "fio_engine": engine,
+              "verified": verified, "rounds": per_round,
+              "write_ratio": medians["write"], "read_ratio": medians["read"]}
     with open(json_out, "w") as out:
         json.dump(result, out, indent=2)
         out.write("\n")

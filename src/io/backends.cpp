@@ -86,6 +86,7 @@ class FaultBackend final : public Backend {
   }
 
   void flush() override { inner_->flush(); }
+  [[nodiscard]] std::string broken_reason() const override { return inner_->broken_reason(); }
 
  private:
   struct Interposed {

@@ -4,6 +4,8 @@
 
 #include <cstddef>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #ifdef TIDAL_WITH_CUDA
 #include "io/cuda/device.hpp"
@@ -38,6 +40,19 @@ inline int copy_in(void* dst, const void* host_src, std::size_t n, bool device) 
   (void)device;
   std::memcpy(dst, host_src, n);
   return 0;
+}
+
+// Pins every region with pin(p, n) (0 on success), or none: when one fails, the regions pinned
+// before it are unpinned again, so the owner knows with one flag what to unpin later.
+template <class Pin, class Unpin>
+bool pin_all(const std::vector<std::pair<void*, std::size_t>>& regions, Pin pin, Unpin unpin) {
+  for (std::size_t i = 0; i < regions.size(); ++i) {
+    if (pin(regions[i].first, regions[i].second) != 0) {
+      while (i > 0) unpin(regions[--i].first);
+      return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace tidal::io::detail

@@ -11,6 +11,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -146,6 +147,7 @@ struct OpSlot {
   std::uint64_t seq = 0;
   int staging = -1;
   bool queued = false;
+  const Backend* backend = nullptr;  // where the op went (for its failure message)
 };
 
 struct Entry {
@@ -162,6 +164,8 @@ struct Entry {
   char* user = nullptr;
   int pending = 0;
   int err = 0;
+  bool corrupt = false;  // err is a checksum mismatch
+  int waiters = 0;       // threads waiting for this request (completions wake only those)
   std::string err_msg;
   std::vector<OpSlot> slots;
 };
@@ -178,6 +182,10 @@ struct TensorStore::Impl {
   std::vector<std::unique_ptr<StoreFile>> files;
   std::unique_ptr<Backend> host_backend;
   std::unique_ptr<Backend> device_backend;  // cuFile, when in use
+  // Host backends that broke while running, kept until the store closes: their threads may
+  // still deliver completions.
+  std::vector<std::unique_ptr<Backend>> retired_backends;
+  std::vector<int> fds;
   std::string backend_name;
 
   // Staging pool: fixed aligned buffers of stripe_unit bytes, pinned when a GPU exists.
@@ -195,10 +203,15 @@ struct TensorStore::Impl {
   std::uint64_t next_seq = 0;
   std::uint64_t rotate = 0;
   int busy_entries = 0;
+  bool closing = false;  // the destructor waits for busy_entries to reach 0
+  // One thread at a time submits to the backends: the dispatcher thread, or a caller that
+  // submits its own request's ops (kick).
+  bool dispatching = false;
   int ops_in_flight = 0;  // over all files, for busy_seconds
   std::chrono::steady_clock::time_point busy_start;
   bool stop = false;
   StoreStats counters;
+  std::atomic<std::uint64_t> checksum_ns{0};  // summed over the threads that hash
   std::thread dispatcher;
 
   explicit Impl(StoreOptions o);
@@ -214,10 +227,29 @@ struct TensorStore::Impl {
   void release_extents(Entry& e);
   void start_request(Entry& e, char* user, bool write, Priority prio, bool device);
   void throw_pending_error(Entry& e);
+  void wait_idle(std::unique_lock<std::mutex>& lock, Entry& e);
+  [[nodiscard]] bool ops_queued() const;
   void dispatch_loop();
+  bool collect(std::vector<OpSlot*>& batch, bool direct_only);
+  void submit_batch(const std::vector<OpSlot*>& batch);
+  void kick(std::unique_lock<std::mutex>& lock);
   void prepare_and_submit(OpSlot* s);
+  std::unique_ptr<Backend> make_posix() const;
+  void fall_back_if_broken();
   static void on_complete(IoOp* io, long result);
-  void complete(OpSlot* s, int err, std::string msg);
+  // XXH3 of a stripe, its time added to checksum_ns.
+  std::uint64_t hash(const char* data, std::uint32_t length) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::uint64_t h = XXH3_64bits(data, length);
+    checksum_ns.fetch_add(
+        static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                       std::chrono::steady_clock::now() - t0)
+                                       .count()),
+        std::memory_order_relaxed);
+    return h;
+  }
+  void complete(OpSlot* s, int err, std::string msg, bool corrupt = false);
+  void count_failure(const Entry& e);
 };
 
 TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
@@ -267,7 +299,6 @@ TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
                   format_bytes(static_cast<double>(opt.capacity)), " is too small for ", nfiles,
                   " director", nfiles == 1 ? "y" : "ies", "; give at least 4 KiB per directory");
 
-  std::vector<int> fds;
   counters.tmpfile = true;
   for (const auto& d : opt.dirs) {
     auto f = std::make_unique<StoreFile>();
@@ -291,26 +322,24 @@ TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
   }
 #ifdef TIDAL_WITH_CUDA
   if (detail::cuda::device_available()) {
-    staging_pinned = true;
-    for (auto& b : staging) {
-      staging_pinned =
-          detail::cuda::pin_host_memory(b.get(), opt.stripe_unit) == 0 && staging_pinned;
-    }
+    // All or none, so that the destructor knows what to unpin.
+    staging_pinned =
+        detail::pin_all(regions, &detail::cuda::pin_host_memory, &detail::cuda::unpin_host_memory);
   }
 #endif
 
-  const bool want_uring = opt.backend == BackendKind::kIoUring ||
-                          (opt.backend == BackendKind::kAuto && uring_compiled());
-  if (want_uring) {
+  if (opt.backend != BackendKind::kPosix) {
     try {
       host_backend =
           make_uring_backend(fds, static_cast<unsigned>(opt.queue_depth * nfiles), regions);
-    } catch (const IoError&) {
+      if (opt.faults.any()) host_backend = make_fault_backend(std::move(host_backend), opt.faults);
+    } catch (const IoError& e) {
       if (opt.backend == BackendKind::kIoUring) throw;
+      counters.backend_fallback.count = 1;
+      counters.backend_fallback.reason = e.what();
     }
   }
-  if (!host_backend) host_backend = make_posix_backend(fds, opt.threads);
-  if (opt.faults.any()) host_backend = make_fault_backend(std::move(host_backend), opt.faults);
+  if (!host_backend) host_backend = make_posix();
   backend_name = host_backend->name();
 #ifdef TIDAL_WITH_CUDA
   if (opt.gds != GdsMode::kOff && detail::cuda::device_available() && !opt.buffered) {
@@ -331,18 +360,45 @@ TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
 TensorStore::Impl::~Impl() {
   {
     std::unique_lock<std::mutex> lock(mu);
+    closing = true;
     done_cv.wait(lock, [this] { return busy_entries == 0; });
     stop = true;
   }
   dispatch_cv.notify_all();
   dispatcher.join();
   host_backend.reset();
+  retired_backends.clear();
   device_backend.reset();
 #ifdef TIDAL_WITH_CUDA
   if (staging_pinned) {
     for (auto& b : staging) detail::cuda::unpin_host_memory(b.get());
   }
 #endif
+}
+
+std::unique_ptr<Backend> TensorStore::Impl::make_posix() const {
+  auto b = make_posix_backend(fds, opt.threads);
+  if (opt.faults.any()) b = make_fault_backend(std::move(b), opt.faults);
+  return b;
+}
+
+// On the dispatcher thread: when the io_uring ring broke (its failed ops have been reported),
+// later ops go to the POSIX backend, unless io_uring was asked for by name.
+void TensorStore::Impl::fall_back_if_broken() {
+  std::string why = host_backend->broken_reason();
+  if (why.empty() || opt.backend == BackendKind::kIoUring) return;
+  auto posix = make_posix();
+  std::lock_guard<std::mutex> lock(mu);
+  retired_backends.push_back(std::move(host_backend));
+  host_backend = std::move(posix);
+  backend_name = host_backend->name();
+  if (device_backend) backend_name += "+cufile";
+  counters.backend = backend_name;
+  ++counters.backend_fallback.count;
+  if (counters.backend_fallback.reason.empty()) {
+    counters.backend_fallback.reason =
+        ::tidal::detail::concat(why, "; moved to the posix backend while running");
+  }
 }
 
 bool TensorStore::Impl::fits_direct(const char* p, std::uint32_t len, bool device) const {
@@ -451,7 +507,73 @@ void TensorStore::Impl::start_request(Entry& e, char* user, bool write, Priority
     if (write) e.has_data = true;
     done_cv.notify_all();
   }
-  dispatch_cv.notify_one();
+}
+
+// With mu held: moves the ops that may start now (a free slot in their file's queue, and a
+// staging buffer where they need one) from the lanes into batch, highest priority first. With
+// direct_only, a lane stops at an op that needs staging (its copy is the dispatcher thread's
+// job); returns true when that happened.
+bool TensorStore::Impl::collect(std::vector<OpSlot*>& batch, bool direct_only) {
+  bool left_staged = false;
+  for (std::size_t f = 0; f < lanes.size(); ++f) {
+    auto& lane = lanes[f];
+    while (in_flight[f] < opt.queue_depth && !lane.empty()) {
+      OpSlot* s = *lane.begin();
+      const Piece& p = s->entry->pieces[s->piece];
+      if (!fits_direct(s->entry->user + p.tensor_offset, p.length, s->entry->device)) {
+        if (direct_only) {
+          left_staged = true;
+          break;
+        }
+        if (staging_free.empty()) break;  // wait for a completion to return a buffer
+        s->staging = staging_free.back();
+        staging_free.pop_back();
+        ++counters.staged_ops;
+      }
+      lane.erase(lane.begin());
+      s->queued = false;
+      ++in_flight[f];
+      if (ops_in_flight++ == 0) busy_start = std::chrono::steady_clock::now();
+      batch.push_back(s);
+    }
+  }
+  return left_staged;
+}
+
+// Without mu, by the one thread that holds the dispatching role: hands batch to the backends.
+void TensorStore::Impl::submit_batch(const std::vector<OpSlot*>& batch) {
+  fall_back_if_broken();
+  bool device_ops = false;
+  for (OpSlot* s : batch) {
+    device_ops = device_ops || (s->entry->device && s->staging < 0);
+    prepare_and_submit(s);
+  }
+  host_backend->flush();
+  if (device_ops) device_backend->flush();
+}
+
+// With mu held (through lock), on the thread that just queued a request: submits the ops that
+// need no staging copy right here, which saves waking the dispatcher thread for each request
+// (on a machine with few cores that hand-off costs bandwidth). Ops that need a staging copy are
+// left to the dispatcher thread, so that the caller never copies.
+void TensorStore::Impl::kick(std::unique_lock<std::mutex>& lock) {
+  if (dispatching) {  // the holder of the role collects again before it lets go
+    dispatch_cv.notify_one();
+    return;
+  }
+  std::vector<OpSlot*> batch;
+  bool left_staged = false;
+  for (;;) {
+    batch.clear();
+    left_staged = collect(batch, true);
+    if (batch.empty()) break;
+    dispatching = true;
+    lock.unlock();
+    submit_batch(batch);
+    lock.lock();
+    dispatching = false;
+  }
+  if (left_staged) dispatch_cv.notify_one();
 }
 
 void TensorStore::Impl::dispatch_loop() {
@@ -459,37 +581,16 @@ void TensorStore::Impl::dispatch_loop() {
   std::unique_lock<std::mutex> lock(mu);
   while (!stop) {
     batch.clear();
-    for (std::size_t f = 0; f < lanes.size(); ++f) {
-      auto& lane = lanes[f];
-      while (in_flight[f] < opt.queue_depth && !lane.empty()) {
-        OpSlot* s = *lane.begin();
-        const Piece& p = s->entry->pieces[s->piece];
-        if (!fits_direct(s->entry->user + p.tensor_offset, p.length, s->entry->device)) {
-          if (staging_free.empty()) break;  // wait for a completion to return a buffer
-          s->staging = staging_free.back();
-          staging_free.pop_back();
-          ++counters.staged_ops;
-        }
-        lane.erase(lane.begin());
-        s->queued = false;
-        ++in_flight[f];
-        if (ops_in_flight++ == 0) busy_start = std::chrono::steady_clock::now();
-        batch.push_back(s);
-      }
-    }
+    if (!dispatching) collect(batch, false);
     if (batch.empty()) {
       dispatch_cv.wait(lock);
       continue;
     }
+    dispatching = true;
     lock.unlock();
-    bool device_ops = false;
-    for (OpSlot* s : batch) {
-      device_ops = device_ops || (s->entry->device && s->staging < 0);
-      prepare_and_submit(s);
-    }
-    host_backend->flush();
-    if (device_ops) device_backend->flush();
+    submit_batch(batch);
     lock.lock();
+    dispatching = false;
   }
 }
 
@@ -518,11 +619,9 @@ void TensorStore::Impl::prepare_and_submit(OpSlot* s) {
     s->io.length = p.length;
     s->io.fixed_buffer = -1;
   }
-  if (e.device && !staged) {
-    device_backend->submit(&s->io);
-  } else {
-    host_backend->submit(&s->io);
-  }
+  Backend& b = e.device && !staged ? *device_backend : *host_backend;
+  s->backend = &b;
+  b.submit(&s->io);
 }
 
 void TensorStore::Impl::on_complete(IoOp* io, long result) {
@@ -534,11 +633,19 @@ void TensorStore::Impl::on_complete(IoOp* io, long result) {
   const std::uint32_t want = s->io.length;
   std::string msg;
   int err = 0;
+  bool corrupt = false;
   if (result < 0) {
     err = static_cast<int>(-result);
     msg = ::tidal::detail::concat(what, " of ", want, " bytes at offset ", p.file_offset, " in '",
                                   self->files[static_cast<std::size_t>(p.file)]->dir,
                                   "' failed: ", std::strerror(err));
+    const std::string broken = s->backend != nullptr ? s->backend->broken_reason() : "";
+    if (!broken.empty()) {
+      msg += ::tidal::detail::concat(
+          " (the ", s->backend->name(), " backend stopped working: ", broken,
+          self->opt.backend == BackendKind::kIoUring ? "; open the store with the posix backend)"
+                                                     : "; later requests use the posix backend)");
+    }
   } else if (static_cast<std::uint64_t>(result) < want) {
     err = EIO;
     msg = ::tidal::detail::concat("short ", what, ": ", result, " of ", want, " bytes at offset ",
@@ -549,12 +656,13 @@ void TensorStore::Impl::on_complete(IoOp* io, long result) {
     // backend's thread and in parallel with other ops, sees the bytes that were written.
     const char* data = s->staging >= 0 ? static_cast<const char*>(s->io.buffer)
                                        : (e.device ? nullptr : e.user + p.tensor_offset);
-    if (e.checksummed && data != nullptr) p.checksum = XXH3_64bits(data, p.length);
+    if (e.checksummed && data != nullptr) p.checksum = self->hash(data, p.length);
   } else {
     const char* data = s->staging >= 0 ? static_cast<const char*>(s->io.buffer)
                                        : (e.device ? nullptr : e.user + p.tensor_offset);
-    if (e.checksummed && data != nullptr && XXH3_64bits(data, p.length) != p.checksum) {
+    if (e.checksummed && data != nullptr && self->hash(data, p.length) != p.checksum) {
       err = EIO;
+      corrupt = true;
       msg = ::tidal::detail::concat("checksum mismatch in the stripe at tensor byte ",
                                     p.tensor_offset, " (file offset ", p.file_offset, " in '",
                                     self->files[static_cast<std::size_t>(p.file)]->dir,
@@ -565,10 +673,10 @@ void TensorStore::Impl::on_complete(IoOp* io, long result) {
       msg = "copying the staging buffer to device memory failed";
     }
   }
-  self->complete(s, err, std::move(msg));
+  self->complete(s, err, std::move(msg), corrupt);
 }
 
-void TensorStore::Impl::complete(OpSlot* s, int err, std::string msg) {
+void TensorStore::Impl::complete(OpSlot* s, int err, std::string msg, bool corrupt) {
   Entry& e = *s->entry;
   std::lock_guard<std::mutex> lock(mu);
   --in_flight[static_cast<std::size_t>(e.pieces[s->piece].file)];
@@ -582,11 +690,12 @@ void TensorStore::Impl::complete(OpSlot* s, int err, std::string msg) {
   }
   if (err != 0 && e.err == 0) {
     e.err = err;
+    e.corrupt = corrupt;
     e.err_msg = std::move(msg);
   }
   if (--e.pending == 0) {
     if (e.err != 0) {
-      ++counters.failed_requests;
+      count_failure(e);
     } else if (e.writing) {
       ++counters.writes;
       counters.bytes_written += e.bytes;
@@ -597,18 +706,48 @@ void TensorStore::Impl::complete(OpSlot* s, int err, std::string msg) {
     if (e.writing) e.has_data = e.err == 0;
     e.busy = false;
     --busy_entries;
-    done_cv.notify_all();
+    // Wake only threads that wait for this request (or for the store to go idle): with many
+    // requests in flight, waking every waiter on every completion costs context switches that
+    // a two-core machine pays for in bandwidth.
+    if (e.waiters > 0 || closing) done_cv.notify_all();
   }
-  dispatch_cv.notify_one();
+  // The op's slot (and staging buffer) is free: wake the dispatcher only if an op waits for it.
+  if (ops_queued()) dispatch_cv.notify_one();
+}
+
+bool TensorStore::Impl::ops_queued() const {
+  return std::any_of(lanes.begin(), lanes.end(), [](const auto& lane) { return !lane.empty(); });
+}
+
+// With mu held (through lock): waits until e has no request in flight.
+void TensorStore::Impl::wait_idle(std::unique_lock<std::mutex>& lock, Entry& e) {
+  if (!e.busy) return;
+  ++e.waiters;
+  done_cv.wait(lock, [&] { return !e.busy; });
+  --e.waiters;
+}
+
+namespace {
+std::string request_error(const Entry& e) {
+  return ::tidal::detail::concat("tensor store ", e.writing ? "write" : "read", " of ",
+                                 format_bytes(static_cast<double>(e.bytes)), " (ticket ", e.id,
+                                 ") failed: ", e.err_msg);
+}
+}  // namespace
+
+// With mu held: counts a failed request under its degraded path.
+void TensorStore::Impl::count_failure(const Entry& e) {
+  ++counters.failed_requests;
+  DegradedPath& path = e.writing ? (e.err == ENOSPC ? counters.store_full : counters.write_failed)
+                                 : (e.corrupt ? counters.read_corrupt : counters.read_failed);
+  if (path.count++ == 0) path.reason = request_error(e);
 }
 
 // With mu held: reports (once) the error of the finished request.
 void TensorStore::Impl::throw_pending_error(Entry& e) {
   if (e.err == 0) return;
   const int err = e.err;
-  std::string msg = ::tidal::detail::concat("tensor store ", e.writing ? "write" : "read", " of ",
-                                            format_bytes(static_cast<double>(e.bytes)), " (ticket ",
-                                            e.id, ") failed: ", e.err_msg);
+  std::string msg = request_error(e);
   e.err = 0;
   e.err_msg.clear();
   throw IoError(msg, err);
@@ -622,7 +761,7 @@ TensorStore::~TensorStore() = default;
 Ticket TensorStore::write(const void* src, std::uint64_t bytes, Priority priority) {
   TIDAL_EXPECT(src != nullptr || bytes == 0, "TensorStore::write: null source buffer");
   const bool device = bytes > 0 && is_device_memory(src);
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::unique_lock<std::mutex> lock(impl_->mu);
   auto entry = std::make_unique<Entry>();
   Entry& e = *entry;
   e.id = impl_->next_id++;
@@ -644,23 +783,26 @@ Ticket TensorStore::write(const void* src, std::uint64_t bytes, Priority priorit
         " is free (largest free extent ", format_bytes(static_cast<double>(largest)),
         "); free tickets or open the store with a larger capacity");
     e.writing = true;
-    ++impl_->counters.failed_requests;
+    impl_->count_failure(e);
     return Ticket{e.id};
   }
   impl_->start_request(e, static_cast<char*>(const_cast<void*>(src)), true, priority, device);
-  return Ticket{e.id};
+  const Ticket t{e.id};
+  impl_->kick(lock);  // e may be gone after this (a failed op completes, another thread frees)
+  return t;
 }
 
 void TensorStore::read(Ticket ticket, void* dst, Priority priority) {
   std::unique_lock<std::mutex> lock(impl_->mu);
   Entry& e = impl_->find(ticket);
   TIDAL_EXPECT(dst != nullptr || e.bytes == 0, "TensorStore::read: null destination buffer");
-  impl_->done_cv.wait(lock, [&] { return !e.busy; });
+  impl_->wait_idle(lock, e);
   impl_->throw_pending_error(e);
   TIDAL_EXPECT(e.has_data, "ticket ", ticket.id,
                " holds no data: its write failed, so there is nothing to read back");
   const bool device = e.bytes > 0 && is_device_memory(dst);
   impl_->start_request(e, static_cast<char*>(dst), false, priority, device);
+  impl_->kick(lock);
 }
 
 bool TensorStore::ready(Ticket ticket) const {
@@ -671,7 +813,7 @@ bool TensorStore::ready(Ticket ticket) const {
 void TensorStore::wait(Ticket ticket) {
   std::unique_lock<std::mutex> lock(impl_->mu);
   Entry& e = impl_->find(ticket);
-  impl_->done_cv.wait(lock, [&] { return !e.busy; });
+  impl_->wait_idle(lock, e);
   impl_->throw_pending_error(e);
 }
 
@@ -692,7 +834,7 @@ void TensorStore::prioritize(Ticket ticket, Priority priority) {
 void TensorStore::free(Ticket ticket) {
   std::unique_lock<std::mutex> lock(impl_->mu);
   Entry& e = impl_->find(ticket);
-  impl_->done_cv.wait(lock, [&] { return !e.busy; });
+  impl_->wait_idle(lock, e);
   impl_->release_extents(e);
   impl_->entries.erase(ticket.id);
 }
@@ -733,6 +875,7 @@ StoreStats TensorStore::stats() const {
     s.used_bytes += f->extents->used_bytes();
   }
   s.tickets = impl_->entries.size();
+  s.checksum_seconds = static_cast<double>(impl_->checksum_ns.load()) * 1e-9;
   return s;
 }
 

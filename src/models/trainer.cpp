@@ -9,8 +9,10 @@
 #include <cmath>
 #include <fstream>
 #include <iterator>
+#include <sstream>
 
 #include "tidal/common/error.hpp"
+#include "tidal/torch/training_checkpoint.hpp"
 
 namespace tidal::models {
 
@@ -114,6 +116,23 @@ std::pair<torch::Tensor, torch::Tensor> TokenSource::next_batch(std::int64_t bat
   }
   auto all = torch::from_blob(rows.data(), {batch, seq + 1}, torch::kLong).clone();
   return {all.narrow(1, 0, seq).contiguous(), all.narrow(1, 1, seq).contiguous()};
+}
+
+std::string TokenSource::position() const {
+  std::ostringstream out;
+  out << rng_ << ' ' << state_;
+  return out.str();
+}
+
+void TokenSource::set_position(const std::string& text) {
+  std::istringstream in(text);
+  std::mt19937_64 rng;
+  std::int64_t state = 0;
+  in >> rng >> state;
+  TIDAL_EXPECT_AS(InvalidArgument, !in.fail(), "not a data position: '", text.substr(0, 40),
+                  "...'");
+  rng_ = rng;
+  state_ = state;
 }
 
 namespace {
@@ -314,17 +333,123 @@ StepResult Trainer::step() {
   return r;
 }
 
-Trainer::NamedTensors Trainer::persistent_tensors() {
-  NamedTensors out;
+namespace {
+
+// What must match between the run that wrote a checkpoint and the run that resumes it: the
+// options that change the math (the optimizer schedule does not).
+std::vector<std::pair<std::string, std::string>> fingerprint(const TrainerOptions& o) {
+  const auto& c = o.config;
+  auto num = [](double v) {
+    std::ostringstream out;
+    out.precision(17);
+    out << v;
+    return out.str();
+  };
+  return {{"model", c.name},
+          {"layers", std::to_string(c.layers)},
+          {"hidden", std::to_string(c.hidden)},
+          {"heads", std::to_string(c.heads)},
+          {"kv_heads", std::to_string(c.kv_heads)},
+          {"ffn_hidden", std::to_string(c.ffn_hidden)},
+          {"vocab", std::to_string(c.vocab)},
+          {"max_seq", std::to_string(c.max_seq)},
+          {"batch", std::to_string(o.batch)},
+          {"seq", std::to_string(o.seq)},
+          {"seed", std::to_string(o.seed)},
+          {"data_path", o.data_path},
+          {"lr", num(o.adamw.lr)},
+          {"beta1", num(o.adamw.beta1)},
+          {"beta2", num(o.adamw.beta2)},
+          {"eps", num(o.adamw.eps)},
+          {"weight_decay", num(o.adamw.weight_decay)},
+          {"clip_grad_norm", num(o.clip_grad_norm)}};
+}
+
+constexpr std::int64_t kCheckpointFormat = 1;
+
+}  // namespace
+
+void Trainer::save_checkpoint(const std::string& path, torch_layer::Session* session) {
+  flush_optimizer();
+  torch::serialize::OutputArchive out;
+  out.write("tidal.format", c10::IValue(kCheckpointFormat));
+  for (const auto& [key, value] : fingerprint(options_)) {
+    out.write("options." + key, c10::IValue(value));
+  }
+  out.write("step", c10::IValue(step_));
+  out.write("adamw.steps", c10::IValue(optimizer_.steps_taken()));
+  out.write("data.position", c10::IValue(data_.position()));
+  out.write("rng.cpu", torch_layer::cpu_rng_state());
+  for (const auto& p : persistent_tensors(false)) out.write(p.name, p.tensor);
+  torch_layer::write_checkpoint(out, path, session);
+}
+
+void Trainer::load_checkpoint(const std::string& path) {
+  torch::serialize::InputArchive in;
+  torch_layer::read_checkpoint(in, path);
+  c10::IValue v;
+  TIDAL_EXPECT_AS(InvalidArgument, in.try_read("tidal.format", v) && v.isInt(), "'", path,
+                  "' is not a checkpoint written by tidal (Trainer::save_checkpoint)");
+  TIDAL_EXPECT_AS(InvalidArgument, v.toInt() == kCheckpointFormat, "checkpoint '", path,
+                  "' has format ", v.toInt(), "; this build reads format ", kCheckpointFormat);
+  for (const auto& [key, value] : fingerprint(options_)) {
+    c10::IValue saved;
+    TIDAL_EXPECT_AS(InvalidArgument, in.try_read("options." + key, saved) && saved.isString(),
+                    "checkpoint '", path, "' lacks option '", key, "'");
+    TIDAL_EXPECT_AS(InvalidArgument, saved.toStringRef() == value, "checkpoint '", path,
+                    "' was written with ", key, " = ", saved.toStringRef(), ", this run has ", key,
+                    " = ", value, ": resume with the options the run was started with");
+  }
+  auto read_int = [&](const char* key) {
+    c10::IValue x;
+    in.read(key, x);
+    return x.toInt();
+  };
+  auto read_string = [&](const char* key) {
+    c10::IValue x;
+    in.read(key, x);
+    return x.toStringRef();
+  };
+  torch::NoGradGuard no_grad;
+  for (auto& p : persistent_tensors(false)) {
+    torch::Tensor saved;
+    TIDAL_EXPECT_AS(InvalidArgument, in.try_read(p.name, saved), "checkpoint '", path,
+                    "' has no tensor '", p.name, "'");
+    TIDAL_EXPECT_AS(InvalidArgument, saved.sizes() == p.tensor.sizes(), "checkpoint '", path,
+                    "': tensor '", p.name, "' has shape ", saved.sizes(), ", the model's is ",
+                    p.tensor.sizes());
+    p.tensor.copy_(saved);
+  }
+  const auto step = read_int("step");
+  optimizer_.set_steps_taken(read_int("adamw.steps"));
+  data_.set_position(read_string("data.position"));
+  torch::Tensor rng;
+  in.read("rng.cpu", rng);
+  torch_layer::set_cpu_rng_state(rng);
+  // Nothing pending: save_checkpoint applied the deferred updates; gradients start afresh.
+  std::fill(pending_.begin(), pending_.end(), 0);
+  for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+  step_ = step;
+}
+
+std::vector<Trainer::PersistentTensor> Trainer::persistent_tensors(bool gradients) {
+  std::vector<PersistentTensor> out;
   for (const auto& p : model_->named_parameters()) {
-    out.parameters.emplace_back("param:" + p.key(), p.value());
-    if (p.value().grad().defined()) out.gradients.emplace_back("grad:" + p.key(), p.value().grad());
+    out.push_back({"param:" + p.key(), p.value(), trace::TensorClass::kParameter});
+  }
+  for (const auto& b : model_->named_buffers()) {
+    out.push_back({"buffer:" + b.key(), b.value(), trace::TensorClass::kParameter});
+  }
+  if (gradients) {
+    for (const auto& p : model_->named_parameters()) {
+      if (p.value().grad().defined()) {
+        out.push_back({"grad:" + p.key(), p.value().grad(), trace::TensorClass::kGradient});
+      }
+    }
   }
   for (auto& s : optimizer_.named_state()) {
-    out.optimizer_state.emplace_back("adamw:" + s.first, s.second);
+    out.push_back({"adamw:" + s.first, s.second, trace::TensorClass::kOptimizerState});
   }
-  for (const auto& b : model_->named_buffers())
-    out.buffers.emplace_back("buffer:" + b.key(), b.value());
   return out;
 }
 

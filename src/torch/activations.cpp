@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -311,9 +312,11 @@ void ActivationOffloader::Impl::finish_write_locked(Record& r) {
       store->free(r.ticket);
       r.ticket = io::Ticket{};
     }
-  } catch (const IoError&) {
+  } catch (const IoError& e) {
     // A full or failing store never changes a result: the tensor simply stays in memory.
     ++stats.write_failures;
+    if (e.errnum() == ENOSPC) ++stats.store_full;
+    stats.write_error = e.what();
     store->free(r.ticket);
     r.ticket = io::Ticket{};
     r.state = Record::State::kKept;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -245,8 +246,10 @@ struct PlanExecutor::Impl {
   void finish_write(c10::StorageImpl& impl, Slot& s) {
     try {
       s.tier->wait(s.ticket);
-    } catch (const IoError&) {
+    } catch (const IoError& e) {
       ++stats.write_failures;  // the tensor keeps its memory: nothing is lost
+      if (e.errnum() == ENOSPC) ++stats.store_full;
+      stats.write_error = e.what();
       s.tier->free(s.ticket);
       s.ticket = io::Ticket{};
       settle(s, State::kResident);

@@ -69,6 +69,8 @@ void take_io_stats(SessionStats& s, const Stats& x) {
   s.bytes_read = x.bytes_read;
   s.misses = x.misses;
   s.write_failures = x.write_failures;
+  s.store_full_writes = x.store_full;
+  s.write_error = x.write_error;
   s.stall_seconds = x.stall_seconds;
 }
 
@@ -483,7 +485,8 @@ void Session::end_step(std::int64_t step) {
   if (!m.in_step) return;
   m.in_step = false;
   SessionStats& s = m.stats;
-  s.bytes_written = s.bytes_read = s.misses = s.write_failures = 0;
+  s.bytes_written = s.bytes_read = s.misses = s.write_failures = s.store_full_writes = 0;
+  s.write_error.clear();
   s.stall_seconds = 0;
   // The step's tensors come back here (BetweenSteps::kResident): a read that fails throws, after
   // the session is left consistent for the next step.

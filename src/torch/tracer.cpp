@@ -7,6 +7,7 @@
 
 #include "ivalue_tensors.hpp"
 #include "tidal/common/error.hpp"
+#include "tidal/common/stats.hpp"
 #include "tidal/trace/lifetime.hpp"
 
 namespace tidal::torch_layer {
@@ -636,11 +637,6 @@ ProfileResult fold_iterations(const std::vector<trace::Trace>& iterations) {
     // Per op, the median duration and the median host time before the next op (what the
     // simulator and the planner count, Trace::op_seconds): one slow iteration moves neither.
     auto& ops = r.trace.ops;
-    const auto median = [](std::vector<double>& v) {
-      std::sort(v.begin(), v.end());
-      const std::size_t n = v.size();
-      return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-    };
     std::vector<double> durations(iterations.size());
     std::vector<double> gaps(iterations.size());
     double now = ops.empty() ? 0.0 : ops.front().start_s;

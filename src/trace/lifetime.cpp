@@ -6,22 +6,14 @@
 #include <limits>
 #include <utility>
 
+#include "tidal/common/stats.hpp"
+
 namespace tidal::trace {
 
 namespace {
 
 constexpr std::uint64_t kMiB = 1ull << 20;
 constexpr std::uint64_t kGiB = 1ull << 30;
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  const std::size_t mid = v.size() / 2;
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(mid), v.end());
-  const double upper = v[mid];
-  if (v.size() % 2 == 1) return upper;
-  const double lower = *std::max_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(mid));
-  return (lower + upper) / 2;
-}
 
 LifetimeSummary summarize(const LifetimeAnalysis& a) {
   LifetimeSummary s;

@@ -67,5 +67,20 @@ else
   failures=$((failures + 1))
 fi
 
+# A store too small for the activations: training finishes (rc 0) and says the store filled up,
+# in the summary and in --json.
+out=$("$tidal" train --model gpt-tiny --batch 4 --seq 64 --steps 4 --dir "$tmp" --offload activations \
+  --min-offload 4KiB --store-capacity 1MiB --json 2>&1)
+rc=$?
+full=$(tail -n 1 <<<"$out" | /usr/bin/python3 -c \
+  'import json,sys; print(json.load(sys.stdin)["store_degraded"]["store_full"]["count"])' 2>/dev/null)
+if ((rc == 0)) && grep -q "DEGRADED: .* for want of space" <<<"$out" && [[ ${full:-0} -gt 0 ]]; then
+  echo "ok   a full store is reported ($full writes refused)"
+else
+  echo "FAIL: a full store is not reported (rc $rc, store_full ${full:-none})"
+  tail -n 3 <<<"$out" | sed 's/^/    /'
+  failures=$((failures + 1))
+fi
+
 ((failures == 0)) && echo "all CLI error checks passed"
 exit $((failures > 0))

@@ -330,6 +330,116 @@ TEST_P(StoreTest, WithoutChecksumsCorruptionGoesUnnoticed) {
   EXPECT_NE(back, data);
 }
 
+// Every failed request is counted once, under the path it took, with the first message.
+TEST_P(StoreTest, DegradedPathsAreCountedWithTheirReason) {
+  auto data = random_bytes(3 * kMiB, 40);
+  std::vector<unsigned char> back(data.size());
+  auto expect_fails = [](TensorStore& store, Ticket t) { EXPECT_THROW(store.wait(t), IoError); };
+  {
+    TensorStore store(options(8 * kMiB));  // capacity: the third write has no room
+    Ticket a = store.write(data.data(), data.size());
+    Ticket b = store.write(data.data(), data.size());
+    Ticket c = store.write(data.data(), data.size());
+    store.wait(a);
+    store.wait(b);
+    expect_fails(store, c);
+    const StoreStats s = store.stats();
+    EXPECT_EQ(s.store_full.count, 1u);
+    EXPECT_NE(s.store_full.reason.find("the store is full"), std::string::npos)
+        << s.store_full.reason;
+    EXPECT_EQ(s.write_failed.count + s.read_failed.count + s.read_corrupt.count, 0u);
+  }
+  {
+    StoreOptions o = options();
+    o.faults.fail_op = 1;
+    o.faults.fail_errno = ENOSPC;  // the disk itself is full
+    o.faults.only_writes = true;
+    TensorStore store(o);
+    Ticket a = store.write(data.data(), kMiB);
+    expect_fails(store, a);
+    EXPECT_EQ(store.stats().store_full.count, 1u);
+    EXPECT_NE(store.stats().store_full.reason.find("No space left on device"), std::string::npos)
+        << store.stats().store_full.reason;
+  }
+  {
+    StoreOptions o = options();
+    o.faults.fail_op = 1;  // EIO on the first write
+    o.faults.only_writes = true;
+    TensorStore store(o);
+    Ticket a = store.write(data.data(), kMiB);
+    expect_fails(store, a);
+    const StoreStats s = store.stats();
+    EXPECT_EQ(s.write_failed.count, 1u);
+    EXPECT_NE(s.write_failed.reason.find("tensor store write of 1.00 MiB"), std::string::npos)
+        << s.write_failed.reason;
+    EXPECT_NE(s.write_failed.reason.find("Input/output error"), std::string::npos);
+    EXPECT_EQ(s.store_full.count, 0u);
+  }
+  {
+    StoreOptions o = options();
+    o.faults.short_op = 2;  // the first read comes back short
+    TensorStore store(o);
+    Ticket a = store.write(data.data(), 4096);
+    store.wait(a);
+    store.read(a, back.data());
+    expect_fails(store, a);
+    store.read(a, back.data());  // the data is still there
+    store.wait(a);
+    EXPECT_EQ(store.stats().read_failed.count, 1u);
+    EXPECT_NE(store.stats().read_failed.reason.find("short read"), std::string::npos)
+        << store.stats().read_failed.reason;
+  }
+  {
+    StoreOptions o = options();
+    o.faults.corrupt_read = 1;
+    TensorStore store(o);
+    Ticket a = store.write(data.data(), kMiB);
+    store.wait(a);
+    store.read(a, back.data());
+    expect_fails(store, a);
+    const StoreStats s = store.stats();
+    EXPECT_EQ(s.read_corrupt.count, 1u);
+    EXPECT_EQ(s.read_failed.count, 0u);
+    EXPECT_NE(s.read_corrupt.reason.find("checksum mismatch"), std::string::npos)
+        << s.read_corrupt.reason;
+    EXPECT_EQ(s.failed_requests, 1u);
+    EXPECT_EQ(s.backend_fallback.count, 0u) << s.backend_fallback.reason;
+  }
+}
+
+// A full store refuses the same writes every time the same requests come: room is decided
+// when write() is called, from the extents, not by the disk later.
+TEST_P(StoreTest, FullStoreRefusesTheSameWritesEveryRun) {
+  auto run = [&] {
+    TensorStore store(options(8 * kMiB));
+    std::mt19937_64 rng(7);
+    auto data = random_bytes(2 * kMiB, 41);
+    std::vector<Ticket> live;
+    std::vector<int> refused;
+    for (int i = 0; i < 60; ++i) {
+      const std::size_t n = 1 + rng() % data.size();
+      Ticket t = store.write(data.data(), n);
+      try {
+        store.wait(t);
+        live.push_back(t);
+      } catch (const IoError& e) {
+        EXPECT_EQ(e.errnum(), ENOSPC);
+        refused.push_back(i);
+        store.free(t);
+      }
+      if (rng() % 3 == 0 && !live.empty()) {
+        store.free(live.front());
+        live.erase(live.begin());
+      }
+    }
+    EXPECT_EQ(store.stats().store_full.count, refused.size());
+    return refused;
+  };
+  const auto first = run();
+  EXPECT_GT(first.size(), 5u) << "the case must fill the store";
+  EXPECT_EQ(run(), first);
+}
+
 TEST_P(StoreTest, UrgentRequestsOvertakeQueuedOffloads) {
   StoreOptions o = options();
   o.queue_depth = 1;

@@ -7,7 +7,6 @@
 #include <random>
 
 #include "io/test_dir.hpp"
-#include "register_trainer.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/models/trainer.hpp"
@@ -63,7 +62,7 @@ RandomRun run_random_plan(const std::shared_ptr<io::TensorStore>& store, int ste
   models::Trainer trainer(options());
   Tracer tracer(Tracer::Options{"gpt-tiny", 4, 32});
   r.losses.push_back(trainer.step().loss);  // gradients exist from here on
-  testing::register_trainer(tracer, trainer);
+  trainer.register_persistent(tracer);
   tracer.start();
   trainer.add_observer(&tracer);
   r.losses.push_back(trainer.step().loss);  // profiled

@@ -260,37 +260,152 @@ TEST(Loops, ABudgetThatCannotBeMetIsReportedNotThrown) {
 
 // A corrupt read or a failing disk under a running plan: the step stops with the store's
 // message, as a tidal::IoError from the op that needed the tensor or from end_step().
-void expect_io_error(OffloadMode mode, io::FaultPlan faults, const std::string& says) {
+// The fault matrix: {EIO, ENOSPC, short transfer, corrupt stripe, added latency} x {write, read}
+// x {activations, plan}, each on the store under a running loop. A fault on a write leaves the
+// tensor in memory: the losses are those of a run without tidal, and the step's stats count the
+// failed writes. A fault on a read stops the step with tidal::IoError carrying the store's
+// message (the data is gone; training on garbage would be worse). Latency only costs time.
+// (A stripe corrupted on its way to the disk or at rest is the read case: the checksum is taken
+// from memory before the write and checked after the read.)
+enum class Fault : std::uint8_t { kEio, kEnospc, kShort, kCorrupt, kLatency };
+const char* fault_name(Fault f) {
+  switch (f) {
+    case Fault::kEio:
+      return "eio";
+    case Fault::kEnospc:
+      return "enospc";
+    case Fault::kShort:
+      return "short";
+    case Fault::kCorrupt:
+      return "corrupt";
+    case Fault::kLatency:
+      return "latency";
+  }
+  return "?";
+}
+
+struct FaultCase {
+  Fault fault;
+  bool on_write;
+  OffloadMode mode;
+};
+
+io::FaultPlan fault_plan(const FaultCase& c) {
+  io::FaultPlan p;
+  p.only_writes = c.on_write;
+  p.only_reads = !c.on_write;
+  switch (c.fault) {
+    case Fault::kEio:
+    case Fault::kEnospc:
+      p.fail_op = 2;
+      p.fail_every_after = true;  // a dying (or full) disk: the second op on and every one after
+      p.fail_errno = c.fault == Fault::kEio ? EIO : ENOSPC;
+      break;
+    case Fault::kShort:
+      p.short_op = 2;
+      break;
+    case Fault::kCorrupt:
+      p.corrupt_read = 3;
+      break;
+    case Fault::kLatency:
+      p.delay_us = 3000;
+      break;
+  }
+  return p;
+}
+
+class FaultMatrix : public ::testing::TestWithParam<FaultCase> {};
+
+TEST_P(FaultMatrix, WritesKeepTheTensorReadsStopTheStepLatencyOnlyCostsTime) {
+  const FaultCase c = GetParam();
   testing::TestDir dir;
-  SessionOptions so = options_for(mode, dir.path());
-  so.store.faults = faults;
+  static const LoopRun none = train_mlp(options_for(OffloadMode::kNone, dir.path()), 12);
+  SessionOptions so = options_for(c.mode, dir.path());
+  so.store.faults = fault_plan(c);
   so.hardware_overrides.ssd = "1x2/1.5GB/s";  // no measurement: the faults hit training's I/O
   so.activations.adaptive = false;  // keep offloading even where it does not pay: reads happen
-  bool thrown = false;
-  try {
-    train_mlp(so, 12);
-  } catch (const IoError& e) {
-    thrown = true;
-    EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+  const bool expect_error = !c.on_write && c.fault != Fault::kLatency;
+  if (expect_error) {
+    const char* says = c.fault == Fault::kEio      ? "Input/output error"
+                       : c.fault == Fault::kEnospc ? "No space left on device"
+                       : c.fault == Fault::kShort  ? "short read"
+                                                   : "checksum mismatch";
+    try {
+      train_mlp(so, 12);
+      ADD_FAILURE() << "no error reached the caller";
+    } catch (const IoError& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+    return;
   }
-  EXPECT_TRUE(thrown) << to_string(mode) << ": no error reached the caller";
+  const LoopRun run = train_mlp(so, 12);
+  EXPECT_EQ(run.losses, none.losses);
+  std::uint64_t failed = 0, full = 0, written = 0, read = 0;
+  std::string why;
+  double stall = 0;
+  for (const auto& s : run.per_step) {
+    failed += s.write_failures;
+    full += s.store_full_writes;
+    if (!s.write_error.empty()) why = s.write_error;
+    written += s.bytes_written;
+    read += s.bytes_read;
+    stall += s.stall_seconds + s.write_stall_seconds;
+  }
+  if (c.fault == Fault::kLatency) {
+    EXPECT_EQ(failed, 0u);
+    EXPECT_GT(read, 0u) << "nothing came back from the store: the latency was never seen";
+    EXPECT_GT(stall, 0.0) << "3 ms per op and not one wait";
+  } else {
+    EXPECT_GT(failed, 0u) << "the failed writes were not counted";
+    // Each degraded write is counted with its reason; only ENOSPC counts as "store full".
+    EXPECT_EQ(full > 0, c.fault == Fault::kEnospc) << full << " of " << failed;
+    const char* says = c.fault == Fault::kEio      ? "Input/output error"
+                       : c.fault == Fault::kEnospc ? "No space left on device"
+                                                   : "short write";
+    EXPECT_NE(why.find(says), std::string::npos) << why;
+  }
 }
 
-TEST(Loops, CorruptReadStopsTheStepWithTheStoresMessage) {
-  io::FaultPlan corrupt;
-  corrupt.corrupt_read = 3;
-  expect_io_error(OffloadMode::kPlan, corrupt, "checksum mismatch");
-  expect_io_error(OffloadMode::kActivations, corrupt, "checksum mismatch");
+// A store too small for what a step offloads: the writes it cannot place are refused up front
+// (the store is full), counted as such with the store's message, and training goes on unchanged.
+TEST(Loops, AFullStoreIsReportedAndChangesNoLoss) {
+  testing::TestDir dir;
+  const LoopRun none = train_mlp(options_for(OffloadMode::kNone, dir.path()), 8);
+  SessionOptions so = options_for(OffloadMode::kActivations, dir.path());
+  so.store.capacity = 64 * 1024;  // room for one of the MLP's 128 KiB activations: none
+  so.activations.adaptive = false;
+  const LoopRun run = train_mlp(so, 8);
+  EXPECT_EQ(run.losses, none.losses);
+  std::uint64_t full = 0;
+  std::string why;
+  for (const auto& s : run.per_step) {
+    full += s.store_full_writes;
+    if (!s.write_error.empty()) why = s.write_error;
+  }
+  EXPECT_GT(full, 0u);
+  EXPECT_NE(why.find("the store is full"), std::string::npos) << why;
 }
 
-TEST(Loops, FailingDiskStopsTheStepWithTheStoresMessage) {
-  io::FaultPlan dying;
-  dying.fail_op = 2;
-  dying.fail_every_after = true;
-  dying.only_reads = true;
-  expect_io_error(OffloadMode::kPlan, dying, "Input/output error");
-  expect_io_error(OffloadMode::kActivations, dying, "Input/output error");
+std::vector<FaultCase> fault_cases() {
+  std::vector<FaultCase> out;
+  for (auto mode : {OffloadMode::kActivations, OffloadMode::kPlan}) {
+    for (bool on_write : {true, false}) {
+      for (auto f :
+           {Fault::kEio, Fault::kEnospc, Fault::kShort, Fault::kCorrupt, Fault::kLatency}) {
+        if (on_write && f == Fault::kCorrupt) continue;  // the read case (see above)
+        out.push_back({f, on_write, mode});
+      }
+    }
+  }
+  return out;
 }
+
+INSTANTIATE_TEST_SUITE_P(Loops, FaultMatrix, ::testing::ValuesIn(fault_cases()),
+                         [](const ::testing::TestParamInfo<FaultCase>& info) {
+                           return std::string(to_string(info.param.mode)) + "_" +
+                                  (info.param.on_write ? "write_" : "read_") +
+                                  fault_name(info.param.fault);
+                         });
 
 // The budget is a promise from the first executed step on: on a disk too slow for the plan's
 // timing (every store op held 4 ms), no executed step's peak crosses it; the steps wait

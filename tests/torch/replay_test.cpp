@@ -8,7 +8,6 @@
 #include <set>
 
 #include "io/test_dir.hpp"
-#include "register_trainer.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/models/trainer.hpp"
 #include "tidal/plan/hardware.hpp"
@@ -42,7 +41,7 @@ struct Profile {
 // One plain step (gradients and optimizer state exist from then on), then one profiled.
 Profile profile(models::Trainer& trainer, Tracer& tracer, MemoryMeter& meter) {
   trainer.step();
-  testing::register_trainer(tracer, trainer);
+  trainer.register_persistent(tracer);
   tracer.start();
   trainer.add_observer(&tracer);
   meter.reset_peak();

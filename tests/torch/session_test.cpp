@@ -19,20 +19,6 @@ struct RunResult {
   ExecutorStats executor;
 };
 
-void register_all(Session& s, models::Trainer& t) {
-  auto named = t.persistent_tensors();
-  for (auto* group :
-       {&named.parameters, &named.gradients, &named.optimizer_state, &named.buffers}) {
-    for (auto& [name, tensor] : *group) {
-      const auto cls = group == &named.parameters        ? trace::TensorClass::kParameter
-                       : group == &named.gradients       ? trace::TensorClass::kGradient
-                       : group == &named.optimizer_state ? trace::TensorClass::kOptimizerState
-                                                         : trace::TensorClass::kParameter;
-      s.register_persistent(tensor, name, cls);
-    }
-  }
-}
-
 // The optimizer schedule of a run: after-backward (default), in-backward, deferred, clipping.
 struct Schedule {
   bool in_backward = false;
@@ -73,7 +59,8 @@ RunResult train(const std::string& model, OffloadMode mode, const std::string& d
     for (int i = 0; i < steps; ++i) {
       r.losses.push_back(trainer.step().loss);
       // Gradients exist after the first step; they stay only on the after-backward schedule.
-      if (i == 0 && !schedule.in_backward && !schedule.deferred) register_all(session, trainer);
+      if (i == 0 && !schedule.in_backward && !schedule.deferred)
+        trainer.register_persistent(session);
     }
     trainer.remove_observer(&session);
     r.stats = session.stats();

@@ -10,7 +10,6 @@
 #include <string>
 #include <vector>
 
-#include "register_trainer.hpp"
 #include "tidal/models/trainer.hpp"
 #include "tidal/trace/io.hpp"
 #include "tidal/trace/lifetime.hpp"
@@ -289,7 +288,7 @@ TEST(Tracer, DeferredGradientsBecomeTensorsWithAGap) {
   trainer.step();  // warm-up
   Tracer tracer({"llama-tiny", o.batch, o.seq});
   // Its gradients are dropped by their updates: not persistent, so not registered.
-  tidal::testing::register_trainer(tracer, trainer, false);
+  trainer.register_persistent(tracer, false);
   tracer.start();
   trainer.add_observer(&tracer);
   for (int i = 0; i < 3; ++i) trainer.step();
@@ -330,7 +329,7 @@ TEST(Tracer, ProfiledGptTinyTrainsExactlyLikeAnUnprofiledOne) {
   b.push_back(profiled.step().loss);  // warm-up
 
   Tracer tracer({"gpt-tiny", o.batch, o.seq});
-  tidal::testing::register_trainer(tracer, profiled, true);
+  profiled.register_persistent(tracer, true);
   tracer.start();
   profiled.add_observer(&tracer);
   for (int i = 0; i < 3; ++i) {

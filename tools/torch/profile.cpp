@@ -9,6 +9,7 @@
 #include "commands.hpp"
 #include "model_options.hpp"
 #include "tidal/common/error.hpp"
+#include "tidal/common/stats.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/models/trainer.hpp"
 #include "tidal/torch/memory.hpp"
@@ -25,29 +26,6 @@ struct ProfileArgs {
   std::string chrome;
   std::int64_t baseline_steps = -1;  // -1: as many as --steps
 };
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const auto n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-void register_persistent(torch_layer::Tracer& tracer, models::Trainer& trainer) {
-  const auto named = trainer.persistent_tensors();
-  for (const auto& [name, t] : named.parameters) {
-    tracer.register_persistent(t, name, trace::TensorClass::kParameter);
-  }
-  for (const auto& [name, t] : named.buffers) {
-    tracer.register_persistent(t, name, trace::TensorClass::kParameter);
-  }
-  for (const auto& [name, t] : named.gradients) {
-    tracer.register_persistent(t, name, trace::TensorClass::kGradient);
-  }
-  for (const auto& [name, t] : named.optimizer_state) {
-    tracer.register_persistent(t, name, trace::TensorClass::kOptimizerState);
-  }
-}
 
 void print_summary(const trace::Trace& t, const trace::LifetimeAnalysis& a) {
   std::uint64_t bytes_by_class[6] = {};
@@ -119,7 +97,7 @@ void run_profile(const ProfileArgs& args) {
   }
 
   torch_layer::Tracer tracer({c.name, options.batch, options.seq});
-  register_persistent(tracer, trainer);
+  trainer.register_persistent(tracer);
   tracer.start();
   trainer.add_observer(&tracer);
   meter.reset_peak();

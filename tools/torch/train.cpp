@@ -1,6 +1,7 @@
 // `tidal train`: trains a reference model, optionally offloading tensors to SSDs, and reports
 // losses, step times, peak memory and what moved.
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -15,6 +16,8 @@
 #include "model_options.hpp"
 #include "tidal/common/env.hpp"
 #include "tidal/common/error.hpp"
+#include "tidal/common/stats.hpp"
+#include "tidal/common/text.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/models/trainer.hpp"
 #include "tidal/torch/checkpoint.hpp"
@@ -42,45 +45,34 @@ struct TrainArgs {
   std::string between_steps = "resident";
   bool strict_budget = false;
   std::string host_mem = "0";
+  std::string checkpoint;  // directory checkpoints are written to
+  int checkpoint_every = 0;
+  std::string resume;    // directory to resume from
+  int kill_at_step = 0;  // testing: SIGKILL in the middle of this step (1-based)
 };
 
-std::vector<std::string> split_dirs(const std::string& text) {
-  std::vector<std::string> out;
-  std::stringstream ss(text);
-  for (std::string d; std::getline(ss, d, ',');) {
-    if (!d.empty()) out.push_back(d);
-  }
-  return out;
-}
+constexpr const char* kCheckpointFile = "checkpoint.pt";
 
-void register_persistent(torch_layer::Session& session, models::Trainer& trainer, bool grads) {
-  auto named = trainer.persistent_tensors();
-  for (auto& [name, t] : named.parameters) {
-    session.register_persistent(t, name, trace::TensorClass::kParameter);
+// Testing a crash: kills the process (SIGKILL, no clean-up) in the backward pass of one step,
+// when activations and planned migrations are in flight.
+class KillAtStep final : public torch_layer::StepObserver {
+ public:
+  explicit KillAtStep(std::int64_t step) : step_(step) {}
+  void begin_step(std::int64_t step, const std::vector<torch::Tensor>&) override { now_ = step; }
+  void begin_phase(trace::Phase phase) override {
+    if (phase == trace::Phase::kBackward && now_ + 1 == step_) std::raise(SIGKILL);
   }
-  for (auto& [name, t] : named.optimizer_state) {
-    session.register_persistent(t, name, trace::TensorClass::kOptimizerState);
-  }
-  for (auto& [name, t] : named.buffers) {
-    session.register_persistent(t, name, trace::TensorClass::kParameter);
-  }
-  if (grads) {
-    for (auto& [name, t] : named.gradients) {
-      session.register_persistent(t, name, trace::TensorClass::kGradient);
-    }
-  }
-}
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-  return v[v.size() / 2];
-}
+ private:
+  std::int64_t step_;
+  std::int64_t now_ = -1;
+};
 
 // The I/O of a run's offloaded steps, summed from the session's per-step stats.
 struct IoTotals {
   std::uint64_t bytes_written = 0, bytes_read = 0, bytes_to_host = 0, bytes_from_host = 0;
-  std::uint64_t planned_to_ssd = 0, planned_to_host = 0, misses = 0, failures = 0;
+  std::uint64_t planned_to_ssd = 0, planned_to_host = 0, misses = 0, failures = 0, full = 0;
+  std::string write_error;  // the last failed write's message
   double stall = 0, host_stall = 0, write_stall = 0;
   void add(const torch_layer::SessionStats& s) {
     bytes_written += s.bytes_written;
@@ -91,6 +83,8 @@ struct IoTotals {
     planned_to_host += s.planned_bytes_to_host;
     misses += s.misses;
     failures += s.write_failures;
+    full += s.store_full_writes;
+    if (!s.write_error.empty()) write_error = s.write_error;
     stall += s.stall_seconds;
     host_stall += s.host_stall_seconds;
     write_stall += s.write_stall_seconds;
@@ -106,7 +100,7 @@ void run_train(const TrainArgs& args) {
   torch_layer::SessionOptions so;
   so.mode = torch_layer::offload_mode_from_string(args.offload);
   if (so.mode != torch_layer::OffloadMode::kNone) {
-    so.store.dirs = split_dirs(args.dirs);
+    so.store.dirs = split_list(args.dirs);
     if (so.store.dirs.empty() && !env().dirs) {
       so.store.dirs = {"/var/tmp/tidal"};  // the default: created if missing
       std::filesystem::create_directories(so.store.dirs[0]);
@@ -121,13 +115,25 @@ void run_train(const TrainArgs& args) {
   TIDAL_EXPECT_AS(InvalidArgument, args.save_plan.empty() || plan_mode,
                   "--save-plan writes plan mode's plan: it is for --offload plan");
   // Files to write at the end are opened now: a bad path fails before the run, not after it.
-  for (const auto* path : {&args.save_plan, &args.save_trace}) {
+  TIDAL_EXPECT_AS(InvalidArgument, args.checkpoint_every >= 0,
+                  "--checkpoint-every must be 0 (at the end only) or more");
+  TIDAL_EXPECT_AS(InvalidArgument, args.checkpoint_every == 0 || !args.checkpoint.empty(),
+                  "--checkpoint-every needs --checkpoint DIR (where to write them)");
+  std::string checkpoint_path;
+  if (!args.checkpoint.empty()) {
+    std::filesystem::create_directories(args.checkpoint);
+    checkpoint_path = (std::filesystem::path(args.checkpoint) / kCheckpointFile).string();
+  }
+  const std::string probe_checkpoint = checkpoint_path.empty() ? "" : checkpoint_path + ".probe";
+  for (const auto* path : {&args.save_plan, &args.save_trace, &probe_checkpoint}) {
     if (path->empty()) continue;
     const bool existed = std::filesystem::exists(*path);
     const bool ok = std::ofstream(*path, std::ios::app).good();
     if (!existed) std::filesystem::remove(*path);
     TIDAL_EXPECT_AS(InvalidArgument, ok, "cannot write '", *path, "' (",
-                    path == &args.save_plan ? "--save-plan" : "--save-trace",
+                    path == &args.save_plan    ? "--save-plan"
+                    : path == &args.save_trace ? "--save-trace"
+                                               : "--checkpoint",
                     "): check that its directory exists and is writable");
   }
   so.activations.min_bytes = parse_bytes(args.min_offload);
@@ -168,6 +174,22 @@ void run_train(const TrainArgs& args) {
   }
 
   models::Trainer trainer(options);
+  if (!args.resume.empty()) {
+    trainer.load_checkpoint((std::filesystem::path(args.resume) / kCheckpointFile).string());
+  }
+  const std::int64_t first_step = trainer.steps_done();
+  TIDAL_EXPECT_AS(InvalidArgument, first_step < args.model.steps, "--resume: the checkpoint in '",
+                  args.resume, "' is at step ", first_step, " and --steps is ", args.model.steps,
+                  ": --steps counts from the start of training, raise it");
+  if (so.mode == torch_layer::OffloadMode::kPlan && first_step > 0) {
+    TIDAL_EXPECT_AS(InvalidArgument,
+                    args.model.steps - first_step > args.warmup_steps + args.profile_steps,
+                    "--offload plan profiles again after --resume: --steps must leave more than "
+                    "--warmup-steps + --profile-steps (",
+                    args.warmup_steps + args.profile_steps, ") steps after step ", first_step);
+  }
+  KillAtStep killer(args.kill_at_step);
+  if (args.kill_at_step > 0) trainer.add_observer(&killer);
   if (args.recompute) {
     trainer.model()->set_block_wrapper(
         [](std::int64_t, const models::BlockFn& block, const torch::Tensor& x) {
@@ -175,7 +197,7 @@ void run_train(const TrainArgs& args) {
         });
   }
   torch_layer::Session session(so);
-  register_persistent(session, trainer, false);
+  trainer.register_persistent(session, false);
   trainer.add_observer(&session);
   const auto& c = options.config;
   std::fprintf(stderr,
@@ -200,9 +222,17 @@ void run_train(const TrainArgs& args) {
         session.store()->options().checksum
             ? ""
             : ", checksums OFF (TIDAL_CHECKSUM=0: a corrupt read would go unnoticed)");
+    if (st.backend_fallback.count > 0) {
+      std::fprintf(stderr, "store: DEGRADED backend: %s\n", st.backend_fallback.reason.c_str());
+    }
   }
 
-  ProgressBar bar(args.model.steps);
+  if (first_step > 0) {
+    std::fprintf(stderr, "resumed from '%s' after step %lld\n", args.resume.c_str(),
+                 static_cast<long long>(first_step));
+  }
+  int checkpoints_written = 0;
+  ProgressBar bar(args.model.steps - first_step);
   std::vector<double> losses;
   std::vector<double> seconds;
   std::vector<double> offload_seconds;  // steps that ran with offloading on
@@ -210,13 +240,13 @@ void run_train(const TrainArgs& args) {
   IoTotals io;  // over the steps that ran with offloading on
   std::uint64_t offload_peak = 0;
   const double tokens_per_step = static_cast<double>(options.batch * options.seq);
-  for (std::int64_t i = 0; i < args.model.steps; ++i) {
+  for (std::int64_t i = first_step; i < args.model.steps; ++i) {
     const bool executing = session.stats().state == torch_layer::SessionState::kExecuting;
     const auto r = trainer.step();
     // Gradients exist now; they stay (zeroed in place) only on the after-backward schedule.
-    if (i == 0) {
-      register_persistent(session, trainer,
-                          !options.optimizer_in_backward && !options.optimizer_deferred);
+    if (i == first_step) {
+      trainer.register_persistent(session,
+                                  !options.optimizer_in_backward && !options.optimizer_deferred);
     }
     const auto s = session.stats();
     losses.push_back(r.loss);
@@ -229,7 +259,13 @@ void run_train(const TrainArgs& args) {
     char text[160];
     std::snprintf(text, sizeof(text), "loss %.4f  %.0f tok/s  %s", r.loss,
                   tokens_per_step / r.seconds, torch_layer::to_string(s.state));
-    bar.update(i + 1, text);
+    bar.update(i + 1 - first_step, text);
+    const bool last = i + 1 == args.model.steps;
+    if (!checkpoint_path.empty() &&
+        (last || (args.checkpoint_every > 0 && (i + 1) % args.checkpoint_every == 0))) {
+      trainer.save_checkpoint(checkpoint_path, &session);
+      ++checkpoints_written;
+    }
   }
   trainer.remove_observer(&session);
   const double total = std::accumulate(seconds.begin(), seconds.end(), 0.0);
@@ -250,6 +286,15 @@ void run_train(const TrainArgs& args) {
                  format_bytes(static_cast<double>(io.bytes_read)).c_str(),
                  static_cast<unsigned long long>(io.misses), io.stall,
                  static_cast<unsigned long long>(io.failures));
+    if (io.failures > 0) {
+      // Degraded, not wrong: a tensor whose write failed stayed in memory.
+      std::fprintf(stderr,
+                   "DEGRADED: %llu write(s) failed (%llu for want of space: raise "
+                   "--store-capacity or free disk space); those tensors stayed in memory and the "
+                   "losses are unaffected. Last: %s\n",
+                   static_cast<unsigned long long>(io.failures),
+                   static_cast<unsigned long long>(io.full), io.write_error.c_str());
+    }
   }
   if (so.mode == torch_layer::OffloadMode::kPlan) {
     std::fprintf(stderr,
@@ -278,6 +323,25 @@ void run_train(const TrainArgs& args) {
     }
   }
   if (!st.notice.empty()) std::fprintf(stderr, "note: %s\n", st.notice.c_str());
+  nlohmann::json store_degraded = nlohmann::json::object();
+  if (session.store()) {
+    // Every degraded path of the store, with how often and the first reason.
+    const auto ss = session.store()->stats();
+    const std::pair<const char*, const io::DegradedPath*> paths[] = {
+        {"store_full", &ss.store_full},
+        {"write_failed", &ss.write_failed},
+        {"read_failed", &ss.read_failed},
+        {"read_corrupt", &ss.read_corrupt},
+        {"backend_fallback", &ss.backend_fallback}};
+    for (const auto& [name, path] : paths) {
+      if (path->count == 0) continue;
+      store_degraded[name] = {{"count", path->count}, {"reason", path->reason}};
+      const bool said = path == &ss.store_full || path == &ss.write_failed;  // the DEGRADED line
+      if (said && io.failures > 0) continue;
+      std::fprintf(stderr, "store DEGRADED: %s x%llu: %s\n", name,
+                   static_cast<unsigned long long>(path->count), path->reason.c_str());
+    }
+  }
   if (!args.save_trace.empty() && session.trace()) {
     trace::write_trace(*session.trace(), args.save_trace);
   }
@@ -291,6 +355,8 @@ void run_train(const TrainArgs& args) {
     j["batch"] = options.batch;
     j["seq"] = options.seq;
     j["seed"] = options.seed;
+    j["first_step"] = first_step;  // losses[0] is step first_step + 1
+    j["checkpoints_written"] = checkpoints_written;
     j["losses"] = losses;
     j["step_seconds"] = seconds;
     j["peak_bytes"] = offload_peak;
@@ -305,6 +371,10 @@ void run_train(const TrainArgs& args) {
     j["stall_seconds"] = io.stall;
     j["misses"] = io.misses;
     j["write_failures"] = io.failures;
+    j["store_full_writes"] = io.full;
+    j["write_error"] = io.write_error;
+    if (session.store()) j["io_backend"] = session.store()->stats().backend;
+    j["store_degraded"] = store_degraded;  // {path: {count, reason}} for each that happened
     j["offload_step_seconds_median"] = median(offload_seconds);
     j["steps_offloaded"] = offload_seconds.size();  // the steps the byte and stall totals cover
     j["all_steps_median_seconds"] = median(seconds);
@@ -378,6 +448,18 @@ void add_train_command(CLI::App& app) {
                   "plan mode: host memory offloaded tensors may use (e.g. 8GiB; 0: SSD only); "
                   "the planner puts there what the SSDs cannot move in time")
       ->capture_default_str();
+  cmd->add_option("--checkpoint", args->checkpoint,
+                  "write checkpoints (model, optimizer, data position, RNG, step) to this "
+                  "directory, atomically: at the end, and every --checkpoint-every steps");
+  cmd->add_option("--checkpoint-every", args->checkpoint_every,
+                  "steps between checkpoints (0: at the end only)")
+      ->capture_default_str();
+  cmd->add_option("--resume", args->resume,
+                  "continue the run whose --checkpoint directory this is (same model, data and "
+                  "optimizer options; --steps is the total)");
+  cmd->add_option("--kill-at-step", args->kill_at_step,
+                  "testing: the process kills itself (SIGKILL) in this step's backward pass")
+      ->group("");  // hidden
   cmd->add_flag("--json", args->json, "print one JSON object with the results as the last line");
   cmd->callback([args] { run_train(*args); });
 }

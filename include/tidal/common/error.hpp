@@ -77,6 +77,9 @@ template <typename... Args>
 /// Throw tidal::Error unconditionally.
 #define TIDAL_FAIL(...) ::tidal::detail::fail<::tidal::Error>(__FILE__, __LINE__, __VA_ARGS__)
 
+/// Throw an exception of the chosen type (e.g. tidal::InvalidArgument) unconditionally.
+#define TIDAL_FAIL_AS(Type, ...) ::tidal::detail::fail<Type>(__FILE__, __LINE__, __VA_ARGS__)
+
 /// Throw tidal::IoError carrying errnum (a positive errno value).
 #define TIDAL_FAIL_IO(errnum, ...) \
   ::tidal::detail::fail_io(__FILE__, __LINE__, (errnum), __VA_ARGS__)

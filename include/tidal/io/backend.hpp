@@ -43,6 +43,11 @@ class Backend {
   virtual void submit(IoOp* op) = 0;
   /// Starts every queued op.
   virtual void flush() {}
+  /// Why this backend stopped working (e.g. "io_uring_submit failed: Bad file descriptor"), or
+  /// empty while it works. A broken backend has failed the ops it could not complete with the
+  /// kernel's error and fails every later op at once; the store then moves to another backend.
+  /// Thread-safe.
+  [[nodiscard]] virtual std::string broken_reason() const { return {}; }
 };
 
 /// POSIX thread pool: `threads` threads doing pread/pwrite (always available).

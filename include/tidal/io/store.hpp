@@ -60,6 +60,13 @@ struct StoreOptions {
   FaultPlan faults;
 };
 
+/// One way the store can run degraded: how often it happened since the store opened, and the
+/// first occurrence's message (the root cause, usually), empty while count is 0.
+struct DegradedPath {
+  std::uint64_t count = 0;
+  std::string reason;
+};
+
 /// Counters since the store was opened.
 struct StoreStats {
   std::uint64_t capacity = 0;
@@ -69,11 +76,28 @@ struct StoreStats {
   std::uint64_t bytes_read = 0;                ///< tensor bytes of completed reads
   std::uint64_t writes = 0;                    ///< completed write requests
   std::uint64_t reads = 0;                     ///< completed read requests
+  /// Requests that failed, all causes: store_full + write_failed + read_failed + read_corrupt.
   std::uint64_t failed_requests = 0;
+  /// Writes refused because the store had no room (the capacity is taken: refused when
+  /// write() is called, before any I/O), or failed by the disk with ENOSPC.
+  DegradedPath store_full;
+  /// Writes that failed otherwise: an I/O error (EIO, ...) or a short write.
+  DegradedPath write_failed;
+  /// Reads that failed with an I/O error or came back short (the data on disk is kept).
+  DegradedPath read_failed;
+  /// Reads whose data failed its checksum (corrupt: not handed to the caller).
+  DegradedPath read_corrupt;
+  /// The host I/O backend in use is not the one asked for: io_uring was unavailable when the
+  /// store opened, or its ring broke while running, and the POSIX backend took over (count is
+  /// 0 or 1). reason says why, e.g. "io_uring_queue_init failed: Operation not permitted".
+  DegradedPath backend_fallback;
   std::uint64_t staged_ops = 0;  ///< ops that went through the staging pool
   double busy_seconds = 0;       ///< time with at least one op in flight (device busy)
-  std::uint64_t tickets = 0;     ///< tickets alive
-  std::string backend;           ///< e.g. "io_uring", "posix", "+cufile"
+  /// Thread time spent computing and checking checksums (summed over the threads doing it;
+  /// they run beside the I/O, so this is CPU cost, not necessarily added latency).
+  double checksum_seconds = 0;
+  std::uint64_t tickets = 0;  ///< tickets alive
+  std::string backend;        ///< in use now, e.g. "io_uring", "posix", "+cufile"
   bool buffered = false;
   bool tmpfile = false;  ///< every file is an O_TMPFILE (no name in the directory)
 };

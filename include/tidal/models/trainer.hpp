@@ -15,6 +15,10 @@
 #include "tidal/models/gpt.hpp"
 #include "tidal/torch/step.hpp"
 
+namespace tidal::torch_layer {
+class Session;
+}
+
 namespace tidal::models {
 
 /// AdamW with decoupled weight decay (Loshchilov & Hutter), written with plain ATen ops so that
@@ -56,6 +60,8 @@ class AdamW {
 
   [[nodiscard]] const Options& options() const { return options_; }
   [[nodiscard]] std::int64_t steps_taken() const { return step_; }
+  /// Resuming: the step count the bias corrections continue from.
+  void set_steps_taken(std::int64_t steps) { step_ = steps; }
 
  private:
   std::vector<torch::Tensor> params_;
@@ -81,6 +87,12 @@ class TokenSource {
 
   /// The next batch: inputs [batch, seq] and targets (inputs shifted by one), int64, on CPU.
   std::pair<torch::Tensor, torch::Tensor> next_batch(std::int64_t batch, std::int64_t seq);
+
+  /// The stream's position (generator state and recurrence), as text, and restoring it: a
+  /// source restored to a saved position yields the batches that followed it.
+  [[nodiscard]] std::string position() const;
+  /// Throws tidal::InvalidArgument when `text` is not a position() of a source.
+  void set_position(const std::string& text);
 
  private:
   std::int64_t vocab_;
@@ -154,13 +166,37 @@ class Trainer {
   [[nodiscard]] const TrainerOptions& options() const { return options_; }
   [[nodiscard]] std::int64_t steps_done() const { return step_; }
 
-  /// Named persistent tensors: parameters ("param:<name>"), gradients ("grad:<name>", those
-  /// defined), optimizer state ("adamw:<state>.<i>") and buffers ("buffer:<name>").
-  struct NamedTensors {
-    std::vector<std::pair<std::string, torch::Tensor>> parameters, gradients, optimizer_state,
-        buffers;
+  /// A tensor that lives across steps, with its name and class.
+  struct PersistentTensor {
+    std::string name;  ///< "param:<name>", "buffer:<name>", "grad:<name>", "adamw:<state>.<i>"
+    torch::Tensor tensor;
+    trace::TensorClass cls;  ///< kParameter (parameters and buffers), kGradient, kOptimizerState
   };
-  [[nodiscard]] NamedTensors persistent_tensors();
+  /// Parameters, buffers, the gradients that exist now (when `gradients`), optimizer state.
+  [[nodiscard]] std::vector<PersistentTensor> persistent_tensors(bool gradients = true);
+
+  /// Registers persistent_tensors(gradients) with `registry`: anything with
+  /// register_persistent(tensor, name, class), such as a torch_layer::Session or Tracer.
+  template <typename Registry>
+  void register_persistent(Registry& registry, bool gradients = true) {
+    for (const auto& p : persistent_tensors(gradients)) {
+      registry.register_persistent(p.tensor, p.name, p.cls);
+    }
+  }
+
+  /// Writes everything a resumed run needs to continue bit for bit (parameters, buffers,
+  /// optimizer state and step count, the data position, torch's CPU random state, the step) to
+  /// `path`, atomically (torch_layer::write_checkpoint). Applies pending deferred updates first
+  /// (flush_optimizer: the same math). `session`: made resident first when tensors may be
+  /// offloaded between steps. Call between steps. Throws tidal::IoError when the file cannot be
+  /// written; the previous checkpoint stays intact.
+  void save_checkpoint(const std::string& path, torch_layer::Session* session = nullptr);
+
+  /// Restores a checkpoint written by save_checkpoint() with the same model, batch, seq, seed,
+  /// data and optimizer options (the optimizer schedule may differ: it is the same math). The
+  /// next step() is the step after the saved one. Throws tidal::InvalidArgument when the file is
+  /// missing or unreadable, or was written with other options (naming the first that differs).
+  void load_checkpoint(const std::string& path);
 
  private:
   void notify_phase(trace::Phase phase);

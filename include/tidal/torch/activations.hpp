@@ -47,6 +47,8 @@ struct ActivationStats {
   std::uint64_t prefetched = 0;      ///< reads started ahead of use
   std::uint64_t misses = 0;          ///< reads started only when backward needed the tensor
   std::uint64_t write_failures = 0;  ///< writes that failed: the tensor stayed in memory
+  std::uint64_t store_full = 0;      ///< of write_failures: no space (store or disk full, ENOSPC)
+  std::string write_error;           ///< the store's message for the last failed write, or empty
   /// Writes dropped before they started because autograd released the tensor first (its
   /// backward ran while the write waited in the queue): its memory went back at once.
   std::uint64_t cancelled_writes = 0;

@@ -69,6 +69,8 @@ struct ExecutorStats {
   std::uint64_t misses = 0;          ///< reads started because an op needed a tensor at once
   std::uint64_t cancelled = 0;       ///< offloads dropped because an op touched the tensor
   std::uint64_t write_failures = 0;  ///< writes that failed: the tensor stayed in memory
+  std::uint64_t store_full = 0;      ///< of write_failures: no space (store or disk full, ENOSPC)
+  std::string write_error;           ///< the store's message for the last failed write, or empty
   std::uint64_t unbound = 0;         ///< actions on a tensor not seen at run time (skipped)
   std::uint64_t bytes_written = 0;   ///< to the SSD store
   std::uint64_t bytes_read = 0;      ///< from the SSD store

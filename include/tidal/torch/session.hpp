@@ -124,15 +124,17 @@ struct SessionStats {
   /// to compare with the executed ones above).
   std::uint64_t planned_bytes_to_ssd = 0;
   std::uint64_t planned_bytes_to_host = 0;
-  double stall_seconds = 0;           ///< last step: time computation waited for reads
-  double write_stall_seconds = 0;     ///< last step, plan mode: time ops waited for writes to
-                                      ///< free memory rather than cross the budget
-  std::uint64_t misses = 0;           ///< last step: reads not prefetched in time
-  std::uint64_t write_failures = 0;   ///< last step
-  std::uint64_t step_peak = 0;        ///< last step: the meter's peak between begin and end
-  std::uint64_t memory_budget = 0;    ///< plan mode, once known: whole-process bytes
-  std::uint64_t untouched_bytes = 0;  ///< plan mode: memory no step touches (not offloadable)
-  std::uint64_t profiled_peak = 0;    ///< plan mode: peak measured while profiling
+  double stall_seconds = 0;             ///< last step: time computation waited for reads
+  double write_stall_seconds = 0;       ///< last step, plan mode: time ops waited for writes to
+                                        ///< free memory rather than cross the budget
+  std::uint64_t misses = 0;             ///< last step: reads not prefetched in time
+  std::uint64_t write_failures = 0;     ///< last step: writes that failed (tensors kept in memory)
+  std::uint64_t store_full_writes = 0;  ///< last step: of those, refused for want of space
+  std::string write_error;              ///< last step: the store's message for a failed write
+  std::uint64_t step_peak = 0;          ///< last step: the meter's peak between begin and end
+  std::uint64_t memory_budget = 0;      ///< plan mode, once known: whole-process bytes
+  std::uint64_t untouched_bytes = 0;    ///< plan mode: memory no step touches (not offloadable)
+  std::uint64_t profiled_peak = 0;      ///< plan mode: peak measured while profiling
   /// Plan mode: every executed step had its peak at or under the budget (steps_over_budget is
   /// 0), and at least one step ran a plan to its end (steps_measured counts those of the
   /// current plans).

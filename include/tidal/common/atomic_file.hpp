@@ -1,0 +1,39 @@
+// A file that appears whole or not at all: written under a temporary name next to its final
+// path, flushed to the disk (fsync), renamed over the final path, and the directory flushed, so
+// that a crash (kill -9, power loss) at any point leaves either the old file or the new one.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace tidal {
+
+/// Writes `path` atomically. Usage: AtomicFile f(path); f.write(...)...; f.commit();
+/// Destroying it without commit() removes the temporary file and leaves `path` as it was.
+/// Move-only; not thread-safe. Errors throw tidal::IoError naming the path.
+class AtomicFile {
+ public:
+  /// Creates `<path>.tmp.<pid>` in path's directory (0600). Throws tidal::IoError when the
+  /// directory does not exist or is not writable.
+  explicit AtomicFile(std::string path);
+  AtomicFile(AtomicFile&& other) noexcept;
+  AtomicFile& operator=(AtomicFile&&) = delete;
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+  ~AtomicFile();
+
+  /// Appends n bytes (all of them: short writes are retried; ENOSPC and EIO throw).
+  void write(const void* data, std::size_t n);
+
+  /// fsync, rename over the final path, fsync of the directory. After it the file is durable.
+  void commit();
+
+  [[nodiscard]] const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::string temp_;
+  int fd_ = -1;
+};
+
+}  // namespace tidal

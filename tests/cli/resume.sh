@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Checkpoint and resume: a run killed with SIGKILL in the middle of a step (activations and
+# planned migrations in flight) and resumed from its last checkpoint gives the losses of an
+# uninterrupted run, bit for bit, in each offload mode and optimizer schedule.
+#
+#   tests/cli/resume.sh PATH_TO_TIDAL
+set -uo pipefail
+tidal=$1
+tmp=$(mktemp -d /var/tmp/tidal-resume-XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+mkdir -p "$tmp/store"
+failures=0
+py=$(command -v /usr/bin/python3 || command -v python3)
+
+losses() {  # the losses of a --json run's last line, one per line, exactly as printed
+  tail -n 1 "$1" | "$py" -c 'import json,sys; j=json.load(sys.stdin); print(j["first_step"]); [print(repr(x)) for x in j["losses"]]'
+}
+
+run_case() {  # run_case NAME ARGS...
+  local name=$1
+  shift
+  local base=(train --model gpt-tiny --batch 4 --seq 32 --steps 10 --min-offload 4KiB
+    --warmup-steps 0 --profile-steps 1 --dir "$tmp/store" --json "$@")
+  local ck="$tmp/ck-$name"
+  "$tidal" "${base[@]}" >"$tmp/$name.full" 2>"$tmp/$name.full.err" || {
+    echo "FAIL $name: uninterrupted run failed"; tail -n 3 "$tmp/$name.full.err"
+    failures=$((failures + 1)); return; }
+  "$tidal" "${base[@]}" --checkpoint "$ck" --checkpoint-every 3 --kill-at-step 8 \
+    >"$tmp/$name.killed" 2>&1
+  local rc=$?
+  if ((rc != 137)); then
+    echo "FAIL $name: the run to be killed exited with $rc, not 137 (SIGKILL)"
+    failures=$((failures + 1)); return
+  fi
+  if ls "$ck" | grep -q '\.tmp\.'; then
+    echo "FAIL $name: a temporary checkpoint file was left as the checkpoint"; failures=$((failures + 1))
+  fi
+  "$tidal" "${base[@]}" --resume "$ck" >"$tmp/$name.resumed" 2>"$tmp/$name.resumed.err" || {
+    echo "FAIL $name: resumed run failed"; tail -n 3 "$tmp/$name.resumed.err"
+    failures=$((failures + 1)); return; }
+  mapfile -t full < <(losses "$tmp/$name.full")
+  mapfile -t resumed < <(losses "$tmp/$name.resumed")
+  local first=${resumed[0]}
+  if [[ $first != 6 ]]; then
+    echo "FAIL $name: resumed after step $first, expected 6 (checkpoints every 3, killed in 8)"
+    failures=$((failures + 1)); return
+  fi
+  local want=("${full[@]:$((first + 1))}") got=("${resumed[@]:1}")
+  if [[ "${want[*]}" != "${got[*]}" ]]; then
+    echo "FAIL $name: losses differ after resuming"
+    echo "    uninterrupted: ${want[*]}"
+    echo "    resumed:       ${got[*]}"
+    failures=$((failures + 1))
+  else
+    echo "ok   $name: steps 7-10 equal bit for bit (${got[*]})"
+  fi
+}
+
+run_case none --offload none
+run_case activations --offload activations
+run_case plan --offload plan --mem-budget 50%
+run_case plan-offloaded --offload plan --mem-budget 50% --between-steps offloaded
+run_case deferred --offload plan --mem-budget 50% --optimizer-deferred --clip-grad-norm 1.0
+
+# Bad input: a missing checkpoint, and one written with other options.
+out=$("$tidal" train --model gpt-tiny --steps 3 --resume "$tmp/nowhere" 2>&1)
+if (($? == 0)) || ! grep -q "does not exist" <<<"$out"; then
+  echo "FAIL --resume of a missing directory: $out"; failures=$((failures + 1))
+else
+  echo "ok   --resume of a missing directory says so"
+fi
+out=$("$tidal" train --model gpt-tiny --batch 2 --seq 32 --steps 12 --resume "$tmp/ck-none" 2>&1)
+if (($? == 0)) || ! grep -q "written with batch = 4, this run has batch = 2" <<<"$out"; then
+  echo "FAIL --resume with another batch: $out"; failures=$((failures + 1))
+else
+  echo "ok   --resume with another batch names it"
+fi
+head -c 1000 "$tmp/ck-none/checkpoint.pt" >"$tmp/truncated.pt"
+mkdir -p "$tmp/ck-trunc" && mv "$tmp/truncated.pt" "$tmp/ck-trunc/checkpoint.pt"
+out=$("$tidal" train --model gpt-tiny --batch 4 --seq 32 --steps 12 --resume "$tmp/ck-trunc" 2>&1)
+rc=$?
+if ((rc == 0 || rc > 2)) || ! grep -q "cannot be read" <<<"$out"; then
+  echo "FAIL --resume of a truncated checkpoint (rc $rc): $out"; failures=$((failures + 1))
+else
+  echo "ok   --resume of a truncated checkpoint says it cannot be read"
+fi
+
+if ((failures > 0)); then
+  echo "$failures failure(s)"
+  exit 1
+fi
+echo "all resume checks passed"

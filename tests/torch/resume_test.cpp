@@ -1,0 +1,175 @@
+// Checkpoint and resume from C++: a checkpoint written between steps while a plan keeps tensors
+// offloaded restores a run that continues bit for bit, for tidal's trainer and for a user's own
+// loop (torch::nn + torch::optim), and bad checkpoints give errors that say what is wrong.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "io/test_dir.hpp"
+#include "tidal/common/error.hpp"
+#include "tidal/common/units.hpp"
+#include "tidal/models/trainer.hpp"
+#include "tidal/torch/session.hpp"
+#include "tidal/torch/training_checkpoint.hpp"
+
+namespace tidal::torch_layer {
+namespace {
+
+SessionOptions plan_offloaded(const std::string& dir) {
+  SessionOptions so;
+  so.mode = OffloadMode::kPlan;
+  so.store.dirs = {dir};
+  so.store.capacity = 256 * kMiB;
+  so.executor.min_bytes = 4 * 1024;
+  so.budget_fraction = 0.5;
+  so.warmup_steps = 0;
+  so.profile_steps = 1;
+  // Optimizer state may stay on the SSD across the step boundary: the checkpoint must bring it
+  // back before torch's serializer reads raw bytes.
+  so.between_steps = BetweenSteps::kOffloaded;
+  return so;
+}
+
+models::TrainerOptions tiny(std::uint64_t seed) {
+  models::TrainerOptions o;
+  o.config = models::model_config("gpt-tiny");
+  o.batch = 4;
+  o.seq = 32;
+  o.seed = seed;
+  return o;
+}
+
+TEST(Resume, TrainerCheckpointWrittenWhileOffloadedContinuesBitForBit) {
+  testing::TestDir dir;
+  const std::string path = dir.path() + "/checkpoint.pt";
+  std::vector<double> after;  // the losses of steps 6-8 of the uninterrupted run
+  std::uint64_t offloaded_bytes = 0;
+  {
+    models::Trainer trainer(tiny(5));
+    Session session(plan_offloaded(dir.sub("store")));
+    trainer.add_observer(&session);
+    for (int i = 0; i < 5; ++i) trainer.step();
+    offloaded_bytes = session.stats().bytes_written;
+    trainer.save_checkpoint(path, &session);
+    for (int i = 0; i < 3; ++i) after.push_back(trainer.step().loss);
+    trainer.remove_observer(&session);
+  }
+  EXPECT_GT(offloaded_bytes, 0u) << "the plan moved nothing: the test would prove nothing";
+  models::Trainer resumed(tiny(5));
+  resumed.load_checkpoint(path);
+  EXPECT_EQ(resumed.steps_done(), 5);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(resumed.step().loss, after[i]) << "step " << 6 + i;
+}
+
+TEST(Resume, TrainerRefusesACheckpointOfAnotherRunNamingTheOption) {
+  testing::TestDir dir;
+  const std::string path = dir.path() + "/checkpoint.pt";
+  models::Trainer trainer(tiny(5));
+  trainer.step();
+  trainer.save_checkpoint(path);
+  auto other = tiny(5);
+  other.seq = 16;
+  models::Trainer resumed(other);
+  try {
+    resumed.load_checkpoint(path);
+    FAIL() << "a checkpoint of seq 32 loaded into seq 16";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("seq = 32, this run has seq = 16"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(resumed.load_checkpoint(dir.path() + "/missing.pt"), InvalidArgument);
+}
+
+// A user's loop: torch::nn and torch::optim::Adam, saved with write_checkpoint.
+struct UserLoop {
+  torch::nn::Sequential net{torch::nn::Linear(32, 128), torch::nn::ReLU(),
+                            torch::nn::Linear(128, 128), torch::nn::ReLU(),
+                            torch::nn::Linear(128, 1)};
+  torch::optim::Adam opt{net->parameters(), torch::optim::AdamOptions(1e-3)};
+  double step(const torch::Tensor& x) {
+    opt.zero_grad();
+    auto loss = torch::mse_loss(net->forward(x), x.sum(1, true).cos());
+    loss.backward();
+    opt.step();
+    return loss.item<double>();
+  }
+  void save(const std::string& path, Session* session) {
+    torch::serialize::OutputArchive out;
+    net->save(out);
+    torch::serialize::OutputArchive opt_out;
+    opt.save(opt_out);
+    out.write("optimizer", opt_out);
+    write_checkpoint(out, path, session);
+  }
+  void load(const std::string& path) {
+    torch::serialize::InputArchive in;
+    read_checkpoint(in, path);
+    net->load(in);
+    torch::serialize::InputArchive opt_in;
+    in.read("optimizer", opt_in);
+    opt.load(opt_in);
+  }
+};
+
+TEST(Resume, UserLoopCheckpointWrittenWhileOffloadedContinuesBitForBit) {
+  testing::TestDir dir;
+  const std::string path = dir.path() + "/user.pt";
+  torch::manual_seed(11);
+  std::vector<torch::Tensor> data;
+  for (int i = 0; i < 9; ++i) data.push_back(torch::randn({256, 32}));
+  std::vector<double> after;
+  std::uint64_t offloaded_bytes = 0;
+  torch::manual_seed(12);
+  {
+    Session session(plan_offloaded(dir.sub("store")));
+    UserLoop loop;
+    for (int i = 0; i < 6; ++i) {
+      session.begin_step();
+      loop.step(data[i]);
+      session.end_step();
+      offloaded_bytes += session.stats().bytes_written;
+    }
+    loop.save(path, &session);
+    for (int i = 6; i < 9; ++i) {
+      session.begin_step();
+      after.push_back(loop.step(data[i]));
+      session.end_step();
+    }
+  }
+  EXPECT_GT(offloaded_bytes, 0u) << "the plan moved nothing: the test would prove nothing";
+  torch::manual_seed(99);  // other initial weights: the checkpoint must replace them all
+  UserLoop resumed;
+  resumed.load(path);
+  for (int i = 6; i < 9; ++i) EXPECT_EQ(resumed.step(data[i]), after[i - 6]) << "step " << i;
+}
+
+TEST(Resume, AFailedWriteLeavesThePreviousCheckpointIntact) {
+  testing::TestDir dir;
+  const std::string path = dir.path() + "/checkpoint.pt";
+  torch::serialize::OutputArchive first;
+  first.write("x", torch::arange(10));
+  write_checkpoint(first, path);
+  const auto before = std::filesystem::file_size(path);
+  torch::serialize::OutputArchive second;
+  second.write("x", torch::arange(1000));
+  // A directory in the way of the temporary file's rename target makes the write fail late.
+  EXPECT_THROW(write_checkpoint(second, dir.path() + "/missing/checkpoint.pt"), IoError);
+  std::filesystem::create_directory(dir.path() + "/blocked.pt");
+  std::filesystem::create_directory(dir.path() + "/blocked.pt/inside");
+  EXPECT_THROW(write_checkpoint(second, dir.path() + "/blocked.pt"), IoError);
+  EXPECT_EQ(std::filesystem::file_size(path), before);
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+    EXPECT_EQ(e.path().string().find(".tmp."), std::string::npos)
+        << "temporary file left: " << e.path();
+  }
+  torch::serialize::InputArchive in;
+  read_checkpoint(in, path);
+  torch::Tensor x;
+  in.read("x", x);
+  EXPECT_TRUE(torch::equal(x, torch::arange(10)));
+}
+
+}  // namespace
+}  // namespace tidal::torch_layer
