@@ -77,9 +77,24 @@ py::dict store_stats_dict(const tidal::io::StoreStats& s) {
   d["writes"] = s.writes;
   d["reads"] = s.reads;
   d["failed_requests"] = s.failed_requests;
+  const auto degraded = [](const tidal::io::DegradedPath& p) {
+    py::dict x;
+    x["count"] = p.count;
+    x["reason"] = p.reason;
+    return x;
+  };
+  d["store_full"] = degraded(s.store_full);
+  d["write_failed"] = degraded(s.write_failed);
+  d["read_failed"] = degraded(s.read_failed);
+  d["read_corrupt"] = degraded(s.read_corrupt);
+  d["backend_fallback"] = degraded(s.backend_fallback);
+  d["staged_ops"] = s.staged_ops;
   d["busy_seconds"] = s.busy_seconds;
+  d["checksum_seconds"] = s.checksum_seconds;
+  d["tickets"] = s.tickets;
   d["backend"] = s.backend;
   d["buffered"] = s.buffered;
+  d["tmpfile"] = s.tmpfile;
   return d;
 }
 
@@ -100,6 +115,8 @@ py::dict session_stats_dict(const tt::SessionStats& s) {
   d["write_stall_seconds"] = s.write_stall_seconds;
   d["misses"] = s.misses;
   d["write_failures"] = s.write_failures;
+  d["store_full_writes"] = s.store_full_writes;
+  d["write_error"] = s.write_error;
   d["step_peak"] = s.step_peak;
   d["memory_budget"] = s.memory_budget;
   d["untouched_bytes"] = s.untouched_bytes;
@@ -130,6 +147,8 @@ py::dict activation_stats_dict(const tt::ActivationStats& s) {
   d["prefetched"] = s.prefetched;
   d["misses"] = s.misses;
   d["write_failures"] = s.write_failures;
+  d["store_full"] = s.store_full;
+  d["write_error"] = s.write_error;
   d["cancelled_writes"] = s.cancelled_writes;
   d["bytes_written"] = s.bytes_written;
   d["bytes_read"] = s.bytes_read;

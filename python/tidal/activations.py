@@ -25,6 +25,8 @@ class ActivationStats:
     prefetched: int
     misses: int
     write_failures: int
+    store_full: int
+    write_error: str
     cancelled_writes: int
     bytes_written: int
     bytes_read: int

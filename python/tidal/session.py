@@ -34,6 +34,8 @@ class SessionStats:
     write_stall_seconds: float
     misses: int
     write_failures: int
+    store_full_writes: int
+    write_error: str
     step_peak: int
     memory_budget: int
     untouched_bytes: int
