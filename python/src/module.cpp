@@ -263,6 +263,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("budget_fraction", &tt::SessionOptions::budget_fraction)
       .def_readwrite("strict_budget", &tt::SessionOptions::strict_budget)
       .def_readwrite("budget_option", &tt::SessionOptions::budget_option)
+      .def_readwrite("between_steps_option", &tt::SessionOptions::between_steps_option)
       .def_property(
           "between_steps",
           [](const tt::SessionOptions& o) {

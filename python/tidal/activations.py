@@ -80,6 +80,9 @@ class offload_activations:
         ao.adaptive = adaptive
         self._offloader = _C.ActivationOffloader(store_options(dirs, capacity, checksum, _faults), ao)
         self._open = False
+        self._closed_stats: Optional[dict] = None  # the last step's, kept by close()
+        self._closed_store: Optional[dict] = None
+        self._closed_notice = ""
         if model is not None:
             self._offloader.keep_storages_of(
                 [t.detach() for t in list(model.parameters()) + list(model.buffers())])
@@ -107,19 +110,29 @@ class offload_activations:
         """Ends the open step and closes the store."""
         if self._offloader is not None:
             self.end_step()
+            self._closed_stats = self._offloader.last_step()
+            self._closed_store = self._offloader.store_stats()
+            self._closed_notice = self._offloader.notice()
             self._offloader = None
 
     def stats(self) -> ActivationStats:
-        """Counters of the last finished step."""
+        """Counters of the last finished step (also after close())."""
+        if self._offloader is None:
+            return ActivationStats(**(self._closed_stats or {}))
         return ActivationStats(**self._offloader.last_step())
 
     def store_stats(self) -> dict:
-        """The store's counters since it opened (bytes_written, bytes_read, ...)."""
+        """The store's counters since it opened (bytes_written, bytes_read, ...); after close(),
+        those it had when it closed."""
+        if self._offloader is None:
+            return dict(self._closed_store or {})
         return self._offloader.store_stats()
 
     @property
     def notice(self) -> str:
         """Empty, or why offloading stopped paying (the adaptive rule keeps everything)."""
+        if self._offloader is None:
+            return self._closed_notice
         return self._offloader.notice()
 
     def __del__(self) -> None:

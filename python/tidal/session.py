@@ -109,6 +109,7 @@ class Session:
             opt.store = store_options(dirs, capacity, checksum, _faults)
         opt.memory_budget, opt.budget_fraction = parse_budget(budget)
         opt.budget_option = "Session(budget=...)"
+        opt.between_steps_option = "Session(between_steps=\"offloaded\")"
         opt.host_memory = parse_size(host_memory, "host_memory")
         if min_bytes is not None:
             b = parse_size(min_bytes, "min_bytes")

@@ -186,6 +186,12 @@ struct Session::Impl {
     po.min_bytes = opt.executor.min_bytes;
     po.more_memory_hint = "a larger memory budget (" + opt.budget_option + "; now " +
                           bytes_text(stats.memory_budget) + " for the whole process)";
+    if (opt.between_steps == BetweenSteps::kResident) {
+      // Every tensor a step uses is resident at its start and end: parameters, gradients and
+      // optimizer state together may already be over the budget there.
+      po.more_memory_hint += ", or " + opt.between_steps_option +
+                             " (then the model's state need not all be in memory between steps)";
+    }
     const auto try_plan = [&](double cap) {
       hw.device_memory = static_cast<std::uint64_t>(std::max(cap, 1.0));
       return plan::make_plan(t, hw, po);
@@ -554,6 +560,9 @@ void Session::make_resident() {
 SessionStats Session::stats() const {
   SessionStats s = impl_->stats;
   s.state = impl_->state;
+  // A reason is for a budget not met: one left from a planning attempt that a later plan
+  // overcame (a re-plan for less memory) would contradict within_budget.
+  if (s.within_budget) s.budget_reason.clear();
   if (s.mode == OffloadMode::kPlan && s.budget_reason.empty()) {
     if (!impl_->budget_known) {
       s.budget_reason = "no plan yet (warm-up and profiling steps run without one)";

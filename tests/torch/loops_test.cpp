@@ -256,6 +256,16 @@ TEST(Loops, ABudgetThatCannotBeMetIsReportedNotThrown) {
 
   so.strict_budget = true;
   EXPECT_THROW(train_mlp(so, 10), InvalidArgument);
+
+  // With the step's tensors resident between steps, the reason suggests the other choice; with
+  // them offloaded it does not.
+  EXPECT_EQ(plan.stats.budget_reason.find("between_steps"), std::string::npos)
+      << plan.stats.budget_reason;
+  so.strict_budget = false;
+  so.between_steps = BetweenSteps::kResident;
+  const LoopRun resident = train_mlp(so, 10);
+  EXPECT_NE(resident.stats.budget_reason.find("BetweenSteps::kOffloaded"), std::string::npos)
+      << resident.stats.budget_reason;
 }
 
 // A corrupt read or a failing disk under a running plan: the step stops with the store's

@@ -151,6 +151,7 @@ void run_train(const TrainArgs& args) {
                     " must be more than 0: a size such as 2GiB or a percentage such as 50%");
   }
   so.budget_option = "--mem-budget";
+  so.between_steps_option = "--between-steps offloaded";
   if (!args.ssd.empty()) so.hardware_overrides.ssd = args.ssd;
   so.peak_bytes = [&meter] { return meter.peak_bytes(); };
   so.current_bytes = [&meter] { return meter.current_bytes(); };

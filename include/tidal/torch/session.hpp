@@ -90,6 +90,9 @@ struct SessionOptions {
   /// CLI sets "--mem-budget").
   std::string budget_option = "SessionOptions::memory_budget or budget_fraction";
   BetweenSteps between_steps = BetweenSteps::kResident;
+  /// How messages name the kOffloaded choice to the user (a budget a resident step boundary
+  /// cannot meet suggests it); the CLI sets "--between-steps offloaded".
+  std::string between_steps_option = "SessionOptions::between_steps = BetweenSteps::kOffloaded";
   /// Plan mode: host memory offloaded tensors may use, in bytes (0: none, SSD only). The
   /// planner sends a tensor there where the SSD channel has no room for its migration in time;
   /// the executor copies it into a host pool of this size (page-locked on a GPU machine). On a
