@@ -49,6 +49,9 @@ def test_context_manager_is_bit_identical_and_uses_the_store(store_dir):
     assert store["bytes_written"] > 0
     assert store["bytes_read"] > 0
     assert last.kept_parameter > 0  # weights never go to the store
+    # The counters outlive the store: a loop that closes first and reports after still can.
+    assert offload.stats() == last
+    assert offload.store_stats()["bytes_written"] == store["bytes_written"]
 
 
 def test_no_offloading_once_the_step_ended(store_dir):
