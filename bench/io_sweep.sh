@@ -75,7 +75,7 @@ while [ "$block" -le "$hi" ]; do
     [ "$n" -gt $((1 << 30)) ] && n=$((1 << 30))
     out="$tmp/row.$block.$q.json"
     echo "block $block depth $q size $n" >&2
-    bash "$here/io_vs_fio.sh" --rounds "$rounds" --block "$block" --depth "$q" --json "$out" \
+    bash "$here/io_vs_fio.sh" --rounds "$rounds" --pause 2 --block "$block" --depth "$q" --json "$out" \
       "$dir" "$n" >/dev/null
     rows+=("$out")
   done

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compares tidal's tensor store with fio on the same directory, in the same run.
 #
-#   bench/io_vs_fio.sh [--two] [--rounds N] [--block B] [--depth Q] [--no-checksum]
+#   bench/io_vs_fio.sh [--two] [--rounds N] [--pause S] [--block B] [--depth Q] [--no-checksum]
 #                      [--json FILE] DIR [SIZE]
 #
 # fio: O_DIRECT, B-byte blocks (default 1MiB), queue depth Q (default 16), io_uring (libaio
@@ -12,10 +12,13 @@
 # reads SIZE bytes of random data through the store, with checksums (unless --no-checksum), and
 # verifies every byte.
 #
-# --rounds N  (default 3) measures both tools N times, alternating which goes first (fio first in
+# --rounds N  (default 5) measures both tools N times, alternating which goes first (fio first in
 #             odd rounds, tidal first in even ones), so that a disk whose speed drifts (a cloud
 #             or virtual disk, a busy host) favours neither. Each round gives a ratio; the
 #             result is the median ratio of the rounds, per direction.
+# --pause S   (default 5) seconds of idle disk before each tool's turn: a virtual disk that
+#             throttles after sustained I/O (a token bucket) otherwise charges one tool for the
+#             I/O the other just did (tidal's untimed verification pass included).
 # --two       stripes over two subdirectories DIR/a and DIR/b: tidal gets `--dir DIR/a,DIR/b`, fio
 #             runs two concurrent jobs of SIZE/2, one file in each subdirectory.
 # --json      also writes the figures (every round, and the medians) as one JSON object to FILE.
@@ -27,14 +30,15 @@
 set -euo pipefail
 
 usage() {
-  echo "usage: $0 [--two] [--rounds N] [--block B] [--depth Q] [--no-checksum] [--json FILE] DIR [SIZE]" >&2
+  echo "usage: $0 [--two] [--rounds N] [--pause S] [--block B] [--depth Q] [--no-checksum] [--json FILE] DIR [SIZE]" >&2
   echo "       (SIZE default 2GiB; units B KiB MiB GiB KB MB GB)" >&2
   exit 2
 }
 
 two=0
 json_out=""
-rounds=3
+rounds=5
+pause=5
 block_text=1MiB
 depth=16
 checksum_flag=""
@@ -44,6 +48,7 @@ while [ $# -gt 0 ]; do
     --two) two=1 ;;
     --json) [ $# -ge 2 ] || usage; json_out="$2"; shift ;;
     --rounds) [ $# -ge 2 ] || usage; rounds="$2"; shift ;;
+    --pause) [ $# -ge 2 ] || usage; pause="$2"; shift ;;
     --block) [ $# -ge 2 ] || usage; block_text="$2"; shift ;;
     --depth) [ $# -ge 2 ] || usage; depth="$2"; shift ;;
     --no-checksum) checksum_flag="--no-checksum" ;;
@@ -55,6 +60,7 @@ while [ $# -gt 0 ]; do
 done
 if [ ${#args[@]} -lt 1 ] || [ ${#args[@]} -gt 2 ]; then usage; fi
 [[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "--rounds must be a positive integer" >&2; exit 2; }
+[[ "$pause" =~ ^[0-9]+$ ]] || { echo "--pause must be whole seconds" >&2; exit 2; }
 [[ "$depth" =~ ^[1-9][0-9]*$ ]] || { echo "--depth must be a positive integer" >&2; exit 2; }
 dir="${args[0]}"
 size_text="${args[1]:-2GiB}"
@@ -137,6 +143,8 @@ run_fio() {
 
 fio_round() {
   rm -f "${files[@]}"
+  sync
+  sleep "$pause"
   run_fio write "$tmp/fio_write.$1.json"
   run_fio read "$tmp/fio_read.$1.json"
 }
@@ -146,6 +154,8 @@ tidal_cmd=("$tidal_bin" bench-io --dir "$tidal_dirs" --size "$size" --block "$bl
            --depth "$depth" --json $checksum_flag)
 tidal_round() {
   local rc=0
+  sync
+  sleep "$pause"
   "${tidal_cmd[@]}" >"$tmp/tidal.$1.out" 2>"$tmp/tidal.$1.err" || rc=$?
   if [ "$rc" -ne 0 ]; then
     echo "tidal bench-io failed (exit $rc):" >&2
