@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compares tidal's tensor store with fio on the same directory, in the same run.
 #
-#   bench/io_vs_fio.sh [--two] [--rounds N] [--block B] [--depth Q] [--no-checksum]
+#   bench/io_vs_fio.sh [--two] [--rounds N] [--pause S] [--block B] [--depth Q] [--no-checksum]
 #                      [--json FILE] DIR [SIZE]
 #
 # fio: O_DIRECT, B-byte blocks (default 1MiB), queue depth Q (default 16), io_uring (libaio
@@ -12,10 +12,15 @@
 # reads SIZE bytes of random data through the store, with checksums (unless --no-checksum), and
 # verifies every byte.
 #
-# --rounds N  (default 3) measures both tools N times, alternating which goes first (fio first in
+# --rounds N  (default 4) measures both tools N times, alternating which goes first (fio first in
 #             odd rounds, tidal first in even ones), so that a disk whose speed drifts (a cloud
 #             or virtual disk, a busy host) favours neither. Each round gives a ratio; the
-#             result is the median ratio of the rounds, per direction.
+#             result, per direction, is the geometric mean of the median ratio of the rounds
+#             fio went first and that of the rounds tidal went first: on the CI machine the
+#             tool that goes second tends to gain, so both orders weigh the same whatever N.
+# --pause S   (default 5) seconds of idle disk before each tool's turn: a virtual disk that
+#             throttles after sustained I/O (a token bucket) otherwise charges one tool for the
+#             I/O the other just did (tidal's untimed verification pass included).
 # --two       stripes over two subdirectories DIR/a and DIR/b: tidal gets `--dir DIR/a,DIR/b`, fio
 #             runs two concurrent jobs of SIZE/2, one file in each subdirectory.
 # --json      also writes the figures (every round, and the medians) as one JSON object to FILE.
@@ -27,14 +32,15 @@
 set -euo pipefail
 
 usage() {
-  echo "usage: $0 [--two] [--rounds N] [--block B] [--depth Q] [--no-checksum] [--json FILE] DIR [SIZE]" >&2
+  echo "usage: $0 [--two] [--rounds N] [--pause S] [--block B] [--depth Q] [--no-checksum] [--json FILE] DIR [SIZE]" >&2
   echo "       (SIZE default 2GiB; units B KiB MiB GiB KB MB GB)" >&2
   exit 2
 }
 
 two=0
 json_out=""
-rounds=3
+rounds=4
+pause=5
 block_text=1MiB
 depth=16
 checksum_flag=""
@@ -44,6 +50,7 @@ while [ $# -gt 0 ]; do
     --two) two=1 ;;
     --json) [ $# -ge 2 ] || usage; json_out="$2"; shift ;;
     --rounds) [ $# -ge 2 ] || usage; rounds="$2"; shift ;;
+    --pause) [ $# -ge 2 ] || usage; pause="$2"; shift ;;
     --block) [ $# -ge 2 ] || usage; block_text="$2"; shift ;;
     --depth) [ $# -ge 2 ] || usage; depth="$2"; shift ;;
     --no-checksum) checksum_flag="--no-checksum" ;;
@@ -55,6 +62,7 @@ while [ $# -gt 0 ]; do
 done
 if [ ${#args[@]} -lt 1 ] || [ ${#args[@]} -gt 2 ]; then usage; fi
 [[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "--rounds must be a positive integer" >&2; exit 2; }
+[[ "$pause" =~ ^[0-9]+$ ]] || { echo "--pause must be whole seconds" >&2; exit 2; }
 [[ "$depth" =~ ^[1-9][0-9]*$ ]] || { echo "--depth must be a positive integer" >&2; exit 2; }
 dir="${args[0]}"
 size_text="${args[1]:-2GiB}"
@@ -137,6 +145,8 @@ run_fio() {
 
 fio_round() {
   rm -f "${files[@]}"
+  sync
+  sleep "$pause"
   run_fio write "$tmp/fio_write.$1.json"
   run_fio read "$tmp/fio_read.$1.json"
 }
@@ -146,6 +156,8 @@ tidal_cmd=("$tidal_bin" bench-io --dir "$tidal_dirs" --size "$size" --block "$bl
            --depth "$depth" --json $checksum_flag)
 tidal_round() {
   local rc=0
+  sync
+  sleep "$pause"
   "${tidal_cmd[@]}" >"$tmp/tidal.$1.out" 2>"$tmp/tidal.$1.err" || rc=$?
   if [ "$rc" -ne 0 ]; then
     echo "tidal bench-io failed (exit $rc):" >&2
@@ -167,7 +179,7 @@ for r in $(seq 1 "$rounds"); do
 done
 
 python3 - "$tmp" "$engine" "$size" "${#files[@]}" "$rounds" "$block" "$depth" "$json_out" <<'EOF'
-import json, statistics, sys
+import json, math, statistics, sys
 
 tmp, engine, size, nfiles, rounds, block, depth, json_out = (
     sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]),
@@ -214,9 +226,16 @@ for r in range(1, rounds + 1):
         print(f"{r:>5} {row['first']:>5} {direction:6} {f:9.2f} {t:11.2f} {t / f:9.2f}x {c:15.3f}")
     per_round.append(row)
 
-medians = {d: statistics.median(row[f"{d}_ratio"] for row in per_round) for d in ("write", "read")}
-print(f"median tidal/fio over {rounds} round(s): write {medians['write']:.2f}x, "
-      f"read {medians['read']:.2f}x")
+def balanced(direction):
+    groups = [[row[f"{direction}_ratio"] for row in per_round if row["first"] == first]
+              for first in ("fio", "tidal")]
+    medians = [statistics.median(g) for g in groups if g]
+    return math.prod(medians) ** (1.0 / len(medians))
+
+
+medians = {d: balanced(d) for d in ("write", "read")}
+print(f"tidal/fio over {rounds} round(s) (geometric mean of the fio-first and tidal-first "
+      f"medians): write {medians['write']:.3f}x, read {medians['read']:.3f}x")
 print(f"files {nfiles}, {size} bytes, block {block}, depth {depth}, fio engine {engine}; "
       f"tidal verified: {'yes' if verified else 'NO'}")
 

@@ -150,79 +150,72 @@ class Ops {
   std::vector<long> results_;
 };
 
-std::unique_ptr<Backend> hooked_backend(int fd) {
-  try {
-    return detail::make_uring_backend_with({fd}, 8, {}, kHooks);
-  } catch (const IoError& e) {
-    return nullptr;
+// A backend with the hooked calls on a file of five 4 KiB blocks; skipped without io_uring.
+class UringBackendFaults : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    try {
+      b_ = detail::make_uring_backend_with({ops_.fd()}, 8, {}, kHooks);
+    } catch (const IoError& e) {
+      GTEST_SKIP() << "io_uring unavailable here: " << e.what();
+    }
   }
-}
+  ResetHooks reset_;  // first in, last out: the backend below drains with the faults cleared
+  TestDir dir_;
+  Ops ops_{dir_, 5};
+  std::unique_ptr<Backend> b_;
+};
 
-TEST(UringFaults, SubmitErrorFailsTheQueuedOpsInsteadOfLosingThem) {
-  ResetHooks reset;
-  TestDir dir;
-  Ops ops(dir, 5);
-  auto b = hooked_backend(ops.fd());
-  if (!b) GTEST_SKIP() << "io_uring unavailable here";
-  b->submit(ops.op(0));
-  b->flush();
-  ASSERT_TRUE(ops.wait_for(1));
-  EXPECT_EQ(ops.results()[0], 4096);
+TEST_F(UringBackendFaults, SubmitErrorFailsTheQueuedOpsInsteadOfLosingThem) {
+  b_->submit(ops_.op(0));
+  b_->flush();
+  ASSERT_TRUE(ops_.wait_for(1));
+  EXPECT_EQ(ops_.results()[0], 4096);
   g_submit_error = EBADF;  // the ring stops taking entries
-  for (int i = 1; i < 4; ++i) b->submit(ops.op(i));
-  b->flush();
-  const bool all_came = ops.wait_for(4);
+  for (int i = 1; i < 4; ++i) b_->submit(ops_.op(i));
+  b_->flush();
+  const bool all_came = ops_.wait_for(4);
   EXPECT_TRUE(all_came) << "ops whose submission failed never completed: their waiters hang";
   if (all_came) {
-    for (int i = 1; i < 4; ++i) EXPECT_EQ(ops.results()[static_cast<std::size_t>(i)], -EBADF);
-    EXPECT_NE(b->broken_reason().find("io_uring_submit failed: Bad file descriptor"),
+    for (int i = 1; i < 4; ++i) EXPECT_EQ(ops_.results()[static_cast<std::size_t>(i)], -EBADF);
+    EXPECT_NE(b_->broken_reason().find("io_uring_submit failed: Bad file descriptor"),
               std::string::npos)
-        << b->broken_reason();
-    b->submit(ops.op(4));  // a broken ring fails new ops at once
-    EXPECT_TRUE(ops.wait_for(5));
-    EXPECT_EQ(ops.results().back(), -EBADF);
+        << b_->broken_reason();
+    b_->submit(ops_.op(4));  // a broken ring fails new ops at once
+    EXPECT_TRUE(ops_.wait_for(5));
+    EXPECT_EQ(ops_.results().back(), -EBADF);
   }
   // Destroying the backend while the ring still refuses everything must not hang.
-  b.reset();
+  b_.reset();
 }
 
-TEST(UringFaults, BusyRingIsRetriedNotDropped) {
-  ResetHooks reset;
-  TestDir dir;
-  Ops ops(dir, 3);
-  auto b = hooked_backend(ops.fd());
-  if (!b) GTEST_SKIP() << "io_uring unavailable here";
+TEST_F(UringBackendFaults, BusyRingIsRetriedNotDropped) {
   g_submit_busy = 3;  // completions backed up for a moment: EBUSY, then fine
-  for (int i = 0; i < 3; ++i) b->submit(ops.op(i));
-  b->flush();
-  ASSERT_TRUE(ops.wait_for(3)) << "entries left behind by an EBUSY submit never ran";
-  for (long r : ops.results()) EXPECT_EQ(r, 4096);
-  EXPECT_EQ(b->broken_reason(), "");
+  for (int i = 0; i < 3; ++i) b_->submit(ops_.op(i));
+  b_->flush();
+  ASSERT_TRUE(ops_.wait_for(3)) << "entries left behind by an EBUSY submit never ran";
+  for (long r : ops_.results()) EXPECT_EQ(r, 4096);
+  EXPECT_EQ(b_->broken_reason(), "");
 }
 
-TEST(UringFaults, WaitErrorFailsTheOpsInTheKernelAndDoesNotSpin) {
-  ResetHooks reset;
-  TestDir dir;
-  Ops ops(dir, 3);
-  auto b = hooked_backend(ops.fd());
-  if (!b) GTEST_SKIP() << "io_uring unavailable here";
+TEST_F(UringBackendFaults, WaitErrorFailsTheOpsInTheKernelAndDoesNotSpin) {
   g_wait_error = EFAULT;  // from the first completion on, waiting fails for good
-  b->submit(ops.op(0));
-  b->submit(ops.op(1));
-  b->flush();
-  const bool came = ops.wait_for(2);
+  b_->submit(ops_.op(0));
+  b_->submit(ops_.op(1));
+  b_->flush();
+  const bool came = ops_.wait_for(2);
   EXPECT_TRUE(came) << "the reaper kept retrying a lasting error; the ops never completed";
   if (came) {
-    for (long r : ops.results()) EXPECT_EQ(r, -EFAULT);
-    EXPECT_NE(b->broken_reason().find("io_uring_wait_cqe failed: Bad address"), std::string::npos)
-        << b->broken_reason();
+    for (long r : ops_.results()) EXPECT_EQ(r, -EFAULT);
+    EXPECT_NE(b_->broken_reason().find("io_uring_wait_cqe failed: Bad address"), std::string::npos)
+        << b_->broken_reason();
   }
   const int calls = g_wait_calls.load();
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   EXPECT_EQ(g_wait_calls.load(), calls) << "the reaper spins on the error";
-  b->submit(ops.op(2));
-  EXPECT_TRUE(ops.wait_for(3));
-  EXPECT_EQ(ops.results().back(), -EFAULT);
+  b_->submit(ops_.op(2));
+  EXPECT_TRUE(ops_.wait_for(3));
+  EXPECT_EQ(ops_.results().back(), -EFAULT);
   g_wait_error = 0;
 }
 

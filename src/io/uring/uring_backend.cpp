@@ -129,24 +129,26 @@ class UringBackend final : public Backend {
         }
       }
       if (broken_) {
-        err = errno_;
+        failed.push_back(op);
       } else {
         prepare(sqe, op);
         pending_.push_back(Prepared{sqe, op});
       }
+      err = errno_;  // read under the lock: the reaper may break the ring meanwhile
     }
-    fail_all(failed, errno_);
-    if (err != 0) op->on_complete(op, -err);
+    fail_all(failed, err);
   }
 
   void flush() override {
     std::vector<IoOp*> failed;
+    int err = 0;
     {
       std::unique_lock<std::mutex> lock(mu_);
       if (pending_.empty()) return;
       submit_locked(lock, failed);
+      err = errno_;
     }
-    fail_all(failed, errno_);
+    fail_all(failed, err);
   }
 
  private:
