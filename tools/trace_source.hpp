@@ -26,6 +26,7 @@ struct TraceSource {
   plan::ModelOverrides shape;
   bool optimizer_in_backward = false;
   bool optimizer_deferred = false;
+  int micro_batches = 1;
   std::string hardware = "h100-4ssd";
   plan::HardwareOverrides hw;
   std::string measure_dirs;  ///< measure these store directories for the SSD figures
@@ -44,6 +45,11 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
   cmd->add_flag("--optimizer-deferred", s.optimizer_deferred,
                 "with --model: run each parameter's AdamW update right before its first use in "
                 "the next forward pass (works with global-norm clipping)");
+  cmd->add_option("--micro-batches", s.micro_batches,
+                  "with --model: split the batch into this many micro-batches, each with its own "
+                  "forward and backward pass, accumulating gradients; one optimizer step after "
+                  "the last (gradient accumulation)")
+      ->capture_default_str();
   cmd->add_option("--layers", s.shape.layers, "override the number of blocks");
   cmd->add_option("--hidden", s.shape.hidden, "override the hidden size");
   cmd->add_option("--heads", s.shape.heads, "override the attention heads");
@@ -91,6 +97,9 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
     TIDAL_EXPECT_AS(InvalidArgument, !s.optimizer_in_backward && !s.optimizer_deferred,
                     "--optimizer-in-backward and --optimizer-deferred build an analytic trace "
                     "(--model); a profiled trace has the schedule its training loop ran");
+    TIDAL_EXPECT_AS(InvalidArgument, s.micro_batches == 1,
+                    "--micro-batches builds an analytic trace (--model); a profiled trace has the "
+                    "passes its training loop ran");
     return {hw, trace::read_trace(s.trace_path)};
   }
   TIDAL_EXPECT_AS(InvalidArgument, !s.model.empty(),
@@ -98,11 +107,15 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
                   "4096)");
   TIDAL_EXPECT_AS(InvalidArgument, s.batch > 0 && s.seq > 0,
                   "--model needs --batch and --seq (positive)");
+  TIDAL_EXPECT_AS(InvalidArgument, s.micro_batches >= 1 && s.batch % s.micro_batches == 0,
+                  "--micro-batches ", s.micro_batches, " must be at least 1 and divide --batch ",
+                  s.batch);
   plan::TransformerConfig cfg = plan::model_preset(s.model);
   plan::apply_overrides(cfg, s.shape);
   plan::AnalyticTraceOptions topt;
   topt.optimizer_in_backward = s.optimizer_in_backward;
   topt.optimizer_deferred = s.optimizer_deferred;
+  topt.micro_batches = s.micro_batches;
   return {hw, plan::transformer_trace(cfg, s.batch, s.seq, hw, topt)};
 }
 

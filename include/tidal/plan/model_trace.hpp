@@ -69,6 +69,14 @@ struct AnalyticTraceOptions {
   /// global norm, whose partial sums can be taken as each gradient is made. Not together with
   /// optimizer_in_backward.
   bool optimizer_deferred = false;
+  /// Gradient accumulation: the batch is split into this many micro-batches of batch /
+  /// micro_batches sequences, each with its own forward and backward pass; the gradients
+  /// accumulate over them (made by the first, kept until the optimizer step) and the step runs
+  /// once, after the last. The schedules above apply to the whole iteration: in-backward
+  /// updates a parameter after the last micro-batch's backward completes its gradient; deferred
+  /// updates it before its first use in the next iteration's first micro-batch. The batch must be
+  /// divisible by it.
+  int micro_batches = 1;
 };
 
 /// The trace of one training iteration with fp32 weights, gradients (created in backward,
