@@ -36,7 +36,7 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
   cmd->add_option("--trace", s.trace_path, "trace JSON from `tidal profile`");
   cmd->add_option("--model", s.model,
                   "or an analytic trace of a transformer: gpt2-small|gpt2-medium|gpt2-large|"
-                  "gpt2-xl|llama3.2-1b|llama3-8b|llama3-70b");
+                  "gpt2-xl|llama3.2-1b|llama3-8b|llama3-70b|llama3.1-405b");
   cmd->add_option("--batch", s.batch, "batch size (with --model)");
   cmd->add_option("--seq", s.seq, "sequence length (with --model)");
   cmd->add_flag("--optimizer-in-backward", s.optimizer_in_backward,

@@ -29,7 +29,7 @@ std::int64_t TransformerConfig::parameters() const {
 
 std::vector<std::string> model_preset_names() {
   return {"gpt2-small",  "gpt2-medium", "gpt2-large", "gpt2-xl",
-          "llama3.2-1b", "llama3-8b",   "llama3-70b"};
+          "llama3.2-1b", "llama3-8b",   "llama3-70b", "llama3.1-405b"};
 }
 
 TransformerConfig model_preset(const std::string& name) {
@@ -71,6 +71,8 @@ TransformerConfig model_preset(const std::string& name) {
     llama(32, 4096, 32, 8, 14336, false);
   } else if (name == "llama3-70b") {
     llama(80, 8192, 64, 8, 28672, false);
+  } else if (name == "llama3.1-405b") {
+    llama(126, 16384, 128, 8, 53248, false);
   } else {
     std::string names;
     for (const auto& n : model_preset_names()) names += (names.empty() ? "" : ", ") + n;

@@ -175,6 +175,7 @@ TEST(ModelTrace, ParameterCountsMatchTheModels) {
   EXPECT_EQ(model_preset("gpt2-small").parameters(), 124'439'808);
   EXPECT_NEAR(static_cast<double>(model_preset("llama3-8b").parameters()), 8.03e9, 0.01e9);
   EXPECT_NEAR(static_cast<double>(model_preset("llama3-70b").parameters()), 70.55e9, 0.1e9);
+  EXPECT_NEAR(static_cast<double>(model_preset("llama3.1-405b").parameters()), 405.85e9, 0.1e9);
   EXPECT_THROW(model_preset("bert"), InvalidArgument);
 }
 

@@ -37,7 +37,7 @@ struct TransformerConfig {
 };
 
 /// Names of the built-in configs: gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, llama3.2-1b,
-/// llama3-8b, llama3-70b.
+/// llama3-8b, llama3-70b, llama3.1-405b.
 std::vector<std::string> model_preset_names();
 
 /// A built-in config. Throws tidal::InvalidArgument listing the names on an unknown one.
