@@ -27,6 +27,7 @@ struct TraceSource {
   bool optimizer_in_backward = false;
   bool optimizer_deferred = false;
   int micro_batches = 1;
+  std::string precision = "fp32";
   std::string hardware = "h100-4ssd";
   plan::HardwareOverrides hw;
   std::string measure_dirs;  ///< measure these store directories for the SSD figures
@@ -50,6 +51,10 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
                   "forward and backward pass, accumulating gradients; one optimizer step after "
                   "the last (gradient accumulation)")
       ->capture_default_str();
+  cmd->add_option("--precision", s.precision,
+                  "with --model: fp32 (the paper), bf16-mixed (bf16 activations and matmuls, fp32 "
+                  "weights, gradients and Adam states: TorchTitan's default) or bf16 (everything)")
+      ->capture_default_str();
   cmd->add_option("--layers", s.shape.layers, "override the number of blocks");
   cmd->add_option("--hidden", s.shape.hidden, "override the hidden size");
   cmd->add_option("--heads", s.shape.heads, "override the attention heads");
@@ -62,6 +67,8 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
   cmd->add_option("--host-mem", s.hw.host_mem, "host memory for offloaded tensors, e.g. 256GiB");
   cmd->add_option("--host-link", s.hw.host_link, "device-host link per direction, e.g. 55GB/s");
   cmd->add_option("--gpu-flops", s.hw.gpu_flops, "peak matmul FLOP/s, e.g. 60T");
+  cmd->add_option("--gpu-flops-bf16", s.hw.gpu_flops_bf16,
+                  "peak dense bf16 matmul FLOP/s, e.g. 835T (with --precision bf16-mixed|bf16)");
   cmd->add_option("--gpu-mem-bw", s.hw.gpu_mem_bw, "device memory bandwidth, e.g. 3.9TB/s");
   cmd->add_option("--cpu-adam", s.hw.cpu_adam, "CPU Adam parameters/s, e.g. 2G");
   cmd->add_option("--tbw", s.hw.ssd_tbw, "SSD endurance per drive, e.g. 1200TB");
@@ -97,6 +104,9 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
     TIDAL_EXPECT_AS(InvalidArgument, !s.optimizer_in_backward && !s.optimizer_deferred,
                     "--optimizer-in-backward and --optimizer-deferred build an analytic trace "
                     "(--model); a profiled trace has the schedule its training loop ran");
+    TIDAL_EXPECT_AS(InvalidArgument, s.precision == "fp32",
+                    "--precision builds an analytic trace (--model); a profiled trace has the "
+                    "sizes and times its training loop measured");
     TIDAL_EXPECT_AS(InvalidArgument, s.micro_batches == 1,
                     "--micro-batches builds an analytic trace (--model); a profiled trace has the "
                     "passes its training loop ran");
@@ -116,6 +126,7 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
   topt.optimizer_in_backward = s.optimizer_in_backward;
   topt.optimizer_deferred = s.optimizer_deferred;
   topt.micro_batches = s.micro_batches;
+  topt.precision = plan::precision_from_string(s.precision);
   return {hw, plan::transformer_trace(cfg, s.batch, s.seq, hw, topt)};
 }
 

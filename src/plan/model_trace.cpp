@@ -12,6 +12,37 @@ using trace::Phase;
 using trace::TensorClass;
 using trace::TensorId;
 
+namespace {
+
+struct PrecisionName {
+  Precision precision;
+  const char* name;
+};
+constexpr PrecisionName kPrecisionNames[] = {
+    {Precision::kFp32, "fp32"},
+    {Precision::kBf16Mixed, "bf16-mixed"},
+    {Precision::kBf16, "bf16"},
+};
+
+}  // namespace
+
+const char* to_string(Precision p) {
+  for (const auto& n : kPrecisionNames) {
+    if (n.precision == p) return n.name;
+  }
+  return "?";
+}
+
+Precision precision_from_string(const std::string& s) {
+  std::string names;
+  for (const auto& n : kPrecisionNames) {
+    if (s == n.name) return n.precision;
+    names += (names.empty() ? "" : ", ") + std::string(n.name);
+  }
+  TIDAL_EXPECT_AS(InvalidArgument, false, "unknown precision '", s, "'; choose one of: ", names);
+  return Precision::kFp32;
+}
+
 std::int64_t TransformerConfig::parameters() const {
   const std::int64_t h = hidden;
   const std::int64_t kv = h / heads * kv_heads;
@@ -110,6 +141,25 @@ namespace {
 
 constexpr std::uint64_t kFloat = 4;
 
+// Bytes per element of each tensor class under a precision.
+struct ElementBytes {
+  std::uint64_t activation = kFloat;
+  std::uint64_t parameter = kFloat;
+  std::uint64_t gradient = kFloat;
+  std::uint64_t state = kFloat;
+};
+ElementBytes element_bytes(Precision p) {
+  switch (p) {
+    case Precision::kFp32:
+      return {};
+    case Precision::kBf16Mixed:
+      return {2, kFloat, kFloat, kFloat};
+    case Precision::kBf16:
+      return {2, 2, 2, 2};
+  }
+  return {};
+}
+
 struct Param {
   TensorId w = -1;
   TensorId g = -1;
@@ -122,7 +172,12 @@ struct Param {
 // Builds a trace op by op; times from the roofline of the hardware.
 class Builder {
  public:
-  Builder(const Hardware& hw, std::int64_t tokens) : hw_(hw), tokens_(tokens) {}
+  Builder(const Hardware& hw, std::int64_t tokens, Precision precision)
+      : hw_(hw), tokens_(tokens), bytes_(element_bytes(precision)) {
+    flops_ =
+        precision != Precision::kFp32 && hw.gpu_flops_bf16 > 0 ? hw.gpu_flops_bf16 : hw.gpu_flops;
+  }
+  std::uint64_t activation_bytes() const { return bytes_.activation; }
 
   TensorId tensor(const std::string& name, std::uint64_t bytes, TensorClass cls,
                   bool persistent = false) {
@@ -140,7 +195,8 @@ class Builder {
   // micro-batch.
   TensorId act(const std::string& name, std::int64_t per_token,
                TensorClass cls = TensorClass::kActivation) {
-    return tensor(prefix_ + name, static_cast<std::uint64_t>(per_token * tokens_) * kFloat, cls);
+    return tensor(prefix_ + name,
+                  static_cast<std::uint64_t>(per_token * tokens_) * bytes_.activation, cls);
   }
   // Names of the ops and activations that follow: "mb<i>." within micro-batch i of several.
   void set_prefix(std::string prefix) { prefix_ = std::move(prefix); }
@@ -153,10 +209,10 @@ class Builder {
     Param p;
     p.name = name;
     p.elems = elems;
-    const auto bytes = static_cast<std::uint64_t>(elems) * kFloat;
-    p.w = tensor(name, bytes, TensorClass::kParameter, true);
-    p.m = tensor(name + ".exp_avg", bytes, TensorClass::kOptimizerState, true);
-    p.v = tensor(name + ".exp_avg_sq", bytes, TensorClass::kOptimizerState, true);
+    const auto e = static_cast<std::uint64_t>(elems);
+    p.w = tensor(name, e * bytes_.parameter, TensorClass::kParameter, true);
+    p.m = tensor(name + ".exp_avg", e * bytes_.state, TensorClass::kOptimizerState, true);
+    p.v = tensor(name + ".exp_avg_sq", e * bytes_.state, TensorClass::kOptimizerState, true);
     params_.push_back(p);
     return params_.back();
   }
@@ -168,7 +224,7 @@ class Builder {
   void grad(std::size_t i, std::vector<TensorId>& in, std::vector<TensorId>& out) {
     Param& p = params_[i];
     if (p.g < 0) {
-      p.g = tensor(p.name + ".grad", static_cast<std::uint64_t>(p.elems) * kFloat,
+      p.g = tensor(p.name + ".grad", static_cast<std::uint64_t>(p.elems) * bytes_.gradient,
                    TensorClass::kGradient);
     } else {
       in.push_back(p.g);
@@ -199,7 +255,7 @@ class Builder {
         t.output_slot = static_cast<std::int32_t>(s);
       }
     }
-    const double compute = flops / (hw_.gpu_flops * hw_.matmul_efficiency * efficiency);
+    const double compute = flops / (flops_ * hw_.matmul_efficiency * efficiency);
     const double memory = bytes / hw_.gpu_mem_bw;
     o.start_s = now_;
     now_ += std::max(compute, memory) + hw_.op_overhead_s;
@@ -256,6 +312,8 @@ class Builder {
   trace::Trace trace_;
   std::vector<Param> params_;
   std::string prefix_;
+  ElementBytes bytes_;
+  double flops_ = 0;
 };
 
 struct LayerParams {
@@ -441,7 +499,7 @@ trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch,
   const double attn_flops = 2.0 * static_cast<double>(mb_batch) * seq * seq * h;
   constexpr double kAttnEfficiency = 0.7;
 
-  Builder b(hw, T);
+  Builder b(hw, T, options.precision);
   const std::size_t wte = b.param_count();
   b.param("tok_embeddings.weight", V * h);
   std::size_t wpe = SIZE_MAX;
@@ -587,7 +645,8 @@ trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch,
     const TensorId logits = b.linear("output", -1, nf, head, h, V, TensorClass::kTemporary);
     const TensorId lsm = b.act("log_softmax.out", V);
     b.op("log_softmax", Phase::kForward, -1, {logits}, {lsm}, 0);
-    const TensorId loss = b.tensor(b.prefix() + "loss", kFloat, TensorClass::kActivation);
+    const TensorId loss =
+        b.tensor(b.prefix() + "loss", b.activation_bytes(), TensorClass::kActivation);
     b.op("nll_loss", Phase::kForward, -1, {lsm, targets}, {loss}, 0);
 
     // ---- backward
@@ -691,7 +750,7 @@ trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch,
   if (M > 1) t.meta["micro_batches"] = std::to_string(M);
   t.seq = seq;
   t.meta["generator"] = "tidal analytic transformer trace";
-  t.meta["precision"] = "fp32";
+  t.meta["precision"] = to_string(options.precision);
   t.meta["optimizer"] = "AdamW";
   t.meta["hardware"] = hw.name;
   t.meta["parameters"] = std::to_string(cfg.parameters());

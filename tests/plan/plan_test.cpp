@@ -745,6 +745,43 @@ TEST(ModelTrace, MicroBatchesAccumulateGradientsUntilOneStep) {
   EXPECT_THROW(transformer_trace(three_blocks("gpt2-small"), 4, 128, hw, bad), InvalidArgument);
 }
 
+TEST(ModelTrace, PrecisionSetsBytesPerClassAndMatmulRate) {
+  const Hardware hw = hardware_preset("h100-4ssd");
+  const TransformerConfig cfg = three_blocks("llama3.2-1b");
+  const trace::Trace fp32 = transformer_trace(cfg, 2, 256, hw);
+  EXPECT_EQ(precision_from_string("bf16-mixed"), Precision::kBf16Mixed);
+  EXPECT_STREQ(to_string(Precision::kBf16), "bf16");
+  EXPECT_THROW(precision_from_string("fp16"), InvalidArgument);
+  for (Precision p : {Precision::kBf16Mixed, Precision::kBf16}) {
+    AnalyticTraceOptions opt;
+    opt.precision = p;
+    const trace::Trace t = transformer_trace(cfg, 2, 256, hw, opt);
+    ASSERT_NO_THROW(trace::validate(t));
+    EXPECT_EQ(t.meta.at("precision"), to_string(p));
+    ASSERT_EQ(t.tensors.size(), fp32.tensors.size());
+    for (std::size_t i = 0; i < t.tensors.size(); ++i) {
+      const auto& x = t.tensors[i];
+      const auto& y = fp32.tensors[i];
+      if (x.cls == TensorClass::kInput) {
+        EXPECT_EQ(x.bytes, y.bytes) << x.name;  // token ids
+        continue;
+      }
+      const bool half = p == Precision::kBf16 || x.cls == TensorClass::kActivation ||
+                        x.cls == TensorClass::kTemporary;
+      EXPECT_EQ(2 * x.bytes, half ? y.bytes : 2 * y.bytes) << x.name;
+    }
+    // Matmuls at the bf16 rate: the big ones run faster by about the ratio of the rates, down
+    // to the memory-bound floor.
+    for (std::size_t k = 0; k < t.ops.size(); ++k) {
+      if (t.ops[k].name.find(".w1") == std::string::npos || t.ops[k].phase != Phase::kForward) {
+        continue;
+      }
+      EXPECT_LT(t.ops[k].duration(), fp32.ops[k].duration() / 5) << t.ops[k].name;
+    }
+    EXPECT_LT(t.compute_seconds(), fp32.compute_seconds() / 3);
+  }
+}
+
 TEST(Policies, RecomputePerMicroBatch) {
   const TransformerConfig cfg = three_blocks("gpt2-small");
   const Hardware hw = hardware_preset("h100-4ssd");
