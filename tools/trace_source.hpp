@@ -26,6 +26,8 @@ struct TraceSource {
   plan::ModelOverrides shape;
   bool optimizer_in_backward = false;
   bool optimizer_deferred = false;
+  int micro_batches = 1;
+  std::string precision = "fp32";
   std::string hardware = "h100-4ssd";
   plan::HardwareOverrides hw;
   std::string measure_dirs;  ///< measure these store directories for the SSD figures
@@ -35,7 +37,7 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
   cmd->add_option("--trace", s.trace_path, "trace JSON from `tidal profile`");
   cmd->add_option("--model", s.model,
                   "or an analytic trace of a transformer: gpt2-small|gpt2-medium|gpt2-large|"
-                  "gpt2-xl|llama3.2-1b|llama3-8b|llama3-70b");
+                  "gpt2-xl|llama3.2-1b|llama3-8b|llama3-70b|llama3.1-405b");
   cmd->add_option("--batch", s.batch, "batch size (with --model)");
   cmd->add_option("--seq", s.seq, "sequence length (with --model)");
   cmd->add_flag("--optimizer-in-backward", s.optimizer_in_backward,
@@ -44,6 +46,15 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
   cmd->add_flag("--optimizer-deferred", s.optimizer_deferred,
                 "with --model: run each parameter's AdamW update right before its first use in "
                 "the next forward pass (works with global-norm clipping)");
+  cmd->add_option("--micro-batches", s.micro_batches,
+                  "with --model: split the batch into this many micro-batches, each with its own "
+                  "forward and backward pass, accumulating gradients; one optimizer step after "
+                  "the last (gradient accumulation)")
+      ->capture_default_str();
+  cmd->add_option("--precision", s.precision,
+                  "with --model: fp32 (the paper), bf16-mixed (bf16 activations and matmuls, fp32 "
+                  "weights, gradients and Adam states: TorchTitan's default) or bf16 (everything)")
+      ->capture_default_str();
   cmd->add_option("--layers", s.shape.layers, "override the number of blocks");
   cmd->add_option("--hidden", s.shape.hidden, "override the hidden size");
   cmd->add_option("--heads", s.shape.heads, "override the attention heads");
@@ -56,6 +67,8 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
   cmd->add_option("--host-mem", s.hw.host_mem, "host memory for offloaded tensors, e.g. 256GiB");
   cmd->add_option("--host-link", s.hw.host_link, "device-host link per direction, e.g. 55GB/s");
   cmd->add_option("--gpu-flops", s.hw.gpu_flops, "peak matmul FLOP/s, e.g. 60T");
+  cmd->add_option("--gpu-flops-bf16", s.hw.gpu_flops_bf16,
+                  "peak dense bf16 matmul FLOP/s, e.g. 835T (with --precision bf16-mixed|bf16)");
   cmd->add_option("--gpu-mem-bw", s.hw.gpu_mem_bw, "device memory bandwidth, e.g. 3.9TB/s");
   cmd->add_option("--cpu-adam", s.hw.cpu_adam, "CPU Adam parameters/s, e.g. 2G");
   cmd->add_option("--tbw", s.hw.ssd_tbw, "SSD endurance per drive, e.g. 1200TB");
@@ -91,6 +104,12 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
     TIDAL_EXPECT_AS(InvalidArgument, !s.optimizer_in_backward && !s.optimizer_deferred,
                     "--optimizer-in-backward and --optimizer-deferred build an analytic trace "
                     "(--model); a profiled trace has the schedule its training loop ran");
+    TIDAL_EXPECT_AS(InvalidArgument, s.precision == "fp32",
+                    "--precision builds an analytic trace (--model); a profiled trace has the "
+                    "sizes and times its training loop measured");
+    TIDAL_EXPECT_AS(InvalidArgument, s.micro_batches == 1,
+                    "--micro-batches builds an analytic trace (--model); a profiled trace has the "
+                    "passes its training loop ran");
     return {hw, trace::read_trace(s.trace_path)};
   }
   TIDAL_EXPECT_AS(InvalidArgument, !s.model.empty(),
@@ -98,11 +117,16 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
                   "4096)");
   TIDAL_EXPECT_AS(InvalidArgument, s.batch > 0 && s.seq > 0,
                   "--model needs --batch and --seq (positive)");
+  TIDAL_EXPECT_AS(InvalidArgument, s.micro_batches >= 1 && s.batch % s.micro_batches == 0,
+                  "--micro-batches ", s.micro_batches, " must be at least 1 and divide --batch ",
+                  s.batch);
   plan::TransformerConfig cfg = plan::model_preset(s.model);
   plan::apply_overrides(cfg, s.shape);
   plan::AnalyticTraceOptions topt;
   topt.optimizer_in_backward = s.optimizer_in_backward;
   topt.optimizer_deferred = s.optimizer_deferred;
+  topt.micro_batches = s.micro_batches;
+  topt.precision = plan::precision_from_string(s.precision);
   return {hw, plan::transformer_trace(cfg, s.batch, s.seq, hw, topt)};
 }
 

@@ -12,6 +12,37 @@ using trace::Phase;
 using trace::TensorClass;
 using trace::TensorId;
 
+namespace {
+
+struct PrecisionName {
+  Precision precision;
+  const char* name;
+};
+constexpr PrecisionName kPrecisionNames[] = {
+    {Precision::kFp32, "fp32"},
+    {Precision::kBf16Mixed, "bf16-mixed"},
+    {Precision::kBf16, "bf16"},
+};
+
+}  // namespace
+
+const char* to_string(Precision p) {
+  for (const auto& n : kPrecisionNames) {
+    if (n.precision == p) return n.name;
+  }
+  return "?";
+}
+
+Precision precision_from_string(const std::string& s) {
+  std::string names;
+  for (const auto& n : kPrecisionNames) {
+    if (s == n.name) return n.precision;
+    names += (names.empty() ? "" : ", ") + std::string(n.name);
+  }
+  TIDAL_EXPECT_AS(InvalidArgument, false, "unknown precision '", s, "'; choose one of: ", names);
+  return Precision::kFp32;
+}
+
 std::int64_t TransformerConfig::parameters() const {
   const std::int64_t h = hidden;
   const std::int64_t kv = h / heads * kv_heads;
@@ -29,7 +60,7 @@ std::int64_t TransformerConfig::parameters() const {
 
 std::vector<std::string> model_preset_names() {
   return {"gpt2-small",  "gpt2-medium", "gpt2-large", "gpt2-xl",
-          "llama3.2-1b", "llama3-8b",   "llama3-70b"};
+          "llama3.2-1b", "llama3-8b",   "llama3-70b", "llama3.1-405b"};
 }
 
 TransformerConfig model_preset(const std::string& name) {
@@ -71,6 +102,8 @@ TransformerConfig model_preset(const std::string& name) {
     llama(32, 4096, 32, 8, 14336, false);
   } else if (name == "llama3-70b") {
     llama(80, 8192, 64, 8, 28672, false);
+  } else if (name == "llama3.1-405b") {
+    llama(126, 16384, 128, 8, 53248, false);
   } else {
     std::string names;
     for (const auto& n : model_preset_names()) names += (names.empty() ? "" : ", ") + n;
@@ -108,6 +141,25 @@ namespace {
 
 constexpr std::uint64_t kFloat = 4;
 
+// Bytes per element of each tensor class under a precision.
+struct ElementBytes {
+  std::uint64_t activation = kFloat;
+  std::uint64_t parameter = kFloat;
+  std::uint64_t gradient = kFloat;
+  std::uint64_t state = kFloat;
+};
+ElementBytes element_bytes(Precision p) {
+  switch (p) {
+    case Precision::kFp32:
+      return {};
+    case Precision::kBf16Mixed:
+      return {2, kFloat, kFloat, kFloat};
+    case Precision::kBf16:
+      return {2, 2, 2, 2};
+  }
+  return {};
+}
+
 struct Param {
   TensorId w = -1;
   TensorId g = -1;
@@ -120,7 +172,12 @@ struct Param {
 // Builds a trace op by op; times from the roofline of the hardware.
 class Builder {
  public:
-  Builder(const Hardware& hw, std::int64_t tokens) : hw_(hw), tokens_(tokens) {}
+  Builder(const Hardware& hw, std::int64_t tokens, Precision precision)
+      : hw_(hw), tokens_(tokens), bytes_(element_bytes(precision)) {
+    flops_ =
+        precision != Precision::kFp32 && hw.gpu_flops_bf16 > 0 ? hw.gpu_flops_bf16 : hw.gpu_flops;
+  }
+  std::uint64_t activation_bytes() const { return bytes_.activation; }
 
   TensorId tensor(const std::string& name, std::uint64_t bytes, TensorClass cls,
                   bool persistent = false) {
@@ -134,11 +191,16 @@ class Builder {
     trace_.tensors.push_back(std::move(t));
     return trace_.tensors.back().id;
   }
-  // An fp32 per-iteration tensor of `per_token` elements per token.
+  // An fp32 per-pass tensor of `per_token` elements per token, named within the current
+  // micro-batch.
   TensorId act(const std::string& name, std::int64_t per_token,
                TensorClass cls = TensorClass::kActivation) {
-    return tensor(name, static_cast<std::uint64_t>(per_token * tokens_) * kFloat, cls);
+    return tensor(prefix_ + name,
+                  static_cast<std::uint64_t>(per_token * tokens_) * bytes_.activation, cls);
   }
+  // Names of the ops and activations that follow: "mb<i>." within micro-batch i of several.
+  void set_prefix(std::string prefix) { prefix_ = std::move(prefix); }
+  const std::string& prefix() const { return prefix_; }
   TensorId temp(const std::string& name, std::int64_t per_token) {
     return act(name, per_token, TensorClass::kTemporary);
   }
@@ -147,10 +209,10 @@ class Builder {
     Param p;
     p.name = name;
     p.elems = elems;
-    const auto bytes = static_cast<std::uint64_t>(elems) * kFloat;
-    p.w = tensor(name, bytes, TensorClass::kParameter, true);
-    p.m = tensor(name + ".exp_avg", bytes, TensorClass::kOptimizerState, true);
-    p.v = tensor(name + ".exp_avg_sq", bytes, TensorClass::kOptimizerState, true);
+    const auto e = static_cast<std::uint64_t>(elems);
+    p.w = tensor(name, e * bytes_.parameter, TensorClass::kParameter, true);
+    p.m = tensor(name + ".exp_avg", e * bytes_.state, TensorClass::kOptimizerState, true);
+    p.v = tensor(name + ".exp_avg_sq", e * bytes_.state, TensorClass::kOptimizerState, true);
     params_.push_back(p);
     return params_.back();
   }
@@ -162,7 +224,7 @@ class Builder {
   void grad(std::size_t i, std::vector<TensorId>& in, std::vector<TensorId>& out) {
     Param& p = params_[i];
     if (p.g < 0) {
-      p.g = tensor(p.name + ".grad", static_cast<std::uint64_t>(p.elems) * kFloat,
+      p.g = tensor(p.name + ".grad", static_cast<std::uint64_t>(p.elems) * bytes_.gradient,
                    TensorClass::kGradient);
     } else {
       in.push_back(p.g);
@@ -174,7 +236,7 @@ class Builder {
           std::vector<TensorId> out, double flops, double efficiency = 1.0) {
     trace::Op o;
     o.index = static_cast<OpIndex>(trace_.ops.size());
-    o.name = name;
+    o.name = prefix_ + name;
     o.phase = phase;
     o.layer = layer;
     double bytes = 0;
@@ -193,7 +255,7 @@ class Builder {
         t.output_slot = static_cast<std::int32_t>(s);
       }
     }
-    const double compute = flops / (hw_.gpu_flops * hw_.matmul_efficiency * efficiency);
+    const double compute = flops / (flops_ * hw_.matmul_efficiency * efficiency);
     const double memory = bytes / hw_.gpu_mem_bw;
     o.start_s = now_;
     now_ += std::max(compute, memory) + hw_.op_overhead_s;
@@ -249,6 +311,9 @@ class Builder {
   double now_ = 0;
   trace::Trace trace_;
   std::vector<Param> params_;
+  std::string prefix_;
+  ElementBytes bytes_;
+  double flops_ = 0;
 };
 
 struct LayerParams {
@@ -420,17 +485,21 @@ trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch,
                   "the hardware model needs gpu_flops and gpu_mem_bw for analytic op times");
   TIDAL_EXPECT_AS(InvalidArgument, cfg.arch != Architecture::kGpt2 || seq <= cfg.max_seq, cfg.name,
                   " has ", cfg.max_seq, " positions; --seq ", seq, " is longer");
-  const std::int64_t T = batch * seq;
+  const int M = options.micro_batches;
+  TIDAL_EXPECT_AS(InvalidArgument, M >= 1 && batch % M == 0, "the batch (", batch,
+                  ") must split into micro_batches (", M, ") of equal size");
+  const std::int64_t mb_batch = batch / M;
+  const std::int64_t T = mb_batch * seq;  // tokens per micro-batch
   const std::int64_t h = cfg.hidden;
   const std::int64_t kv = h / cfg.heads * cfg.kv_heads;
   const std::int64_t f = cfg.ffn;
   const std::int64_t V = cfg.vocab;
   const bool llama = cfg.arch == Architecture::kLlama;
   // Causal attention computes half of QK^T and PV; the backward pass is about 2.5x the forward.
-  const double attn_flops = 2.0 * static_cast<double>(batch) * seq * seq * h;
+  const double attn_flops = 2.0 * static_cast<double>(mb_batch) * seq * seq * h;
   constexpr double kAttnEfficiency = 0.7;
 
-  Builder b(hw, T);
+  Builder b(hw, T, options.precision);
   const std::size_t wte = b.param_count();
   b.param("tok_embeddings.weight", V * h);
   std::size_t wpe = SIZE_MAX;
@@ -486,179 +555,190 @@ trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch,
   }
   const auto W = [&](std::size_t i) { return b.param_at(i).w; };
 
-  const TensorId tokens =
-      b.tensor("tokens", static_cast<std::uint64_t>(T) * 8, TensorClass::kInput);
-  const TensorId targets =
-      b.tensor("targets", static_cast<std::uint64_t>(T) * 8, TensorClass::kInput);
+  // Gradient accumulation: each micro-batch runs forward and backward on its share of the batch;
+  // the first backward op that writes a gradient makes it, the later ones (in this and the next
+  // micro-batches) accumulate into it, and the optimizer step reads it once after the last.
+  for (int mb = 0; mb < M; ++mb) {
+    b.set_prefix(M > 1 ? "mb" + std::to_string(mb) + "." : "");
+    const TensorId tokens =
+        b.tensor(b.prefix() + "tokens", static_cast<std::uint64_t>(T) * 8, TensorClass::kInput);
+    const TensorId targets =
+        b.tensor(b.prefix() + "targets", static_cast<std::uint64_t>(T) * 8, TensorClass::kInput);
 
-  // ---- forward
-  TensorId x = b.act("embedding.out", h);
-  {
-    std::vector<TensorId> in{tokens, W(wte)};
-    if (!llama) in.push_back(W(wpe));
-    b.op("embedding", Phase::kForward, -1, in, {x}, 0);
-  }
-  struct Saved {
-    TensorId x, n1, s1, q, k, v, qkv, o, lse, h1, n2, s2, a, bb, sa, m, g;
-  };
-  std::vector<Saved> saved(static_cast<std::size_t>(cfg.layers));
-  const std::int64_t norm_stats = llama ? 1 : 2;
-  for (int l = 0; l < cfg.layers; ++l) {
-    const LayerParams& P = lp[static_cast<std::size_t>(l)];
-    Saved& s = saved[static_cast<std::size_t>(l)];
-    const std::string p = "layers." + std::to_string(l) + ".";
-    s.x = x;
-    s.n1 = b.act(p + "norm1.out", h);
-    s.s1 = b.act(p + "norm1.stats", norm_stats);
-    if (llama) {
-      b.op(p + "attention_norm", Phase::kForward, l, {x, W(P.n1)}, {s.n1, s.s1}, 0);
-      const TensorId q = b.linear(p + "attention.wq", l, s.n1, P.q, h, h, TensorClass::kTemporary);
-      const TensorId k = b.linear(p + "attention.wk", l, s.n1, P.k, h, kv, TensorClass::kTemporary);
-      s.v = b.linear(p + "attention.wv", l, s.n1, P.v, h, kv);
-      s.q = b.act(p + "rope.q", h);
-      s.k = b.act(p + "rope.k", kv);
-      b.op(p + "rope", Phase::kForward, l, {q, k}, {s.q, s.k}, 0);
-      s.o = b.act(p + "attention.out", h);
-      s.lse = b.act(p + "attention.lse", cfg.heads);
-      b.op(p + "attention", Phase::kForward, l, {s.q, s.k, s.v}, {s.o, s.lse}, attn_flops,
-           kAttnEfficiency);
-    } else {
-      b.op(p + "ln_1", Phase::kForward, l, {x, W(P.n1), W(P.n1b)}, {s.n1, s.s1}, 0);
-      s.qkv =
-          b.linear(p + "attn.c_attn", l, s.n1, P.qkv, h, 3 * h, TensorClass::kActivation, P.qkvb);
-      s.o = b.act(p + "attention.out", h);
-      s.lse = b.act(p + "attention.lse", cfg.heads);
-      b.op(p + "attention", Phase::kForward, l, {s.qkv}, {s.o, s.lse}, attn_flops, kAttnEfficiency);
+    // ---- forward
+    TensorId x = b.act("embedding.out", h);
+    {
+      std::vector<TensorId> in{tokens, W(wte)};
+      if (!llama) in.push_back(W(wpe));
+      b.op("embedding", Phase::kForward, -1, in, {x}, 0);
     }
-    const TensorId po =
-        llama ? b.linear(p + "attention.wo", l, s.o, P.o, h, h, TensorClass::kTemporary)
-              : b.linear(p + "attn.c_proj", l, s.o, P.o, h, h, TensorClass::kTemporary, P.ob);
-    s.h1 = b.act(p + "residual1", h);
-    b.op(p + "add1", Phase::kForward, l, {x, po}, {s.h1}, 0);
-    s.n2 = b.act(p + "norm2.out", h);
-    s.s2 = b.act(p + "norm2.stats", norm_stats);
-    TensorId d = -1;
-    if (llama) {
-      b.op(p + "ffn_norm", Phase::kForward, l, {s.h1, W(P.n2)}, {s.n2, s.s2}, 0);
-      s.a = b.linear(p + "feed_forward.w1", l, s.n2, P.w1, h, f);
-      s.bb = b.linear(p + "feed_forward.w3", l, s.n2, P.w3, h, f);
-      s.sa = b.act(p + "silu.out", f);
-      b.op(p + "silu", Phase::kForward, l, {s.a}, {s.sa}, 0);
-      s.m = b.act(p + "mul.out", f);
-      b.op(p + "mul", Phase::kForward, l, {s.sa, s.bb}, {s.m}, 0);
-      d = b.linear(p + "feed_forward.w2", l, s.m, P.w2, f, h, TensorClass::kTemporary);
-    } else {
-      b.op(p + "ln_2", Phase::kForward, l, {s.h1, W(P.n2), W(P.n2b)}, {s.n2, s.s2}, 0);
-      s.a = b.linear(p + "mlp.c_fc", l, s.n2, P.fc, h, f, TensorClass::kActivation, P.fcb);
-      s.g = b.act(p + "gelu.out", f);
-      b.op(p + "gelu", Phase::kForward, l, {s.a}, {s.g}, 0);
-      d = b.linear(p + "mlp.c_proj", l, s.g, P.proj, f, h, TensorClass::kTemporary, P.projb);
+    struct Saved {
+      TensorId x, n1, s1, q, k, v, qkv, o, lse, h1, n2, s2, a, bb, sa, m, g;
+    };
+    std::vector<Saved> saved(static_cast<std::size_t>(cfg.layers));
+    const std::int64_t norm_stats = llama ? 1 : 2;
+    for (int l = 0; l < cfg.layers; ++l) {
+      const LayerParams& P = lp[static_cast<std::size_t>(l)];
+      Saved& s = saved[static_cast<std::size_t>(l)];
+      const std::string p = "layers." + std::to_string(l) + ".";
+      s.x = x;
+      s.n1 = b.act(p + "norm1.out", h);
+      s.s1 = b.act(p + "norm1.stats", norm_stats);
+      if (llama) {
+        b.op(p + "attention_norm", Phase::kForward, l, {x, W(P.n1)}, {s.n1, s.s1}, 0);
+        const TensorId q =
+            b.linear(p + "attention.wq", l, s.n1, P.q, h, h, TensorClass::kTemporary);
+        const TensorId k =
+            b.linear(p + "attention.wk", l, s.n1, P.k, h, kv, TensorClass::kTemporary);
+        s.v = b.linear(p + "attention.wv", l, s.n1, P.v, h, kv);
+        s.q = b.act(p + "rope.q", h);
+        s.k = b.act(p + "rope.k", kv);
+        b.op(p + "rope", Phase::kForward, l, {q, k}, {s.q, s.k}, 0);
+        s.o = b.act(p + "attention.out", h);
+        s.lse = b.act(p + "attention.lse", cfg.heads);
+        b.op(p + "attention", Phase::kForward, l, {s.q, s.k, s.v}, {s.o, s.lse}, attn_flops,
+             kAttnEfficiency);
+      } else {
+        b.op(p + "ln_1", Phase::kForward, l, {x, W(P.n1), W(P.n1b)}, {s.n1, s.s1}, 0);
+        s.qkv =
+            b.linear(p + "attn.c_attn", l, s.n1, P.qkv, h, 3 * h, TensorClass::kActivation, P.qkvb);
+        s.o = b.act(p + "attention.out", h);
+        s.lse = b.act(p + "attention.lse", cfg.heads);
+        b.op(p + "attention", Phase::kForward, l, {s.qkv}, {s.o, s.lse}, attn_flops,
+             kAttnEfficiency);
+      }
+      const TensorId po =
+          llama ? b.linear(p + "attention.wo", l, s.o, P.o, h, h, TensorClass::kTemporary)
+                : b.linear(p + "attn.c_proj", l, s.o, P.o, h, h, TensorClass::kTemporary, P.ob);
+      s.h1 = b.act(p + "residual1", h);
+      b.op(p + "add1", Phase::kForward, l, {x, po}, {s.h1}, 0);
+      s.n2 = b.act(p + "norm2.out", h);
+      s.s2 = b.act(p + "norm2.stats", norm_stats);
+      TensorId d = -1;
+      if (llama) {
+        b.op(p + "ffn_norm", Phase::kForward, l, {s.h1, W(P.n2)}, {s.n2, s.s2}, 0);
+        s.a = b.linear(p + "feed_forward.w1", l, s.n2, P.w1, h, f);
+        s.bb = b.linear(p + "feed_forward.w3", l, s.n2, P.w3, h, f);
+        s.sa = b.act(p + "silu.out", f);
+        b.op(p + "silu", Phase::kForward, l, {s.a}, {s.sa}, 0);
+        s.m = b.act(p + "mul.out", f);
+        b.op(p + "mul", Phase::kForward, l, {s.sa, s.bb}, {s.m}, 0);
+        d = b.linear(p + "feed_forward.w2", l, s.m, P.w2, f, h, TensorClass::kTemporary);
+      } else {
+        b.op(p + "ln_2", Phase::kForward, l, {s.h1, W(P.n2), W(P.n2b)}, {s.n2, s.s2}, 0);
+        s.a = b.linear(p + "mlp.c_fc", l, s.n2, P.fc, h, f, TensorClass::kActivation, P.fcb);
+        s.g = b.act(p + "gelu.out", f);
+        b.op(p + "gelu", Phase::kForward, l, {s.a}, {s.g}, 0);
+        d = b.linear(p + "mlp.c_proj", l, s.g, P.proj, f, h, TensorClass::kTemporary, P.projb);
+      }
+      x = b.act(p + "out", h);
+      b.op(p + "add2", Phase::kForward, l, {s.h1, d}, {x}, 0);
     }
-    x = b.act(p + "out", h);
-    b.op(p + "add2", Phase::kForward, l, {s.h1, d}, {x}, 0);
-  }
-  const TensorId xl = x;
-  const TensorId nf = b.act("norm.out", h);
-  const TensorId sf = b.act("norm.stats", norm_stats);
-  {
-    std::vector<TensorId> in{xl, W(wf)};
-    if (!llama) in.push_back(W(wfb));
-    b.op("norm", Phase::kForward, -1, in, {nf, sf}, 0);
-  }
-  const TensorId logits = b.linear("output", -1, nf, head, h, V, TensorClass::kTemporary);
-  const TensorId lsm = b.act("log_softmax.out", V);
-  b.op("log_softmax", Phase::kForward, -1, {logits}, {lsm}, 0);
-  const TensorId loss = b.tensor("loss", kFloat, TensorClass::kActivation);
-  b.op("nll_loss", Phase::kForward, -1, {lsm, targets}, {loss}, 0);
+    const TensorId xl = x;
+    const TensorId nf = b.act("norm.out", h);
+    const TensorId sf = b.act("norm.stats", norm_stats);
+    {
+      std::vector<TensorId> in{xl, W(wf)};
+      if (!llama) in.push_back(W(wfb));
+      b.op("norm", Phase::kForward, -1, in, {nf, sf}, 0);
+    }
+    const TensorId logits = b.linear("output", -1, nf, head, h, V, TensorClass::kTemporary);
+    const TensorId lsm = b.act("log_softmax.out", V);
+    b.op("log_softmax", Phase::kForward, -1, {logits}, {lsm}, 0);
+    const TensorId loss =
+        b.tensor(b.prefix() + "loss", b.activation_bytes(), TensorClass::kActivation);
+    b.op("nll_loss", Phase::kForward, -1, {lsm, targets}, {loss}, 0);
 
-  // ---- backward
-  const TensorId g_lsm = b.temp("nll_loss.grad", V);
-  b.op("nll_loss.bwd", Phase::kBackward, -1, {loss, targets}, {g_lsm}, 0);
-  const TensorId g_logits = b.temp("log_softmax.grad", V);
-  b.op("log_softmax.bwd", Phase::kBackward, -1, {g_lsm, lsm}, {g_logits}, 0);
-  const TensorId g_nf = b.linear_bwd("output", -1, g_logits, nf, head, h, V);
-  TensorId gx = b.temp("norm.grad_in", h);
-  {
-    std::vector<TensorId> in{g_nf, xl, sf, W(wf)};
-    std::vector<TensorId> out{gx};
-    b.grad(wf, in, out);
-    if (!llama) b.grad(wfb, in, out);
-    b.op("norm.bwd", Phase::kBackward, -1, in, out, 0);
-  }
-  for (int l = cfg.layers - 1; l >= 0; --l) {
-    const LayerParams& P = lp[static_cast<std::size_t>(l)];
-    const Saved& s = saved[static_cast<std::size_t>(l)];
-    const std::string p = "layers." + std::to_string(l) + ".";
-    TensorId g_n2 = -1;
-    if (llama) {
-      const TensorId g_m = b.linear_bwd(p + "feed_forward.w2", l, gx, s.m, P.w2, f, h);
-      const TensorId g_sa = b.temp(p + "mul.grad_a", f);
-      const TensorId g_b = b.temp(p + "mul.grad_b", f);
-      b.op(p + "mul.bwd", Phase::kBackward, l, {g_m, s.sa, s.bb}, {g_sa, g_b}, 0);
-      const TensorId g_a = b.temp(p + "silu.grad", f);
-      b.op(p + "silu.bwd", Phase::kBackward, l, {g_sa, s.a}, {g_a}, 0);
-      const TensorId g3 = b.linear_bwd(p + "feed_forward.w3", l, g_b, s.n2, P.w3, h, f);
-      const TensorId g1 = b.linear_bwd(p + "feed_forward.w1", l, g_a, s.n2, P.w1, h, f);
-      g_n2 = b.temp(p + "norm2.grad_out", h);
-      b.op(p + "ffn_norm.grad_sum", Phase::kBackward, l, {g1, g3}, {g_n2}, 0);
-    } else {
-      const TensorId g_g = b.linear_bwd(p + "mlp.c_proj", l, gx, s.g, P.proj, f, h, P.projb);
-      const TensorId g_a = b.temp(p + "gelu.grad", f);
-      b.op(p + "gelu.bwd", Phase::kBackward, l, {g_g, s.a}, {g_a}, 0);
-      g_n2 = b.linear_bwd(p + "mlp.c_fc", l, g_a, s.n2, P.fc, h, f, P.fcb);
-    }
-    const TensorId g_h1p = b.temp(p + "norm2.grad_in", h);
+    // ---- backward
+    const TensorId g_lsm = b.temp("nll_loss.grad", V);
+    b.op("nll_loss.bwd", Phase::kBackward, -1, {loss, targets}, {g_lsm}, 0);
+    const TensorId g_logits = b.temp("log_softmax.grad", V);
+    b.op("log_softmax.bwd", Phase::kBackward, -1, {g_lsm, lsm}, {g_logits}, 0);
+    const TensorId g_nf = b.linear_bwd("output", -1, g_logits, nf, head, h, V);
+    TensorId gx = b.temp("norm.grad_in", h);
     {
-      std::vector<TensorId> in{g_n2, s.h1, s.s2, W(P.n2)};
-      std::vector<TensorId> out{g_h1p};
-      b.grad(P.n2, in, out);
-      if (!llama) b.grad(P.n2b, in, out);
-      b.op(p + "norm2.bwd", Phase::kBackward, l, in, out, 0);
+      std::vector<TensorId> in{g_nf, xl, sf, W(wf)};
+      std::vector<TensorId> out{gx};
+      b.grad(wf, in, out);
+      if (!llama) b.grad(wfb, in, out);
+      b.op("norm.bwd", Phase::kBackward, -1, in, out, 0);
     }
-    const TensorId g_h1 = b.temp(p + "residual1.grad", h);
-    b.op(p + "add2.bwd", Phase::kBackward, l, {gx, g_h1p}, {g_h1}, 0);
-    const TensorId g_o = llama ? b.linear_bwd(p + "attention.wo", l, g_h1, s.o, P.o, h, h)
-                               : b.linear_bwd(p + "attn.c_proj", l, g_h1, s.o, P.o, h, h, P.ob);
-    TensorId g_n1 = -1;
-    if (llama) {
-      const TensorId g_q = b.temp(p + "rope.grad_q", h);
-      const TensorId g_k = b.temp(p + "rope.grad_k", kv);
-      const TensorId g_v = b.temp(p + "attention.grad_v", kv);
-      b.op(p + "attention.bwd", Phase::kBackward, l, {g_o, s.q, s.k, s.v, s.o, s.lse},
-           {g_q, g_k, g_v}, 2.5 * attn_flops, kAttnEfficiency);
-      const TensorId g_q0 = b.temp(p + "wq.grad_out", h);
-      const TensorId g_k0 = b.temp(p + "wk.grad_out", kv);
-      b.op(p + "rope.bwd", Phase::kBackward, l, {g_q, g_k}, {g_q0, g_k0}, 0);
-      const TensorId gq = b.linear_bwd(p + "attention.wq", l, g_q0, s.n1, P.q, h, h);
-      const TensorId gk = b.linear_bwd(p + "attention.wk", l, g_k0, s.n1, P.k, h, kv);
-      const TensorId gv = b.linear_bwd(p + "attention.wv", l, g_v, s.n1, P.v, h, kv);
-      g_n1 = b.temp(p + "norm1.grad_out", h);
-      b.op(p + "attention_norm.grad_sum", Phase::kBackward, l, {gq, gk, gv}, {g_n1}, 0);
-    } else {
-      const TensorId g_qkv = b.temp(p + "attn.c_attn.grad_out", 3 * h);
-      b.op(p + "attention.bwd", Phase::kBackward, l, {g_o, s.qkv, s.o, s.lse}, {g_qkv},
-           2.5 * attn_flops, kAttnEfficiency);
-      g_n1 = b.linear_bwd(p + "attn.c_attn", l, g_qkv, s.n1, P.qkv, h, 3 * h, P.qkvb);
+    for (int l = cfg.layers - 1; l >= 0; --l) {
+      const LayerParams& P = lp[static_cast<std::size_t>(l)];
+      const Saved& s = saved[static_cast<std::size_t>(l)];
+      const std::string p = "layers." + std::to_string(l) + ".";
+      TensorId g_n2 = -1;
+      if (llama) {
+        const TensorId g_m = b.linear_bwd(p + "feed_forward.w2", l, gx, s.m, P.w2, f, h);
+        const TensorId g_sa = b.temp(p + "mul.grad_a", f);
+        const TensorId g_b = b.temp(p + "mul.grad_b", f);
+        b.op(p + "mul.bwd", Phase::kBackward, l, {g_m, s.sa, s.bb}, {g_sa, g_b}, 0);
+        const TensorId g_a = b.temp(p + "silu.grad", f);
+        b.op(p + "silu.bwd", Phase::kBackward, l, {g_sa, s.a}, {g_a}, 0);
+        const TensorId g3 = b.linear_bwd(p + "feed_forward.w3", l, g_b, s.n2, P.w3, h, f);
+        const TensorId g1 = b.linear_bwd(p + "feed_forward.w1", l, g_a, s.n2, P.w1, h, f);
+        g_n2 = b.temp(p + "norm2.grad_out", h);
+        b.op(p + "ffn_norm.grad_sum", Phase::kBackward, l, {g1, g3}, {g_n2}, 0);
+      } else {
+        const TensorId g_g = b.linear_bwd(p + "mlp.c_proj", l, gx, s.g, P.proj, f, h, P.projb);
+        const TensorId g_a = b.temp(p + "gelu.grad", f);
+        b.op(p + "gelu.bwd", Phase::kBackward, l, {g_g, s.a}, {g_a}, 0);
+        g_n2 = b.linear_bwd(p + "mlp.c_fc", l, g_a, s.n2, P.fc, h, f, P.fcb);
+      }
+      const TensorId g_h1p = b.temp(p + "norm2.grad_in", h);
+      {
+        std::vector<TensorId> in{g_n2, s.h1, s.s2, W(P.n2)};
+        std::vector<TensorId> out{g_h1p};
+        b.grad(P.n2, in, out);
+        if (!llama) b.grad(P.n2b, in, out);
+        b.op(p + "norm2.bwd", Phase::kBackward, l, in, out, 0);
+      }
+      const TensorId g_h1 = b.temp(p + "residual1.grad", h);
+      b.op(p + "add2.bwd", Phase::kBackward, l, {gx, g_h1p}, {g_h1}, 0);
+      const TensorId g_o = llama ? b.linear_bwd(p + "attention.wo", l, g_h1, s.o, P.o, h, h)
+                                 : b.linear_bwd(p + "attn.c_proj", l, g_h1, s.o, P.o, h, h, P.ob);
+      TensorId g_n1 = -1;
+      if (llama) {
+        const TensorId g_q = b.temp(p + "rope.grad_q", h);
+        const TensorId g_k = b.temp(p + "rope.grad_k", kv);
+        const TensorId g_v = b.temp(p + "attention.grad_v", kv);
+        b.op(p + "attention.bwd", Phase::kBackward, l, {g_o, s.q, s.k, s.v, s.o, s.lse},
+             {g_q, g_k, g_v}, 2.5 * attn_flops, kAttnEfficiency);
+        const TensorId g_q0 = b.temp(p + "wq.grad_out", h);
+        const TensorId g_k0 = b.temp(p + "wk.grad_out", kv);
+        b.op(p + "rope.bwd", Phase::kBackward, l, {g_q, g_k}, {g_q0, g_k0}, 0);
+        const TensorId gq = b.linear_bwd(p + "attention.wq", l, g_q0, s.n1, P.q, h, h);
+        const TensorId gk = b.linear_bwd(p + "attention.wk", l, g_k0, s.n1, P.k, h, kv);
+        const TensorId gv = b.linear_bwd(p + "attention.wv", l, g_v, s.n1, P.v, h, kv);
+        g_n1 = b.temp(p + "norm1.grad_out", h);
+        b.op(p + "attention_norm.grad_sum", Phase::kBackward, l, {gq, gk, gv}, {g_n1}, 0);
+      } else {
+        const TensorId g_qkv = b.temp(p + "attn.c_attn.grad_out", 3 * h);
+        b.op(p + "attention.bwd", Phase::kBackward, l, {g_o, s.qkv, s.o, s.lse}, {g_qkv},
+             2.5 * attn_flops, kAttnEfficiency);
+        g_n1 = b.linear_bwd(p + "attn.c_attn", l, g_qkv, s.n1, P.qkv, h, 3 * h, P.qkvb);
+      }
+      const TensorId g_xp = b.temp(p + "norm1.grad_in", h);
+      {
+        std::vector<TensorId> in{g_n1, s.x, s.s1, W(P.n1)};
+        std::vector<TensorId> out{g_xp};
+        b.grad(P.n1, in, out);
+        if (!llama) b.grad(P.n1b, in, out);
+        b.op(p + "norm1.bwd", Phase::kBackward, l, in, out, 0);
+      }
+      const TensorId g_x = b.temp(p + "grad_in", h);
+      b.op(p + "add1.bwd", Phase::kBackward, l, {g_h1, g_xp}, {g_x}, 0);
+      gx = g_x;
     }
-    const TensorId g_xp = b.temp(p + "norm1.grad_in", h);
     {
-      std::vector<TensorId> in{g_n1, s.x, s.s1, W(P.n1)};
-      std::vector<TensorId> out{g_xp};
-      b.grad(P.n1, in, out);
-      if (!llama) b.grad(P.n1b, in, out);
-      b.op(p + "norm1.bwd", Phase::kBackward, l, in, out, 0);
+      std::vector<TensorId> in{gx, tokens};
+      std::vector<TensorId> out;
+      b.grad(wte, in, out);
+      if (!llama) b.grad(wpe, in, out);
+      b.op("embedding.bwd", Phase::kBackward, -1, in, out, 0);
     }
-    const TensorId g_x = b.temp(p + "grad_in", h);
-    b.op(p + "add1.bwd", Phase::kBackward, l, {g_h1, g_xp}, {g_x}, 0);
-    gx = g_x;
   }
-  {
-    std::vector<TensorId> in{gx, tokens};
-    std::vector<TensorId> out;
-    b.grad(wte, in, out);
-    if (!llama) b.grad(wpe, in, out);
-    b.op("embedding.bwd", Phase::kBackward, -1, in, out, 0);
-  }
+  b.set_prefix("");
 
   // ---- optimizer
   b.optimizer_step();
@@ -667,9 +747,10 @@ trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch,
   t.model = cfg.name;
   t.device = "cuda:0";
   t.batch = batch;
+  if (M > 1) t.meta["micro_batches"] = std::to_string(M);
   t.seq = seq;
   t.meta["generator"] = "tidal analytic transformer trace";
-  t.meta["precision"] = "fp32";
+  t.meta["precision"] = to_string(options.precision);
   t.meta["optimizer"] = "AdamW";
   t.meta["hardware"] = hw.name;
   t.meta["parameters"] = std::to_string(cfg.parameters());

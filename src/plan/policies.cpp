@@ -170,6 +170,23 @@ trace::Trace zero_trace(const trace::Trace& given, double cpu_step_seconds) {
   return out;
 }
 
+// The forward/backward pass of each op: a pass starts at the first forward op after a backward
+// op (with gradient accumulation, one pass per micro-batch). Never empty.
+std::vector<int> pass_of_ops(const trace::Trace& t) {
+  std::vector<int> pass_of(std::max<std::size_t>(1, t.ops.size()), 0);
+  int pass = 0;
+  bool in_backward = false;
+  for (const auto& op : t.ops) {
+    if (op.phase == Phase::kBackward) in_backward = true;
+    if (op.phase == Phase::kForward && in_backward) {
+      ++pass;
+      in_backward = false;
+    }
+    pass_of[static_cast<std::size_t>(op.index)] = pass;
+  }
+  return pass_of;
+}
+
 // ZeRO-3 style movement: parameters (above the persistence threshold) come in before each use
 // with a lookahead of about one block and leave right after; gradients leave after their last
 // use and must be out before the CPU step.
@@ -184,7 +201,9 @@ Plan zero_plan(const trace::Trace& t, const Hardware& hw, Target target, const P
     layers = std::max(layers, op.layer + 1);
     if (op.phase == Phase::kForward) ++fwd_ops;
   }
-  const OpIndex lookahead = std::max<OpIndex>(1, layers > 0 ? fwd_ops / layers : 4);
+  const auto passes = static_cast<OpIndex>(pass_of_ops(t).back() + 1);
+  const OpIndex lookahead =
+      std::max<OpIndex>(1, layers > 0 ? fwd_ops / (static_cast<OpIndex>(layers) * passes) : 4);
   for (const auto& tensor : t.tensors) {
     const auto& life = la.tensors[static_cast<std::size_t>(tensor.id)];
     if (life.uses.empty() || tensor.bytes == 0) continue;
@@ -311,14 +330,26 @@ trace::Trace recompute_trace(const trace::Trace& given) {
   const trace::Trace in = gaps_in_durations(given);
   const auto la = trace::analyze_lifetimes(in);
   const auto n = static_cast<OpIndex>(in.ops.size());
-  int layers = 0;
-  for (const auto& op : in.ops) layers = std::max(layers, op.layer + 1);
-  if (layers == 0) return in;
+  int max_layers = 0;
+  for (const auto& op : in.ops) max_layers = std::max(max_layers, op.layer + 1);
+  if (max_layers == 0) return in;
+  // A block is one layer in one forward/backward pass: with gradient accumulation each
+  // micro-batch's pass checkpoints and recomputes its own blocks. A pass starts at the first
+  // forward op after a backward op.
+  const std::vector<int> pass_of = pass_of_ops(in);
+  std::vector<int> block_of_op(static_cast<std::size_t>(n), -1);
+  for (const auto& op : in.ops) {
+    const auto k = static_cast<std::size_t>(op.index);
+    if (op.layer >= 0) block_of_op[k] = pass_of[k] * max_layers + op.layer;
+  }
+  const int passes = pass_of.back() + 1;
+  const int layers = passes * max_layers;  // blocks
+  const auto block = [&](OpIndex k) { return block_of_op[static_cast<std::size_t>(k)]; };
   std::vector<std::vector<OpIndex>> fwd(static_cast<std::size_t>(layers));
   std::vector<OpIndex> first_bwd(static_cast<std::size_t>(layers), trace::kNoOp);
   for (const auto& op : in.ops) {
     if (op.layer < 0) continue;
-    const auto l = static_cast<std::size_t>(op.layer);
+    const auto l = static_cast<std::size_t>(block(op.index));
     if (op.phase == Phase::kForward) fwd[l].push_back(op.index);
     if (op.phase == Phase::kBackward && first_bwd[l] == trace::kNoOp) first_bwd[l] = op.index;
   }
@@ -328,13 +359,13 @@ trace::Trace recompute_trace(const trace::Trace& given) {
     if (t.persistent || t.producer == trace::kNoOp) continue;
     const auto& prod = in.ops[static_cast<std::size_t>(t.producer)];
     if (prod.phase != Phase::kForward || prod.layer < 0) continue;
-    const int l = prod.layer;
+    const int l = block(prod.index);
     if (first_bwd[static_cast<std::size_t>(l)] == trace::kNoOp) continue;
     bool ok = true;
     bool backward_use = false;
     for (OpIndex u : la.tensors[static_cast<std::size_t>(t.id)].uses) {
       const auto& op = in.ops[static_cast<std::size_t>(u)];
-      if (op.layer != l) ok = false;
+      if (op.layer < 0 || block(op.index) != l) ok = false;
       if (op.phase == Phase::kBackward) backward_use = true;
       if (op.phase != Phase::kForward && op.phase != Phase::kBackward) ok = false;
     }
@@ -392,7 +423,7 @@ trace::Trace recompute_trace(const trace::Trace& given) {
     trace::Op* o = new_op(src);
     op_remap[static_cast<std::size_t>(k)] = o->index;
     if (src.phase == Phase::kBackward && src.layer >= 0) {
-      const auto& map = copies[static_cast<std::size_t>(src.layer)];
+      const auto& map = copies[static_cast<std::size_t>(block(k))];
       for (auto* ids : {&o->inputs, &o->outputs}) {
         for (TensorId& id : *ids) {
           if (!recompute[static_cast<std::size_t>(id)]) continue;

@@ -175,6 +175,7 @@ TEST(ModelTrace, ParameterCountsMatchTheModels) {
   EXPECT_EQ(model_preset("gpt2-small").parameters(), 124'439'808);
   EXPECT_NEAR(static_cast<double>(model_preset("llama3-8b").parameters()), 8.03e9, 0.01e9);
   EXPECT_NEAR(static_cast<double>(model_preset("llama3-70b").parameters()), 70.55e9, 0.1e9);
+  EXPECT_NEAR(static_cast<double>(model_preset("llama3.1-405b").parameters()), 405.85e9, 0.1e9);
   EXPECT_THROW(model_preset("bert"), InvalidArgument);
 }
 
@@ -644,6 +645,165 @@ TEST(Simulator, IdealIsNeverSlower) {
         EXPECT_EQ(r.sim.misses, 0);
       }
     }
+  }
+}
+
+// The micro-batch (0-based) an op of a gradient-accumulation trace belongs to, from its "mb<i>."
+// name; -1 for the optimizer ops, which belong to none.
+int micro_batch_of(const std::string& op_name) {
+  if (op_name.rfind("mb", 0) != 0) return -1;
+  return std::stoi(op_name.substr(2, op_name.find('.') - 2));
+}
+int micro_batch_of(const trace::Op& op) { return micro_batch_of(op.name); }
+
+TEST(ModelTrace, MicroBatchesAccumulateGradientsUntilOneStep) {
+  const Hardware hw = hardware_preset("h100-4ssd");
+  for (const char* name : {"gpt2-small", "llama3.2-1b"}) {
+    const TransformerConfig cfg = three_blocks(name);
+    constexpr int kM = 3;
+    const trace::Trace one = transformer_trace(cfg, 2, 128, hw);  // one micro-batch of 2
+    for (int schedule = 0; schedule < 3; ++schedule) {
+      AnalyticTraceOptions opt;
+      opt.micro_batches = kM;
+      opt.optimizer_in_backward = schedule == 1;
+      opt.optimizer_deferred = schedule == 2;
+      const trace::Trace t = transformer_trace(cfg, 2 * kM, 128, hw, opt);
+      ASSERT_NO_THROW(trace::validate(t));
+      EXPECT_EQ(t.meta.at("micro_batches"), "3");
+      // M forward/backward passes of the micro-batch's size, one update per parameter.
+      std::size_t params = 0;
+      for (const auto& x : t.tensors) params += x.cls == TensorClass::kParameter ? 1 : 0;
+      std::size_t updates = 0;
+      std::size_t passes_ops = 0;
+      std::size_t one_pass_ops = 0;
+      for (const auto& op : t.ops) {
+        updates += op.phase == Phase::kOptimizer ? 1 : 0;
+        passes_ops += op.phase != Phase::kOptimizer ? 1 : 0;
+      }
+      for (const auto& op : one.ops) one_pass_ops += op.phase != Phase::kOptimizer ? 1 : 0;
+      EXPECT_EQ(updates, params) << name;
+      EXPECT_EQ(passes_ops, kM * one_pass_ops) << name;
+      // Ops of a micro-batch are contiguous and in order (updates aside).
+      int last_mb = 0;
+      for (const auto& op : t.ops) {
+        const int mb = micro_batch_of(op);
+        if (mb < 0) continue;
+        EXPECT_GE(mb, last_mb) << op.name;
+        last_mb = mb;
+      }
+      EXPECT_EQ(last_mb, kM - 1);
+      // Every gradient is made in the first micro-batch's backward, accumulated in every later
+      // one, read by exactly one update, and alive from its making until that update.
+      const auto la = trace::analyze_lifetimes(t);
+      std::size_t grads = 0;
+      for (const auto& g : t.tensors) {
+        if (g.cls != TensorClass::kGradient) continue;
+        ++grads;
+        std::vector<int> seen(kM, 0);
+        int readers = 0;
+        OpIndex update = trace::kNoOp;
+        for (OpIndex u : la.tensors[static_cast<std::size_t>(g.id)].uses) {
+          const auto& op = t.ops[static_cast<std::size_t>(u)];
+          if (op.phase == Phase::kOptimizer) {
+            ++readers;
+            update = u;
+          } else {
+            ASSERT_EQ(op.phase, Phase::kBackward) << g.name << " used by " << op.name;
+            seen[static_cast<std::size_t>(micro_batch_of(op))] = 1;
+          }
+        }
+        EXPECT_EQ(readers, 1) << g.name;
+        EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), kM) << g.name;
+        ASSERT_NE(g.producer, trace::kNoOp);
+        EXPECT_EQ(micro_batch_of(t.ops[static_cast<std::size_t>(g.producer)]), 0) << g.name;
+        if (schedule == 2) {
+          // Deferred: kept over the iteration boundary, updated before the first micro-batch
+          // first uses the parameter.
+          EXPECT_TRUE(g.has_gap()) << g.name;
+          EXPECT_EQ(g.freed_after, update) << g.name;
+          EXPECT_LT(update, g.producer) << g.name;
+        } else {
+          // Updated after the last micro-batch's backward has completed it: every live op of
+          // the gradient is between its making and its update.
+          EXPECT_FALSE(g.has_gap()) << g.name;
+          EXPECT_GT(update, g.producer) << g.name;
+          for (OpIndex u : la.tensors[static_cast<std::size_t>(g.id)].uses) {
+            EXPECT_LE(u, update) << g.name;
+          }
+        }
+      }
+      EXPECT_EQ(grads, params) << name;
+      // Same math per token: the passes compute what the single big batch would, up to the
+      // per-op overhead that each extra pass adds.
+      const trace::Trace big = transformer_trace(cfg, 2 * kM, 128, hw);
+      EXPECT_GT(t.compute_seconds(), big.compute_seconds() * 0.999);
+      EXPECT_LT(t.compute_seconds(), big.compute_seconds() * 1.2);
+    }
+  }
+  AnalyticTraceOptions bad;
+  bad.micro_batches = 3;
+  EXPECT_THROW(transformer_trace(three_blocks("gpt2-small"), 4, 128, hw, bad), InvalidArgument);
+}
+
+TEST(ModelTrace, PrecisionSetsBytesPerClassAndMatmulRate) {
+  const Hardware hw = hardware_preset("h100-4ssd");
+  const TransformerConfig cfg = three_blocks("llama3.2-1b");
+  const trace::Trace fp32 = transformer_trace(cfg, 2, 256, hw);
+  EXPECT_EQ(precision_from_string("bf16-mixed"), Precision::kBf16Mixed);
+  EXPECT_STREQ(to_string(Precision::kBf16), "bf16");
+  EXPECT_THROW(precision_from_string("fp16"), InvalidArgument);
+  for (Precision p : {Precision::kBf16Mixed, Precision::kBf16}) {
+    AnalyticTraceOptions opt;
+    opt.precision = p;
+    const trace::Trace t = transformer_trace(cfg, 2, 256, hw, opt);
+    ASSERT_NO_THROW(trace::validate(t));
+    EXPECT_EQ(t.meta.at("precision"), to_string(p));
+    ASSERT_EQ(t.tensors.size(), fp32.tensors.size());
+    for (std::size_t i = 0; i < t.tensors.size(); ++i) {
+      const auto& x = t.tensors[i];
+      const auto& y = fp32.tensors[i];
+      if (x.cls == TensorClass::kInput) {
+        EXPECT_EQ(x.bytes, y.bytes) << x.name;  // token ids
+        continue;
+      }
+      const bool half = p == Precision::kBf16 || x.cls == TensorClass::kActivation ||
+                        x.cls == TensorClass::kTemporary;
+      EXPECT_EQ(2 * x.bytes, half ? y.bytes : 2 * y.bytes) << x.name;
+    }
+    // Matmuls at the bf16 rate: the big ones run faster by about the ratio of the rates, down
+    // to the memory-bound floor.
+    for (std::size_t k = 0; k < t.ops.size(); ++k) {
+      if (t.ops[k].name.find(".w1") == std::string::npos || t.ops[k].phase != Phase::kForward) {
+        continue;
+      }
+      EXPECT_LT(t.ops[k].duration(), fp32.ops[k].duration() / 5) << t.ops[k].name;
+    }
+    EXPECT_LT(t.compute_seconds(), fp32.compute_seconds() / 3);
+  }
+}
+
+TEST(Policies, RecomputePerMicroBatch) {
+  const TransformerConfig cfg = three_blocks("gpt2-small");
+  const Hardware hw = hardware_preset("h100-4ssd");
+  AnalyticTraceOptions opt;
+  opt.micro_batches = 2;
+  const trace::Trace t = transformer_trace(cfg, 2, 64, hw, opt);
+  const trace::Trace r = recompute_trace(t);
+  ASSERT_NO_THROW(trace::validate(r));
+  // Each micro-batch's blocks run their forward ops again, inside that micro-batch's backward.
+  int fwd_ops = 0;
+  for (const auto& op : t.ops) fwd_ops += op.phase == Phase::kForward && op.layer >= 0 ? 1 : 0;
+  ASSERT_EQ(r.ops.size(), t.ops.size() + static_cast<std::size_t>(fwd_ops));
+  for (std::size_t k = 0; k < r.ops.size(); ++k) {
+    const auto& op = r.ops[k];
+    if (op.name.rfind("recompute:", 0) != 0) continue;
+    const int mb = micro_batch_of(op.name.substr(10));
+    // The next op that is not a recomputation is the same micro-batch's backward.
+    std::size_t j = k + 1;
+    while (j < r.ops.size() && r.ops[j].name.rfind("recompute:", 0) == 0) ++j;
+    ASSERT_LT(j, r.ops.size());
+    EXPECT_EQ(r.ops[j].phase, Phase::kBackward);
+    EXPECT_EQ(micro_batch_of(r.ops[j]), mb) << op.name;
   }
 }
 

@@ -20,7 +20,8 @@ struct Hardware {
   double ssd_read_bw = 0;           ///< per SSD, bytes/s
   double host_link_bw = 0;          ///< device <-> host, per direction, bytes/s
   std::uint64_t host_memory = 0;    ///< host memory offloaded tensors may use, bytes (0: none)
-  double gpu_flops = 0;             ///< peak matmul FLOP/s at the training precision
+  double gpu_flops = 0;             ///< peak fp32 matmul FLOP/s (as PyTorch runs fp32 matmuls)
+  double gpu_flops_bf16 = 0;        ///< peak dense bf16 matmul FLOP/s (0: same as gpu_flops)
   double gpu_mem_bw = 0;            ///< device memory bandwidth, bytes/s
   double matmul_efficiency = 0.8;   ///< fraction of gpu_flops a large matmul reaches
   double op_overhead_s = 5e-6;      ///< launch and framework overhead per op
@@ -42,10 +43,12 @@ std::vector<std::string> hardware_preset_names();
 
 /// A preset by name. Throws tidal::InvalidArgument listing the known names otherwise.
 ///
-/// - h100-4ssd: one H100 NVL (94 GB, fp32 60 TFLOP/s without TF32, 3.9 TB/s), 4 SSDs of 6.5 GB/s
+/// - h100-4ssd: one H100 NVL (94 GB, fp32 60 TFLOP/s without TF32, bf16 835 TFLOP/s dense, 3.9
+/// TB/s), 4 SSDs of 6.5 GB/s
 ///   write and 6.7 GB/s read (Samsung 990 PRO, 1200 TB written each), PCIe Gen5 x16 link, half
 ///   of a 1.5 TB host: the per-GPU setup of the TERAIO paper.
-/// - a100-2ssd: one A100 80 GB (fp32 19.5 TFLOP/s, 2.0 TB/s), 2 SSDs of 3.0/3.5 GB/s (Gen4),
+/// - a100-2ssd: one A100 80 GB (fp32 19.5 TFLOP/s, bf16 312 TFLOP/s, 2.0 TB/s), 2 SSDs of 3.0/3.5
+/// GB/s (Gen4),
 ///   PCIe Gen4 x16, 256 GB host.
 /// - cpu-here: the 2-core build machine: the memory budget must be given (--gpu-mem); one SSD
 ///   at the fio figures of this machine (2.0 GB/s write, 1.5 GB/s read) unless measured figures
@@ -54,15 +57,16 @@ Hardware hardware_preset(const std::string& name);
 
 /// Field overrides, as given on the command line. Unset fields keep the preset's value.
 struct HardwareOverrides {
-  std::optional<std::string> gpu_mem;     ///< "80GiB"
-  std::optional<std::string> ssd;         ///< "4x6.5/6.7GB/s" (count x write/read), "2x3GB/s"
-  std::optional<std::string> host_mem;    ///< "256GiB", "0"
-  std::optional<std::string> host_link;   ///< "55GB/s"
-  std::optional<std::string> gpu_flops;   ///< "60T", "378e12"
-  std::optional<std::string> gpu_mem_bw;  ///< "3.9TB/s"
-  std::optional<std::string> cpu_adam;    ///< parameters/s, "2e9" or "2G"
-  std::optional<std::string> ssd_tbw;     ///< "1200TB"
-  std::optional<double> margin;           ///< 0.01
+  std::optional<std::string> gpu_mem;         ///< "80GiB"
+  std::optional<std::string> ssd;             ///< "4x6.5/6.7GB/s" (count x write/read), "2x3GB/s"
+  std::optional<std::string> host_mem;        ///< "256GiB", "0"
+  std::optional<std::string> host_link;       ///< "55GB/s"
+  std::optional<std::string> gpu_flops;       ///< "60T", "378e12"
+  std::optional<std::string> gpu_flops_bf16;  ///< "835T"
+  std::optional<std::string> gpu_mem_bw;      ///< "3.9TB/s"
+  std::optional<std::string> cpu_adam;        ///< parameters/s, "2e9" or "2G"
+  std::optional<std::string> ssd_tbw;         ///< "1200TB"
+  std::optional<double> margin;               ///< 0.01
 };
 
 /// Applies the set fields. Throws tidal::InvalidArgument naming the flag on a bad value.

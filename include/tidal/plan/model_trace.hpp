@@ -37,7 +37,7 @@ struct TransformerConfig {
 };
 
 /// Names of the built-in configs: gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, llama3.2-1b,
-/// llama3-8b, llama3-70b.
+/// llama3-8b, llama3-70b, llama3.1-405b.
 std::vector<std::string> model_preset_names();
 
 /// A built-in config. Throws tidal::InvalidArgument listing the names on an unknown one.
@@ -56,6 +56,17 @@ struct ModelOverrides {
 /// Throws tidal::InvalidArgument on an inconsistent shape.
 void apply_overrides(TransformerConfig& cfg, const ModelOverrides& o);
 
+/// The number formats of a training run.
+enum class Precision : std::uint8_t {
+  kFp32,       ///< everything fp32, fp32 matmuls (the TERAIO paper)
+  kBf16Mixed,  ///< bf16 activations and matmuls; fp32 weights, gradients, Adam states (TorchTitan)
+  kBf16,       ///< everything bf16: weights, gradients, Adam states, activations
+};
+const char* to_string(Precision p);
+/// Inverse of to_string ("fp32", "bf16-mixed", "bf16"); throws tidal::InvalidArgument listing
+/// the names.
+Precision precision_from_string(const std::string& s);
+
 /// How the analytic trace is built, beyond the model's shape.
 struct AnalyticTraceOptions {
   /// Optimizer-in-backward schedule (PyTorch's register_post_accumulate_grad_hook, torchtune's
@@ -69,6 +80,18 @@ struct AnalyticTraceOptions {
   /// global norm, whose partial sums can be taken as each gradient is made. Not together with
   /// optimizer_in_backward.
   bool optimizer_deferred = false;
+  /// Gradient accumulation: the batch is split into this many micro-batches of batch /
+  /// micro_batches sequences, each with its own forward and backward pass; the gradients
+  /// accumulate over them (made by the first, kept until the optimizer step) and the step runs
+  /// once, after the last. The schedules above apply to the whole iteration: in-backward
+  /// updates a parameter after the last micro-batch's backward completes its gradient; deferred
+  /// updates it before its first use in the next iteration's first micro-batch. The batch must be
+  /// divisible by it.
+  int micro_batches = 1;
+  /// Bytes per element of each tensor class, and the matmul rate: Hardware::gpu_flops for fp32,
+  /// Hardware::gpu_flops_bf16 (when set) for the bf16 ones. The bf16 copies of the fp32 weights
+  /// that autocast makes in bf16-mixed are not modelled.
+  Precision precision = Precision::kFp32;
 };
 
 /// The trace of one training iteration with fp32 weights, gradients (created in backward,
