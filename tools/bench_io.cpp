@@ -16,6 +16,7 @@
 
 #include "commands.hpp"
 #include "tidal/common/error.hpp"
+#include "tidal/common/text.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/io/extent_allocator.hpp"
 #include "tidal/io/store.hpp"
@@ -146,10 +147,7 @@ void run_bench_io(const BenchIoArgs& a) {
   const std::uint64_t nblocks = size / block;
 
   io::StoreOptions o;
-  std::stringstream ss(a.dirs);
-  for (std::string d; std::getline(ss, d, ',');) {
-    if (!d.empty()) o.dirs.push_back(d);
-  }
+  o.dirs = split_list(a.dirs);
   o.stripe_unit = parse_bytes(a.stripe);
   // Checked here too: the sizing below divides by it before the store sees it.
   TIDAL_EXPECT_AS(InvalidArgument,

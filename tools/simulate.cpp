@@ -11,6 +11,7 @@
 
 #include "commands.hpp"
 #include "tidal/common/error.hpp"
+#include "tidal/common/text.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/plan/bound.hpp"
 #include "tidal/plan/hardware.hpp"
@@ -149,9 +150,9 @@ void run_simulate(const SimulateArgs& a) {
   if (a.policy == "all") {
     policies = plan::all_policies();
   } else {
-    std::stringstream ss(a.policy);
-    std::string name;
-    while (std::getline(ss, name, ',')) policies.push_back(plan::policy_from_string(name));
+    for (const auto& name : split_list(a.policy)) {
+      policies.push_back(plan::policy_from_string(name));
+    }
   }
   plan::PolicyOptions opt;
   opt.planner.min_bytes = a.min_bytes;

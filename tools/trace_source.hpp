@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "tidal/common/error.hpp"
+#include "tidal/common/text.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/io/measure.hpp"
 #include "tidal/plan/hardware.hpp"
@@ -86,10 +87,7 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
   if (!s.measure_dirs.empty()) {
     TIDAL_EXPECT_AS(InvalidArgument, !s.hw.ssd, "give either --ssd or --measure-dir, not both");
     io::StoreOptions so;
-    std::stringstream ss(s.measure_dirs);
-    for (std::string d; std::getline(ss, d, ',');) {
-      if (!d.empty()) so.dirs.push_back(d);
-    }
+    so.dirs = split_list(s.measure_dirs);
     so.capacity = (320ull << 20) * so.dirs.size();
     io::TensorStore store(so);
     const auto m = io::measure_bandwidth(store);

@@ -26,6 +26,7 @@
 #include "io/host_copy.hpp"
 #include "tidal/common/env.hpp"
 #include "tidal/common/error.hpp"
+#include "tidal/common/text.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/io/extent_allocator.hpp"
 #ifdef TIDAL_WITH_CUDA
@@ -255,10 +256,7 @@ struct TensorStore::Impl {
 TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
   const Env& env = tidal::env();
   if (opt.dirs.empty() && env.dirs) {
-    std::stringstream ss(*env.dirs);
-    for (std::string d; std::getline(ss, d, ',');) {
-      if (!d.empty()) opt.dirs.push_back(d);
-    }
+    opt.dirs = split_list(*env.dirs);
   }
   TIDAL_EXPECT_AS(InvalidArgument, !opt.dirs.empty(),
                   "no store directory given: pass one directory per SSD (e.g. --dir "
