@@ -349,7 +349,10 @@ class Planner {
       if (over) fenwick_->add(k, weight(k));
     }
     over_ = std::make_unique<RangeTree>(m);
-    host_ = std::make_unique<RangeTree>(std::vector<std::int64_t>(static_cast<std::size_t>(n_), 0));
+    for (auto& tree : away_) {
+      tree =
+          std::make_unique<RangeTree>(std::vector<std::int64_t>(static_cast<std::size_t>(n_), 0));
+    }
     diff_.assign(static_cast<std::size_t>(n_) + 1, 0);
     stall_at_.assign(static_cast<std::size_t>(n_), 0.0);
     initial_over_ = fenwick_->sum(0, n_ - 1);
@@ -374,7 +377,7 @@ class Planner {
       }
     }
     sum.peak_host_bytes =
-        static_cast<std::uint64_t>(std::max<std::int64_t>(0, host_->max(0, n_ - 1)));
+        static_cast<std::uint64_t>(std::max<std::int64_t>(0, away(Target::kHost).max(0, n_ - 1)));
     sum.fits = sum.peak_after_bytes <= hw_.device_memory;
     for (const auto& [op, s] : plan.stalls) sum.planned_stall_seconds += s;
     std::sort(plan.actions.begin(), plan.actions.end(),
@@ -461,18 +464,28 @@ class Planner {
     return v;
   }
 
-  bool host_room(const Candidate& c) {
+  // The tensors planned away to `target` at each op (bytes), and the tier's capacity (0: none).
+  RangeTree& away(Target target) { return *away_[target == Target::kHost ? 1 : 0]; }
+  [[nodiscard]] std::uint64_t tier_capacity(Target target) const {
+    return target == Target::kHost ? hw_.host_memory : hw_.ssd_capacity;
+  }
+
+  // Whether `target` can hold c over its whole inactive period. Host memory is always bounded
+  // (0: no host tier); an SSD capacity of 0 means no bound.
+  bool room(const Candidate& c, Target target) {
+    const std::uint64_t cap = tier_capacity(target);
+    if (target == Target::kSsd && cap == 0) return true;
     Segment s[2];
     const int ns = segments(c, 0, c.len - 1, s);
     std::int64_t used = 0;
-    for (int i = 0; i < ns; ++i) used = std::max(used, host_->max(s[i].l, s[i].r));
-    return used + static_cast<std::int64_t>(c.bytes) <= static_cast<std::int64_t>(hw_.host_memory);
+    for (int i = 0; i < ns; ++i) used = std::max(used, away(target).max(s[i].l, s[i].r));
+    return used + static_cast<std::int64_t>(c.bytes) <= static_cast<std::int64_t>(cap);
   }
 
   Choice evaluate_target(const Candidate& c, Target target) {
     Choice ch;
     if (!rates_.usable(target)) return ch;
-    if (target == Target::kHost && !host_room(c)) return ch;
+    if (!room(c, target)) return ch;
     const auto need = static_cast<double>(c.bytes);
     const int pe = fill_forward(bucket(target, Direction::kWrite), c, 0, c.len - 1, need);
     if (pe < 0) return ch;
@@ -581,12 +594,12 @@ class Planner {
     consume_backward(bucket(ch.target, Direction::kRead), c, ch.pp, c.len - 1, need, c.rres);
     free_span(c, ch.pe + 1, ch.pp - 1);
     PlanSummary& sum = plan.summary;
+    Segment all[2];
+    const int na = segments(c, 0, c.len - 1, all);
+    for (int i = 0; i < na; ++i) {
+      away(ch.target).add(all[i].l, all[i].r, static_cast<std::int64_t>(c.bytes));
+    }
     if (ch.target == Target::kHost) {
-      Segment all[2];
-      const int na = segments(c, 0, c.len - 1, all);
-      for (int i = 0; i < na; ++i) {
-        host_->add(all[i].l, all[i].r, static_cast<std::int64_t>(c.bytes));
-      }
       ++sum.offloads_host;
       sum.bytes_to_host += c.bytes;
     } else {
@@ -719,7 +732,7 @@ class Planner {
     for (Target target : {Target::kSsd, Target::kHost}) {
       if (c.done && target != c.target) continue;
       if (!rates_.usable(target)) continue;
-      if (!c.done && target == Target::kHost && !host_room(c)) continue;
+      if (!c.done && !room(c, target)) continue;
       const BucketTree& tw = bucket(target, Direction::kWrite);
       const BucketTree& tr = bucket(target, Direction::kRead);
       double dw = 0;
@@ -780,8 +793,20 @@ class Planner {
           if (o.cand >= 0) apply(plan, o, k);
         }
       }
-      TIDAL_EXPECT(over_->get(k) >= RangeTree::kInf / 2, "planner: no migration can relieve op ", k,
-                   " (", tr_.ops[static_cast<std::size_t>(k)].name, "); this is a bug");
+      if (over_->get(k) < RangeTree::kInf / 2) {
+        // Without a bound on the SSDs some migration always relieves an op (the feasibility
+        // check saw to that); with one, the SSDs and host memory may both be full there.
+        TIDAL_EXPECT_AS(InvalidArgument, hw_.ssd_capacity == 0, "the plan cannot fit: at op ", k,
+                        " '", tr_.ops[static_cast<std::size_t>(k)].name,
+                        "' the tensors that could leave device memory find no room in the SSD "
+                        "store (",
+                        format_bytes(static_cast<double>(hw_.ssd_capacity)),
+                        " usable) or in host memory (",
+                        format_bytes(static_cast<double>(hw_.host_memory)),
+                        "): give the store more capacity, or allow more host memory");
+        TIDAL_FAIL("planner: no migration can relieve op ", k, " (",
+                   tr_.ops[static_cast<std::size_t>(k)].name, "); this is a bug");
+      }
     }
   }
 
@@ -905,10 +930,10 @@ class Planner {
         res = Reservation{};
       }
       PlanSummary& sum = plan.summary;
+      Segment all[2];
+      const int na = segments(c, 0, c.len - 1, all);
+      for (int q = 0; q < na; ++q) away(c.target).add(all[q].l, all[q].r, -s);
       if (c.target == Target::kHost) {
-        Segment all[2];
-        const int na = segments(c, 0, c.len - 1, all);
-        for (int q = 0; q < na; ++q) host_->add(all[q].l, all[q].r, -s);
         --sum.offloads_host;
         sum.bytes_to_host -= c.bytes;
       } else {
@@ -1064,7 +1089,7 @@ class Planner {
   std::vector<Candidate> cands_;
   std::unique_ptr<Fenwick> fenwick_;
   std::unique_ptr<RangeTree> over_;
-  std::unique_ptr<RangeTree> host_;
+  std::unique_ptr<RangeTree> away_[2];  // bytes planned away per op: [0] SSD, [1] host
   std::vector<std::int64_t> diff_;
   std::vector<double> stall_at_;  // seconds of stall added per bucket
   double initial_over_ = 0;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <optional>
 #include <queue>
 
 #include "tidal/common/error.hpp"
@@ -35,6 +36,7 @@ struct TensorState {
   std::uint64_t copy_version = 0;
   bool dead = false;  // freed by the program while a transfer was in flight
   bool on_host = false;
+  bool on_ssd = false;
   int job = -1;  // the transfer in flight
 };
 
@@ -74,6 +76,7 @@ class Simulator {
         }
         if (opt_.record_residency) res.residency.assign(static_cast<std::size_t>(n), {});
         peak_host_ = host_bytes_;
+        peak_ssd_ = ssd_bytes_;
         misses_ = forwarded_ = 0;
         counting_ = true;
       }
@@ -129,6 +132,7 @@ class Simulator {
     res.host_bytes_written = issued_[index_of(Channel::kHostWrite)];
     res.host_bytes_read = issued_[index_of(Channel::kHostRead)];
     res.peak_host_bytes = peak_host_;
+    res.peak_ssd_bytes = peak_ssd_;
     res.misses = misses_;
     res.forwarded = forwarded_;
     const auto util = [&](Channel c) {
@@ -283,7 +287,7 @@ class Simulator {
           return;
         }
         s.state = State::kOffloaded;
-        set_host(j.tensor, tier_of(j.channel) == Tier::kHost);
+        set_away(j.tensor, tier_of(j.channel));
       }
       if (!s.dead && s.version == j.version) {
         s.has_copy = true;
@@ -292,20 +296,33 @@ class Simulator {
       }
     } else if (s.state == State::kReading) {
       s.state = State::kResident;
-      set_host(j.tensor, false);
+      set_away(j.tensor, std::nullopt);
     }
   }
 
-  void set_host(TensorId id, bool on) {
+  // Where a tensor's only copy is while it is away from device memory (none: it is not away).
+  void set_away(TensorId id, std::optional<Tier> tier) {
     TensorState& s = tensors_[static_cast<std::size_t>(id)];
-    if (s.on_host == on) return;
     const std::uint64_t bytes = tr_.tensors[static_cast<std::size_t>(id)].bytes;
-    s.on_host = on;
-    if (on) {
-      host_bytes_ += bytes;
-      if (counting_) peak_host_ = std::max(peak_host_, host_bytes_);
-    } else {
-      host_bytes_ -= bytes;
+    const bool host = tier == Tier::kHost;
+    const bool ssd = tier == Tier::kSsd;
+    if (s.on_host != host) {
+      s.on_host = host;
+      if (host) {
+        host_bytes_ += bytes;
+        if (counting_) peak_host_ = std::max(peak_host_, host_bytes_);
+      } else {
+        host_bytes_ -= bytes;
+      }
+    }
+    if (s.on_ssd != ssd) {
+      s.on_ssd = ssd;
+      if (ssd) {
+        ssd_bytes_ += bytes;
+        if (counting_) peak_ssd_ = std::max(peak_ssd_, ssd_bytes_);
+      } else {
+        ssd_bytes_ -= bytes;
+      }
     }
   }
 
@@ -316,7 +333,7 @@ class Simulator {
       if (s.state != State::kResident) s.dead = true;
       if (s.state != State::kResident) resident_ -= tr_.tensors[static_cast<std::size_t>(id)].bytes;
     }
-    set_host(id, false);
+    set_away(id, std::nullopt);
     TensorState fresh;
     fresh.version = s.version + 1;
     fresh.state = State::kResident;
@@ -350,7 +367,7 @@ class Simulator {
       case State::kAbsent:
         break;
     }
-    set_host(id, false);
+    set_away(id, std::nullopt);
   }
 
   void issue_read(TensorId id, double key, double now) {
@@ -371,7 +388,7 @@ class Simulator {
           s.copy_version == s.version) {
         s.state = State::kOffloaded;
         resident_ -= m.bytes;
-        set_host(m.tensor, m.tier == Tier::kHost);
+        set_away(m.tensor, m.tier);
         return;
       }
       advance_all(now);
@@ -398,6 +415,8 @@ class Simulator {
   std::uint64_t resident_ = 0;
   std::uint64_t host_bytes_ = 0;
   std::uint64_t peak_host_ = 0;
+  std::uint64_t ssd_bytes_ = 0;
+  std::uint64_t peak_ssd_ = 0;
   std::array<std::uint64_t, kNumChannels> issued_{};
   std::int64_t misses_ = 0;
   std::int64_t forwarded_ = 0;

@@ -173,6 +173,10 @@ struct Session::Impl {
     overrides.gpu_mem = std::to_string(std::max<std::uint64_t>(stats.memory_budget, 1));
     plan::apply_overrides(hw, overrides);
     hw.host_memory = opt.host_memory;
+    // The store refuses what it cannot place (the write fails and the tensor stays, over the
+    // budget): the plan keeps what it sends to the SSDs within the store, less an eighth for
+    // the 4 KiB padding of each stripe run and for fragmentation.
+    if (store) hw.ssd_capacity = store->stats().capacity / 8 * 7;
     hw.memory_margin = 0;  // the session measures every step: no blind margin
     return hw;
   }

@@ -961,6 +961,45 @@ TEST(PlannerFuzz, RandomTracesFitAndPair) {
 // The planned stall is the planner's own estimate of what the plan costs: with EDF channels the
 // simulator never needs more (the reservations fit the planned stalls), and it should not be
 // far below either (stalls on different channels overlap in time; the planner merges them).
+// A store holds only so much: with Hardware::ssd_capacity the tensors a plan has away on the
+// SSDs at once (as the simulator counts them) stay within it, on random traces where the plan
+// made without the bound would have gone over it.
+TEST(PlannerFuzz, TheSsdCapacityBoundsWhatIsAwayOnTheSsds) {
+  std::mt19937_64 rng(777);
+  int bounded = 0;  // cases where the bound changed the plan (the unbounded plan was over it)
+  int refused = 0;
+  for (std::uint64_t seed = 0; seed < 400; ++seed) {
+    FuzzCase fc = fuzz_case(seed, rng, FuzzLink::kPerArray, false);
+    Hardware hw = fc.hw;
+    Plan free_plan;
+    try {
+      free_plan = make_plan(fc.trace, hw, PlannerOptions{});
+    } catch (const InvalidArgument&) {
+      continue;
+    }
+    const SimResult free_sim = simulate(fc.trace, &free_plan, hw);
+    if (free_sim.peak_ssd_bytes < 2) continue;
+    hw.ssd_capacity = free_sim.peak_ssd_bytes * (5 + seed % 4) / 10;  // 50-80% of it
+    Plan p;
+    try {
+      p = make_plan(fc.trace, hw, PlannerOptions{});
+    } catch (const InvalidArgument& e) {
+      ++refused;  // no plan fits both device memory and the store: said, with what to do
+      const std::string what = e.what();
+      EXPECT_TRUE(what.find("give the store more capacity") != std::string::npos ||
+                  what.find("short") != std::string::npos)
+          << what;
+      continue;
+    }
+    ASSERT_NO_THROW(validate_plan(p, fc.trace)) << "seed " << seed;
+    const SimResult sim = simulate(fc.trace, &p, hw);
+    EXPECT_LE(sim.peak_ssd_bytes, hw.ssd_capacity) << "seed " << seed;
+    EXPECT_LE(sim.peak_host_bytes, hw.host_memory) << "seed " << seed;
+    ++bounded;
+  }
+  EXPECT_GT(bounded, 40) << refused << " refused";
+}
+
 TEST(PlannerFuzz, PlannedStallBoundsTheSimulatedStall) {
   std::mt19937_64 rng(777);
   int compared = 0;

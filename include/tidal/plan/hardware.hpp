@@ -20,14 +20,17 @@ struct Hardware {
   double ssd_read_bw = 0;           ///< per SSD, bytes/s
   double host_link_bw = 0;          ///< device <-> host, per direction, bytes/s
   std::uint64_t host_memory = 0;    ///< host memory offloaded tensors may use, bytes (0: none)
-  double gpu_flops = 0;             ///< peak fp32 matmul FLOP/s (as PyTorch runs fp32 matmuls)
-  double gpu_flops_bf16 = 0;        ///< peak dense bf16 matmul FLOP/s (0: same as gpu_flops)
-  double gpu_mem_bw = 0;            ///< device memory bandwidth, bytes/s
-  double matmul_efficiency = 0.8;   ///< fraction of gpu_flops a large matmul reaches
-  double op_overhead_s = 5e-6;      ///< launch and framework overhead per op
-  double cpu_adam_rate = 0;         ///< parameters/s of the host CPU Adam (ZeRO baselines)
-  double ssd_tbw = 0;               ///< endurance per SSD, bytes written (TBW)
-  double memory_margin = 0.01;      ///< share of device memory the planner leaves free (G10)
+  /// Bytes the SSD store can hold at once, over all SSDs (0: no limit, the SSDs' size is
+  /// assumed large enough). The planner keeps the tensors it has on the SSDs at any op within it.
+  std::uint64_t ssd_capacity = 0;
+  double gpu_flops = 0;            ///< peak fp32 matmul FLOP/s (as PyTorch runs fp32 matmuls)
+  double gpu_flops_bf16 = 0;       ///< peak dense bf16 matmul FLOP/s (0: same as gpu_flops)
+  double gpu_mem_bw = 0;           ///< device memory bandwidth, bytes/s
+  double matmul_efficiency = 0.8;  ///< fraction of gpu_flops a large matmul reaches
+  double op_overhead_s = 5e-6;     ///< launch and framework overhead per op
+  double cpu_adam_rate = 0;        ///< parameters/s of the host CPU Adam (ZeRO baselines)
+  double ssd_tbw = 0;              ///< endurance per SSD, bytes written (TBW)
+  double memory_margin = 0.01;     ///< share of device memory the planner leaves free (G10)
 
   /// Aggregate SSD write/read bandwidth of the array, capped by the host link.
   [[nodiscard]] double ssd_write_total() const;

@@ -43,6 +43,7 @@ struct SimResult {
   std::uint64_t host_bytes_written = 0;
   std::uint64_t host_bytes_read = 0;
   std::uint64_t peak_host_bytes = 0;  ///< host memory holding offloaded tensors at once
+  std::uint64_t peak_ssd_bytes = 0;   ///< SSD bytes holding offloaded tensors at once
   double ssd_write_utilisation = 0;   ///< busy share of the iteration, 0..1
   double ssd_read_utilisation = 0;
   double host_write_utilisation = 0;
