@@ -554,6 +554,17 @@ trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch,
     b.param("output.weight", V * h);
   }
   const auto W = [&](std::size_t i) { return b.param_at(i).w; };
+  // A norm's backward op: the output's gradient, the input, the saved statistics and the weight
+  // in; the input's gradient out, with the weight's (and GPT-2's bias's) gradient made or
+  // accumulated by the same op.
+  const auto norm_bwd = [&](const std::string& name, int layer, TensorId g_out, TensorId input,
+                            TensorId stats, std::size_t weight, std::size_t bias, TensorId g_in) {
+    std::vector<TensorId> in{g_out, input, stats, W(weight)};
+    std::vector<TensorId> out{g_in};
+    b.grad(weight, in, out);
+    if (!llama) b.grad(bias, in, out);
+    b.op(name, Phase::kBackward, layer, in, out, 0);
+  };
 
   // Gradient accumulation: each micro-batch runs forward and backward on its share of the batch;
   // the first backward op that writes a gradient makes it, the later ones (in this and the next
@@ -656,13 +667,7 @@ trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch,
     b.op("log_softmax.bwd", Phase::kBackward, -1, {g_lsm, lsm}, {g_logits}, 0);
     const TensorId g_nf = b.linear_bwd("output", -1, g_logits, nf, head, h, V);
     TensorId gx = b.temp("norm.grad_in", h);
-    {
-      std::vector<TensorId> in{g_nf, xl, sf, W(wf)};
-      std::vector<TensorId> out{gx};
-      b.grad(wf, in, out);
-      if (!llama) b.grad(wfb, in, out);
-      b.op("norm.bwd", Phase::kBackward, -1, in, out, 0);
-    }
+    norm_bwd("norm.bwd", -1, g_nf, xl, sf, wf, wfb, gx);
     for (int l = cfg.layers - 1; l >= 0; --l) {
       const LayerParams& P = lp[static_cast<std::size_t>(l)];
       const Saved& s = saved[static_cast<std::size_t>(l)];
@@ -686,13 +691,7 @@ trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch,
         g_n2 = b.linear_bwd(p + "mlp.c_fc", l, g_a, s.n2, P.fc, h, f, P.fcb);
       }
       const TensorId g_h1p = b.temp(p + "norm2.grad_in", h);
-      {
-        std::vector<TensorId> in{g_n2, s.h1, s.s2, W(P.n2)};
-        std::vector<TensorId> out{g_h1p};
-        b.grad(P.n2, in, out);
-        if (!llama) b.grad(P.n2b, in, out);
-        b.op(p + "norm2.bwd", Phase::kBackward, l, in, out, 0);
-      }
+      norm_bwd(p + "norm2.bwd", l, g_n2, s.h1, s.s2, P.n2, P.n2b, g_h1p);
       const TensorId g_h1 = b.temp(p + "residual1.grad", h);
       b.op(p + "add2.bwd", Phase::kBackward, l, {gx, g_h1p}, {g_h1}, 0);
       const TensorId g_o = llama ? b.linear_bwd(p + "attention.wo", l, g_h1, s.o, P.o, h, h)
@@ -719,13 +718,7 @@ trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch,
         g_n1 = b.linear_bwd(p + "attn.c_attn", l, g_qkv, s.n1, P.qkv, h, 3 * h, P.qkvb);
       }
       const TensorId g_xp = b.temp(p + "norm1.grad_in", h);
-      {
-        std::vector<TensorId> in{g_n1, s.x, s.s1, W(P.n1)};
-        std::vector<TensorId> out{g_xp};
-        b.grad(P.n1, in, out);
-        if (!llama) b.grad(P.n1b, in, out);
-        b.op(p + "norm1.bwd", Phase::kBackward, l, in, out, 0);
-      }
+      norm_bwd(p + "norm1.bwd", l, g_n1, s.x, s.s1, P.n1, P.n1b, g_xp);
       const TensorId g_x = b.temp(p + "grad_in", h);
       b.op(p + "add1.bwd", Phase::kBackward, l, {g_h1, g_xp}, {g_x}, 0);
       gx = g_x;

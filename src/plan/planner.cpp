@@ -470,11 +470,25 @@ class Planner {
     return target == Target::kHost ? hw_.host_memory : hw_.ssd_capacity;
   }
 
-  // Whether `target` can hold c over its whole inactive period. Host memory is always bounded
-  // (0: no host tier); an SSD capacity of 0 means no bound.
+  // Host memory is always bounded (0: no host tier); an SSD capacity of 0 means no bound, and
+  // then nothing is tracked for the SSDs (the fallback moves migrations hundreds of thousands
+  // of times on a 70B trace).
+  [[nodiscard]] bool bounded(Target target) const {
+    return target == Target::kHost || hw_.ssd_capacity > 0;
+  }
+
+  // Adds `bytes` (negative: removes) to what `target` holds over c's inactive period.
+  void mark_away(const Candidate& c, Target target, std::int64_t bytes) {
+    if (!bounded(target)) return;
+    Segment all[2];
+    const int na = segments(c, 0, c.len - 1, all);
+    for (int i = 0; i < na; ++i) away(target).add(all[i].l, all[i].r, bytes);
+  }
+
+  // Whether `target` can hold c over its whole inactive period.
   bool room(const Candidate& c, Target target) {
+    if (!bounded(target)) return true;
     const std::uint64_t cap = tier_capacity(target);
-    if (target == Target::kSsd && cap == 0) return true;
     Segment s[2];
     const int ns = segments(c, 0, c.len - 1, s);
     std::int64_t used = 0;
@@ -594,11 +608,7 @@ class Planner {
     consume_backward(bucket(ch.target, Direction::kRead), c, ch.pp, c.len - 1, need, c.rres);
     free_span(c, ch.pe + 1, ch.pp - 1);
     PlanSummary& sum = plan.summary;
-    Segment all[2];
-    const int na = segments(c, 0, c.len - 1, all);
-    for (int i = 0; i < na; ++i) {
-      away(ch.target).add(all[i].l, all[i].r, static_cast<std::int64_t>(c.bytes));
-    }
+    mark_away(c, ch.target, static_cast<std::int64_t>(c.bytes));
     if (ch.target == Target::kHost) {
       ++sum.offloads_host;
       sum.bytes_to_host += c.bytes;
@@ -930,9 +940,7 @@ class Planner {
         res = Reservation{};
       }
       PlanSummary& sum = plan.summary;
-      Segment all[2];
-      const int na = segments(c, 0, c.len - 1, all);
-      for (int q = 0; q < na; ++q) away(c.target).add(all[q].l, all[q].r, -s);
+      mark_away(c, c.target, -s);
       if (c.target == Target::kHost) {
         --sum.offloads_host;
         sum.bytes_to_host -= c.bytes;

@@ -553,6 +553,9 @@ void Session::end_step(std::int64_t step) {
     }
     if (!error) m.after_executed_step(e, peak);
     s.within_budget = s.steps_measured > 0 && m.all_within && s.steps_over_budget == 0;
+    // A reason is for a budget not met: one left from a planning attempt that the executed
+    // steps overcame would contradict within_budget.
+    if (s.within_budget) s.budget_reason.clear();
   }
   if (error) std::rethrow_exception(error);
 }
@@ -564,9 +567,6 @@ void Session::make_resident() {
 SessionStats Session::stats() const {
   SessionStats s = impl_->stats;
   s.state = impl_->state;
-  // A reason is for a budget not met: one left from a planning attempt that a later plan
-  // overcame (a re-plan for less memory) would contradict within_budget.
-  if (s.within_budget) s.budget_reason.clear();
   if (s.mode == OffloadMode::kPlan && s.budget_reason.empty()) {
     if (!impl_->budget_known) {
       s.budget_reason = "no plan yet (warm-up and profiling steps run without one)";

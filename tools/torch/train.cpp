@@ -325,9 +325,11 @@ void run_train(const TrainArgs& args) {
   }
   if (!st.notice.empty()) std::fprintf(stderr, "note: %s\n", st.notice.c_str());
   nlohmann::json store_degraded = nlohmann::json::object();
+  std::string io_backend;
   if (session.store()) {
     // Every degraded path of the store, with how often and the first reason.
     const auto ss = session.store()->stats();
+    io_backend = ss.backend;
     const std::pair<const char*, const io::DegradedPath*> paths[] = {
         {"store_full", &ss.store_full},
         {"write_failed", &ss.write_failed},
@@ -374,7 +376,7 @@ void run_train(const TrainArgs& args) {
     j["write_failures"] = io.failures;
     j["store_full_writes"] = io.full;
     j["write_error"] = io.write_error;
-    if (session.store()) j["io_backend"] = session.store()->stats().backend;
+    if (!io_backend.empty()) j["io_backend"] = io_backend;
     j["store_degraded"] = store_degraded;  // {path: {count, reason}} for each that happened
     j["offload_step_seconds_median"] = median(offload_seconds);
     j["steps_offloaded"] = offload_seconds.size();  // the steps the byte and stall totals cover
