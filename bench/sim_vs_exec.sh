@@ -53,16 +53,19 @@ for ((rep = 1; rep <= repeats; ++rep)); do
     "$bin" train "${model_a[@]}" --steps "$steps" --profile-steps "$profile_steps" \
       --offload plan --min-offload 16KiB "${flags_a[@]}" --dir "$dir" --save-trace "$f.trace.json" \
       --save-plan "$f.plan.json" --json 2>"$f.train.log" | tail -n 1 >"$f.train.json"
-    read -r cap ssd < <("$py" - "$f.plan.json" "$f.train.json" <<'PY'
+    read -r cap ssd iocost < <("$py" - "$f.plan.json" "$f.train.json" <<'PY'
 import json, re, sys
 plan = json.load(open(sys.argv[1]))
 train = json.load(open(sys.argv[2]))
 m = re.search(r"SSD (\d+)x([\d.]+)/([\d.]+)MB/s", train["plan_summary"])
-print(plan["summary"]["capacity_bytes"], f"{m.group(1)}x{m.group(2)}/{m.group(3)}MB/s")
+c = re.search(r"I/O compute ([\d.]+/[\d.]+/[\d.]+) ns/B", train["plan_summary"])
+print(plan["summary"]["capacity_bytes"], f"{m.group(1)}x{m.group(2)}/{m.group(3)}MB/s",
+      c.group(1) if c else "0/0/0")
 PY
 )
     "$bin" simulate --trace "$f.trace.json" --plan "$f.plan.json" --hardware cpu-here \
-      --gpu-mem "$cap" --ssd "$ssd" --host-mem "$host" --margin 0 --json 2>"$f.sim.log" |
+      --gpu-mem "$cap" --ssd "$ssd" --host-mem "$host" --margin 0 \
+      --io-compute-cost "${TIDAL_SIMEXEC_IO_COMPUTE:-$iocost}" --json 2>"$f.sim.log" |
       tail -n 1 >"$f.sim.json"
     ((rep == 1)) && rows+=("$i|$model|$flags")
   done <<<"$configs"

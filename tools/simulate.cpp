@@ -111,10 +111,10 @@ void run_given_plan(const SimulateArgs& a, const plan::Hardware& hw, const trace
               p.actions.size(), a.plan_file.c_str());
   std::printf("hardware %s: %s\n", hw.name.c_str(), hw.describe().c_str());
   std::printf(
-      "iteration %s (compute %s, stall %s), peak %s of %s (%s), SSD %s written %s read, "
-      "host %s written %s read, %lld misses\n",
+      "iteration %s (compute %s, I/O compute %s, stall %s), peak %s of %s (%s), SSD %s written "
+      "%s read, host %s written %s read, %lld misses\n",
       format_seconds(r.iteration_seconds).c_str(), format_seconds(r.compute_seconds).c_str(),
-      format_seconds(r.stall_seconds).c_str(),
+      format_seconds(r.io_compute_seconds).c_str(), format_seconds(r.stall_seconds).c_str(),
       format_bytes(static_cast<double>(r.peak_bytes)).c_str(),
       format_bytes(static_cast<double>(r.capacity_bytes)).c_str(), r.fits ? "fits" : "DOES NOT FIT",
       format_bytes(static_cast<double>(r.ssd_bytes_written)).c_str(),
@@ -128,6 +128,7 @@ void run_given_plan(const SimulateArgs& a, const plan::Hardware& hw, const trace
                         {"capacity_bytes", r.capacity_bytes},
                         {"iteration_seconds", r.iteration_seconds},
                         {"compute_seconds", r.compute_seconds},
+                        {"io_compute_seconds", r.io_compute_seconds},
                         {"stall_seconds", r.stall_seconds},
                         {"peak_bytes", r.peak_bytes},
                         {"fits", r.fits},

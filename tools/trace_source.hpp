@@ -8,6 +8,7 @@
 #include <sstream>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "tidal/common/error.hpp"
 #include "tidal/common/text.hpp"
@@ -31,8 +32,35 @@ struct TraceSource {
   std::string precision = "fp32";
   std::string hardware = "h100-4ssd";
   plan::HardwareOverrides hw;
-  std::string measure_dirs;  ///< measure these store directories for the SSD figures
+  std::string measure_dirs;     ///< measure these store directories for the SSD figures
+  std::string io_compute_cost;  ///< "<write>/<read>/<host>" ns of compute per byte moved
 };
+
+/// Sets Hardware::compute_seconds_per_byte from "<ssd write>/<ssd read>/<host copy>", each in
+/// nanoseconds of compute per byte (what `tidal train` measures on cpu-here and prints in its
+/// plan summary). Throws tidal::InvalidArgument naming the flag otherwise.
+inline void apply_io_compute_cost(plan::Hardware& hw, const std::string& text) {
+  std::vector<double> ns;
+  std::stringstream in(text);
+  for (std::string part; std::getline(in, part, '/');) {
+    try {
+      std::size_t used = 0;
+      ns.push_back(std::stod(part, &used));
+      if (used != part.size()) ns.clear();
+    } catch (const std::exception&) {
+      ns.clear();
+    }
+    if (ns.empty() || ns.back() < 0 || ns.back() > 1e6) break;
+  }
+  TIDAL_EXPECT_AS(InvalidArgument, ns.size() == 3 && ns.back() >= 0 && ns.back() <= 1e6,
+                  "--io-compute-cost '", text,
+                  "': give three figures in ns per byte, SSD write/SSD read/host copy, e.g. "
+                  "0.6/0.5/0.2");
+  hw.compute_seconds_per_byte[plan::index_of(plan::Channel::kSsdWrite)] = ns[0] * 1e-9;
+  hw.compute_seconds_per_byte[plan::index_of(plan::Channel::kSsdRead)] = ns[1] * 1e-9;
+  hw.compute_seconds_per_byte[plan::index_of(plan::Channel::kHostWrite)] = ns[2] * 1e-9;
+  hw.compute_seconds_per_byte[plan::index_of(plan::Channel::kHostRead)] = ns[2] * 1e-9;
+}
 
 inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
   cmd->add_option("--trace", s.trace_path, "trace JSON from `tidal profile`");
@@ -77,6 +105,10 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
   cmd->add_option("--measure-dir", s.measure_dirs,
                   "measure the store on these directories (comma-separated, O_DIRECT, 256 MiB "
                   "each way) and use the figures as --ssd");
+  cmd->add_option("--io-compute-cost", s.io_compute_cost,
+                  "compute time each byte moved takes when the device is this CPU, in ns per "
+                  "byte: SSD write/SSD read/host copy, e.g. 0.6/0.5/0.2 (`tidal train` on "
+                  "cpu-here measures it and prints it in its plan summary; 0 on a GPU)");
 }
 
 /// The hardware model and the trace the flags describe. Throws tidal::InvalidArgument with what
@@ -97,6 +129,7 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
                  format_bandwidth(m.read_bytes_per_second).c_str(), overrides.ssd->c_str());
   }
   plan::apply_overrides(hw, overrides);
+  if (!s.io_compute_cost.empty()) apply_io_compute_cost(hw, s.io_compute_cost);
   if (!s.trace_path.empty()) {
     TIDAL_EXPECT_AS(InvalidArgument, s.model.empty(), "give either --trace or --model, not both");
     TIDAL_EXPECT_AS(InvalidArgument, !s.optimizer_in_backward && !s.optimizer_deferred,

@@ -109,7 +109,10 @@ class Simulator {
         t = start;
         for (TensorId id : tr_.ops[kk].outputs) ++tensors_[static_cast<std::size_t>(id)].version;
         if (last) res.memory_per_op[kk] = resident_;
-        t += tr_.op_seconds(kk);
+        // The op, and the compute the transfers started since the last op take from it.
+        t += tr_.op_seconds(kk) + io_compute_;
+        if (last) res.io_compute_seconds += io_compute_;
+        io_compute_ = 0;
         advance_all(t);
         for (std::int32_t m : sched_.issued_after[kk]) {
           fire(sched_.migrations[static_cast<std::size_t>(m)], it, n, t);
@@ -119,7 +122,8 @@ class Simulator {
     }
     res.iteration_seconds = t - iter_start;
     res.compute_seconds = tr_.compute_seconds();
-    res.stall_seconds = std::max(0.0, res.iteration_seconds - res.compute_seconds);
+    res.stall_seconds =
+        std::max(0.0, res.iteration_seconds - res.compute_seconds - res.io_compute_seconds);
     for (std::size_t k = 0; k < res.memory_per_op.size(); ++k) {
       if (res.memory_per_op[k] > res.peak_bytes) {
         res.peak_bytes = res.memory_per_op[k];
@@ -263,6 +267,7 @@ class Simulator {
     jobs_.push_back(j);
     const int index = static_cast<int>(jobs_.size()) - 1;
     if (counting_) issued_[index_of(c)] += j.bytes;
+    io_compute_ += static_cast<double>(j.bytes) * hw_.compute_seconds_per_byte[index_of(c)];
     if (j.bytes == 0) {
       complete(index);
     } else {
@@ -420,6 +425,7 @@ class Simulator {
   std::array<std::uint64_t, kNumChannels> issued_{};
   std::int64_t misses_ = 0;
   std::int64_t forwarded_ = 0;
+  double io_compute_ = 0;  // Hardware::compute_seconds_per_byte of the transfers since the last op
   bool counting_ = false;
 };
 

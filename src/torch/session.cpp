@@ -122,7 +122,9 @@ struct Session::Impl {
   };
   std::vector<Shape> shapes;  // index = the executor's shape index
   std::map<std::vector<std::string>, std::vector<trace::Trace>> pending;  // seen, not planned
-  std::string measured_ssd;            // cpu-here: the store's measured figures, as an --ssd spec
+  std::string measured_ssd;  // cpu-here: the store's measured figures, as an --ssd spec
+  // cpu-here on the CPU: the compute each byte moved takes (Hardware::compute_seconds_per_byte).
+  std::array<double, plan::kNumChannels> io_compute{};
   std::uint64_t profiled_current = 0;  // max meter bytes at the start of the profiled steps
   bool budget_known = false;
   bool all_within = true;
@@ -159,14 +161,7 @@ struct Session::Impl {
     plan::HardwareOverrides overrides = opt.hardware_overrides;
     if (!overrides.ssd && opt.hardware == "cpu-here") {
       // cpu-here describes this machine: measure the store the plan will use, once.
-      if (measured_ssd.empty()) {
-        try {
-          measured_ssd = io::ssd_spec(io::measure_bandwidth(*store, 64ull << 20),
-                                      store->options().dirs.size());
-        } catch (const IoError&) {
-          measured_ssd = "preset";  // a failing store: plan with the preset's figures
-        }
-      }
+      if (measured_ssd.empty()) measure_store();
       if (measured_ssd != "preset") overrides.ssd = measured_ssd;
     }
     // The capacity is set per planning call; this only satisfies the preset's check.
@@ -178,7 +173,30 @@ struct Session::Impl {
     // the 4 KiB padding of each stripe run and for fragmentation.
     if (store) hw.ssd_capacity = store->stats().capacity / 8 * 7;
     hw.memory_margin = 0;  // the session measures every step: no blind margin
+    hw.compute_seconds_per_byte = io_compute;
     return hw;
+  }
+
+  // The store's bandwidth, once; on the CPU also what its I/O and the host tier's copies take
+  // from compute there (the device is the CPU the I/O runs on).
+  void measure_store() {
+    const bool on_cpu = opt.device.is_cpu();
+    io::MeasureOptions mo;
+    mo.bytes = 64ull << 20;
+    mo.compute_cost = on_cpu;
+    try {
+      const io::MeasuredBandwidth m = io::measure_bandwidth(*store, mo);
+      measured_ssd = io::ssd_spec(m, store->options().dirs.size());
+      io_compute[plan::index_of(plan::Channel::kSsdWrite)] = m.write_compute_seconds_per_byte;
+      io_compute[plan::index_of(plan::Channel::kSsdRead)] = m.read_compute_seconds_per_byte;
+    } catch (const IoError&) {
+      measured_ssd = "preset";  // a failing store: plan with the preset's figures
+    }
+    if (on_cpu && opt.host_memory > 0) {
+      const double copy = io::measure_copy_compute_cost();
+      io_compute[plan::index_of(plan::Channel::kHostWrite)] = copy;
+      io_compute[plan::index_of(plan::Channel::kHostRead)] = copy;
+    }
   }
 
   // Plans `t` for `capacity` (trace bytes). When no plan fits, the smallest capacity that plans
@@ -231,15 +249,19 @@ struct Session::Impl {
 
   void summarise(const Shape& s) {
     const auto& p = s.plan;
-    char line[384];
+    char line[512];
     std::snprintf(
         line, sizeof line,
         "plan %zu: %zu actions, %s to SSD and %s to host per step, planned peak %s "
-        "of %s (trace units), planned stall %.3f s, planned in %.2f s, SSD %s",
+        "of %s (trace units), planned stall %.3f s, planned in %.2f s, SSD %s, I/O compute "
+        "%.2f/%.2f/%.2f ns/B",
         shapes.size() - 1, p.actions.size(), bytes_text(p.summary.bytes_to_ssd).c_str(),
         bytes_text(p.summary.bytes_to_host).c_str(), bytes_text(p.summary.peak_after_bytes).c_str(),
         bytes_text(static_cast<std::uint64_t>(s.capacity)).c_str(), p.summary.planned_stall_seconds,
-        p.summary.planning_seconds, measured_ssd.empty() ? "preset" : measured_ssd.c_str());
+        p.summary.planning_seconds, measured_ssd.empty() ? "preset" : measured_ssd.c_str(),
+        io_compute[plan::index_of(plan::Channel::kSsdWrite)] * 1e9,
+        io_compute[plan::index_of(plan::Channel::kSsdRead)] * 1e9,
+        io_compute[plan::index_of(plan::Channel::kHostWrite)] * 1e9);
     stats.plan_summary = line;
   }
 

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "test_dir.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
@@ -26,6 +28,35 @@ TEST(MeasureBandwidth, MovesWholeBlocksBothWaysAndLeavesTheStoreEmpty) {
   EXPECT_EQ(s.bytes_written, 10 * kMiB);
   EXPECT_EQ(s.bytes_read, 10 * kMiB);
   EXPECT_THROW(measure_bandwidth(store, 10, kMiB, 4), InvalidArgument);
+}
+
+TEST(MeasureBandwidth, TheComputeCostIsMeasuredOnlyWhenAskedAndLeavesTheStoreEmpty) {
+  testing::TestDir dir;
+  StoreOptions o;
+  o.dirs = {dir.path()};
+  o.capacity = 64 * kMiB;
+  o.backend = BackendKind::kPosix;
+  TensorStore store(o);
+  MeasureOptions mo;
+  mo.bytes = 8 * kMiB;
+  mo.depth = 4;
+  const MeasuredBandwidth plain = measure_bandwidth(store, mo);
+  EXPECT_EQ(plain.write_compute_seconds_per_byte, 0);
+  EXPECT_EQ(plain.read_compute_seconds_per_byte, 0);
+  mo.compute_cost = true;
+  const MeasuredBandwidth m = measure_bandwidth(store, mo);
+  EXPECT_EQ(m.bytes, 8 * kMiB);
+  for (double cost : {m.write_compute_seconds_per_byte, m.read_compute_seconds_per_byte,
+                      measure_copy_compute_cost(4 * kMiB)}) {
+    EXPECT_TRUE(std::isfinite(cost));
+    EXPECT_GE(cost, 0);
+    EXPECT_LT(cost, 1e-6);  // a microsecond a byte would be a broken measurement, not a CPU
+  }
+  const StoreStats s = store.stats();
+  EXPECT_EQ(s.tickets, 0u);
+  EXPECT_EQ(s.used_bytes, 0u);
+  EXPECT_EQ(s.bytes_written, 3 * 8 * kMiB);  // two timed writes, and one beside the spinners
+  EXPECT_THROW(measure_copy_compute_cost(0), InvalidArgument);
 }
 
 TEST(MeasureBandwidth, AFailingStoreThrowsAndKeepsNoTickets) {

@@ -615,6 +615,48 @@ TEST(Simulator, KeepAllPeakIsTheTracePeak) {
   }
 }
 
+// On a CPU the transfers' own work slows compute (Hardware::compute_seconds_per_byte): the
+// simulator charges each byte started once, at the next op, and the plan moves the same bytes.
+TEST(Simulator, TheComputeTransfersTakeIsChargedOncePerByteStarted) {
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<double> ns(0.1, 2.0);
+  int moved = 0;
+  for (std::uint64_t seed = 0; seed < 80; ++seed) {
+    const trace::Trace t = trace::testutil::random_trace(seed);
+    const auto la = trace::analyze_lifetimes(t);
+    Hardware hw = simple_hw(la.summary.peak_live_bytes * 6 / 10, 1e9);
+    hw.host_memory = la.summary.peak_live_bytes / 4;
+    hw.host_link_bw = 3e9;
+    Plan p;
+    try {
+      p = make_plan(t, hw);
+    } catch (const InvalidArgument&) {
+      continue;
+    }
+    const SimResult free_io = simulate(t, &p, hw);
+    EXPECT_EQ(free_io.io_compute_seconds, 0) << "seed " << seed;
+    for (Channel c : kChannels) hw.compute_seconds_per_byte[index_of(c)] = ns(rng) * 1e-9;
+    const SimResult r = simulate(t, &p, hw);
+    const auto cost = [&](Channel c, std::uint64_t bytes) {
+      return static_cast<double>(bytes) * hw.compute_seconds_per_byte[index_of(c)];
+    };
+    const double expected = cost(Channel::kSsdWrite, r.ssd_bytes_written) +
+                            cost(Channel::kSsdRead, r.ssd_bytes_read) +
+                            cost(Channel::kHostWrite, r.host_bytes_written) +
+                            cost(Channel::kHostRead, r.host_bytes_read);
+    EXPECT_NEAR(r.io_compute_seconds, expected, 1e-9 * (1 + expected)) << "seed " << seed;
+    EXPECT_EQ(r.ssd_bytes_written, free_io.ssd_bytes_written) << "seed " << seed;
+    EXPECT_EQ(r.host_bytes_read, free_io.host_bytes_read) << "seed " << seed;
+    EXPECT_NEAR(r.iteration_seconds, r.compute_seconds + r.io_compute_seconds + r.stall_seconds,
+                1e-9 * r.iteration_seconds)
+        << "seed " << seed;
+    EXPECT_GE(r.iteration_seconds + 1e-12, free_io.compute_seconds + r.io_compute_seconds);
+    EXPECT_LE(r.peak_bytes, hw.device_memory) << "seed " << seed;
+    if (expected > 0) ++moved;
+  }
+  EXPECT_GT(moved, 10);
+}
+
 TEST(Simulator, IdealIsNeverSlower) {
   const Hardware base = hardware_preset("cpu-here");
   for (const char* model : {"gpt2-small", "llama3.2-1b"}) {

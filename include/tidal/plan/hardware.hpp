@@ -2,6 +2,7 @@
 // and the roofline figures that turn an analytic op into seconds. Torch-free.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -31,6 +32,12 @@ struct Hardware {
   double cpu_adam_rate = 0;        ///< parameters/s of the host CPU Adam (ZeRO baselines)
   double ssd_tbw = 0;              ///< endurance per SSD, bytes written (TBW)
   double memory_margin = 0.01;     ///< share of device memory the planner leaves free (G10)
+  /// Compute time each byte started on a channel takes from the device (seconds per byte, by
+  /// index_of(channel)): the host CPU's own work for the transfer when the device computes on
+  /// that CPU (cpu-here, measured by the session: submission, checksums, copies, a virtual
+  /// machine's exits); 0 where compute runs elsewhere (a GPU). The simulator adds it to the op
+  /// that starts the transfer.
+  std::array<double, kNumChannels> compute_seconds_per_byte{};
 
   /// Aggregate SSD write/read bandwidth of the array, capped by the host link.
   [[nodiscard]] double ssd_write_total() const;

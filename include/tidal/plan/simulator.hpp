@@ -30,8 +30,11 @@ struct SimOptions {
 /// What one replayed iteration did. All byte counts are per iteration.
 struct SimResult {
   double iteration_seconds = 0;
-  double compute_seconds = 0;                ///< sum of op times, with the host time between ops
-  double stall_seconds = 0;                  ///< iteration_seconds - compute_seconds
+  double compute_seconds = 0;  ///< sum of op times, with the host time between ops
+  /// Compute the iteration's transfers took from the device (Hardware::compute_seconds_per_byte;
+  /// 0 on a GPU).
+  double io_compute_seconds = 0;
+  double stall_seconds = 0;  ///< iteration_seconds - compute_seconds - io_compute_seconds
   std::vector<std::uint64_t> memory_per_op;  ///< device bytes while op k runs
   std::vector<double> stall_per_op;          ///< seconds op k waited for transfers to start
   std::uint64_t peak_bytes = 0;
