@@ -48,6 +48,8 @@ else
   expect "this libtorch has no CUDA or no GPU is visible" "${train[@]}" --device cuda
 fi
 expect "is not a device" "${train[@]}" --device tpu
+expect "--io-compute-cost '0.5/x/1': give three figures" simulate --model gpt2-small --batch 1 \
+  --seq 64 --hardware cpu-here --gpu-mem 1GiB --io-compute-cost 0.5/x/1
 # A budget no plan can meet is reported with the CLI's flag, not the library's option names.
 out=$("$tidal" "${train[@]}" --offload plan --mem-budget 1B 2>&1)
 if grep -q "a larger memory budget (--mem-budget" <<<"$out"; then
