@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "io/cuda/device.hpp"
+#include "test_dir.hpp"
 
 namespace tidal::io::detail::cuda {
 namespace {
@@ -25,17 +26,7 @@ namespace {
 #define TIDAL_SKIP_WITHOUT_DEVICE() \
   if (!device_available()) GTEST_SKIP() << "no CUDA device"
 
-std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<unsigned char> out(n);
-  std::size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const std::uint64_t v = rng();
-    std::memcpy(out.data() + i, &v, 8);
-  }
-  for (; i < n; ++i) out[i] = static_cast<unsigned char>(rng());
-  return out;
-}
+using tidal::testing::random_bytes;
 
 // Device memory released at scope exit.
 struct DeviceBuffer {

@@ -30,6 +30,14 @@
 namespace tidal::io {
 namespace {
 
+// Reads ticket t back (n bytes) and waits for it.
+std::vector<unsigned char> read_back(TensorStore& store, Ticket t, std::size_t n) {
+  std::vector<unsigned char> back(n);
+  store.read(t, back.data());
+  store.wait(t);
+  return back;
+}
+
 using testing::random_bytes;
 using testing::TestDir;
 
@@ -142,10 +150,7 @@ TEST_P(StoreTest, StripesOverTwoDirectories) {
   EXPECT_GT(s.file_used_bytes[0], 0u);
   EXPECT_GT(s.file_used_bytes[1], 0u);
   EXPECT_EQ(s.file_used_bytes[0] + s.file_used_bytes[1], 4 * kMiB + 4096);
-  std::vector<unsigned char> back(n);
-  store.read(t, back.data());
-  store.wait(t);
-  EXPECT_EQ(back, data);
+  EXPECT_EQ(read_back(store, t, n), data);
   // The round robin goes on where the last tensor stopped: the next stripe lands on the file
   // that had fewer, so both now hold three stripes.
   Ticket u = store.write(data.data(), kMiB);
@@ -190,13 +195,8 @@ TEST_P(StoreTest, FullStoreFailsOneRequestAndRecoversAfterFree) {
   store.free(a);
   Ticket d = store.write(data.data(), 3 * kMiB);
   store.wait(d);
-  std::vector<unsigned char> back(3 * kMiB);
-  store.read(b, back.data());
-  store.wait(b);
-  EXPECT_EQ(back, data) << "earlier data is untouched by the failure";
-  store.read(d, back.data());
-  store.wait(d);
-  EXPECT_EQ(back, data);
+  EXPECT_EQ(read_back(store, b, 3 * kMiB), data) << "earlier data is untouched by the failure";
+  EXPECT_EQ(read_back(store, d, 3 * kMiB), data);
   EXPECT_EQ(store.stats().failed_requests, 1u);
 }
 
@@ -213,10 +213,7 @@ TEST_P(StoreTest, FragmentedStoreStillPlacesATensor) {
   auto big = random_bytes(4 * kMiB, 4);
   Ticket b = store.write(big.data(), 4 * kMiB);
   store.wait(b);
-  std::vector<unsigned char> back(4 * kMiB);
-  store.read(b, back.data());
-  store.wait(b);
-  EXPECT_EQ(back, big);
+  EXPECT_EQ(read_back(store, b, 4 * kMiB), big);
 }
 
 TEST_P(StoreTest, InjectedEioIsReportedAndTheStoreStaysUsable) {
@@ -324,10 +321,7 @@ TEST_P(StoreTest, WithoutChecksumsCorruptionGoesUnnoticed) {
   auto data = random_bytes(8192, 16);
   Ticket t = store.write(data.data(), data.size());
   store.wait(t);
-  std::vector<unsigned char> back(data.size());
-  store.read(t, back.data());
-  store.wait(t);
-  EXPECT_NE(back, data);
+  EXPECT_NE(read_back(store, t, data.size()), data);
 }
 
 // Every failed request is counted once, under the path it took, with the first message.

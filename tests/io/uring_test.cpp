@@ -247,12 +247,20 @@ bool uring_works(const TestDir& dir) {
   }
 }
 
-TEST(UringFaults, StoreMovesToPosixWhenTheRingBreaksAndSaysWhy) {
-  ResetHooks reset;
-  HookedStore hooks;
-  TestDir dir;
-  if (!uring_works(dir)) GTEST_SKIP() << "io_uring unavailable here";
-  TensorStore store(store_options(dir, BackendKind::kAuto));
+// A store's directory with the calls hooked (and the hooks reset after); skipped where the
+// kernel has no working io_uring.
+class UringFaults : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!uring_works(dir_)) GTEST_SKIP() << "io_uring unavailable here";
+  }
+  ResetHooks reset_;
+  HookedStore hooks_;
+  TestDir dir_;
+};
+
+TEST_F(UringFaults, StoreMovesToPosixWhenTheRingBreaksAndSaysWhy) {
+  TensorStore store(store_options(dir_, BackendKind::kAuto));
   ASSERT_EQ(store.stats().backend, "io_uring");
   EXPECT_EQ(store.stats().backend_fallback.count, 0u);
   auto data = random_bytes(kMiB + 100, 31);
@@ -287,12 +295,8 @@ TEST(UringFaults, StoreMovesToPosixWhenTheRingBreaksAndSaysWhy) {
   EXPECT_EQ(s.failed_requests, 1u);
 }
 
-TEST(UringFaults, ExplicitIoUringDoesNotFallBack) {
-  ResetHooks reset;
-  HookedStore hooks;
-  TestDir dir;
-  if (!uring_works(dir)) GTEST_SKIP() << "io_uring unavailable here";
-  TensorStore store(store_options(dir, BackendKind::kIoUring));
+TEST_F(UringFaults, ExplicitIoUringDoesNotFallBack) {
+  TensorStore store(store_options(dir_, BackendKind::kIoUring));
   auto data = random_bytes(8192, 32);
   g_submit_error = EBADF;
   for (int i = 0; i < 2; ++i) {
@@ -310,7 +314,7 @@ TEST(UringFaults, ExplicitIoUringDoesNotFallBack) {
   EXPECT_EQ(store.stats().backend_fallback.count, 0u);
 }
 
-TEST(UringFaults, FallbackWhenOpeningKeepsItsReason) {
+TEST(UringFaultsAtOpen, FallbackWhenOpeningKeepsItsReason) {
   ResetHooks reset;
   HookedStore hooks;
   TestDir dir;

@@ -12,6 +12,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <tuple>
 
 #include "tidal/common/error.hpp"
 #include "trace/random_trace.hpp"
@@ -45,42 +46,27 @@ class TempFile {
   std::string path_;
 };
 
+// Every field a trace file carries, as a tuple gtest compares and prints; times bit-exact, not
+// approximately equal.
+auto fields(const Op& o) {
+  return std::tie(o.index, o.name, o.phase, o.start_s, o.end_s, o.inputs, o.outputs, o.layer,
+                  o.workspace_bytes);
+}
+auto fields(const Tensor& t) {
+  return std::tie(t.id, t.name, t.bytes, t.device, t.cls, t.persistent, t.producer, t.output_slot,
+                  t.freed_after);
+}
+
 void expect_same(const Trace& a, const Trace& b) {
-  EXPECT_EQ(a.version, b.version);
-  EXPECT_EQ(a.model, b.model);
-  EXPECT_EQ(a.device, b.device);
-  EXPECT_EQ(a.batch, b.batch);
-  EXPECT_EQ(a.seq, b.seq);
-  EXPECT_EQ(a.meta, b.meta);
+  EXPECT_EQ(std::tie(a.version, a.model, a.device, a.batch, a.seq, a.meta),
+            std::tie(b.version, b.model, b.device, b.batch, b.seq, b.meta));
   ASSERT_EQ(a.ops.size(), b.ops.size());
   for (std::size_t k = 0; k < a.ops.size(); ++k) {
-    SCOPED_TRACE(testing::Message() << "op " << k);
-    const Op& x = a.ops[k];
-    const Op& y = b.ops[k];
-    EXPECT_EQ(x.index, y.index);
-    EXPECT_EQ(x.name, y.name);
-    EXPECT_EQ(x.phase, y.phase);
-    EXPECT_EQ(x.start_s, y.start_s);  // bit-exact, not approximately equal
-    EXPECT_EQ(x.end_s, y.end_s);
-    EXPECT_EQ(x.inputs, y.inputs);
-    EXPECT_EQ(x.outputs, y.outputs);
-    EXPECT_EQ(x.layer, y.layer);
-    EXPECT_EQ(x.workspace_bytes, y.workspace_bytes);
+    EXPECT_EQ(fields(a.ops[k]), fields(b.ops[k])) << "op " << k;
   }
   ASSERT_EQ(a.tensors.size(), b.tensors.size());
   for (std::size_t i = 0; i < a.tensors.size(); ++i) {
-    SCOPED_TRACE(testing::Message() << "tensor " << i);
-    const Tensor& x = a.tensors[i];
-    const Tensor& y = b.tensors[i];
-    EXPECT_EQ(x.id, y.id);
-    EXPECT_EQ(x.name, y.name);
-    EXPECT_EQ(x.bytes, y.bytes);
-    EXPECT_EQ(x.device, y.device);
-    EXPECT_EQ(x.cls, y.cls);
-    EXPECT_EQ(x.persistent, y.persistent);
-    EXPECT_EQ(x.producer, y.producer);
-    EXPECT_EQ(x.output_slot, y.output_slot);
-    EXPECT_EQ(x.freed_after, y.freed_after);
+    EXPECT_EQ(fields(a.tensors[i]), fields(b.tensors[i])) << "tensor " << i;
   }
 }
 
