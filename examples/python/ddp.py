@@ -16,14 +16,13 @@ tested yet: see docs/python.md).
 import argparse
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tidal
-from gpt import GPT, CharCorpus, add_model_args
+from gpt import GPT, CharCorpus, add_model_args, train_step
 
 
 def main() -> None:
@@ -56,19 +55,9 @@ def main() -> None:
     times, peaks = [], []
     for step in range(a.steps):
         x, y = corpus.batch(g, a.batch, a.block)
-        tidal.reset_peak_memory()
-        t0 = time.perf_counter()
-        if session:
-            session.begin_step()
-        opt.zero_grad(set_to_none=False)
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        if session:
-            session.end_step()
-        times.append(time.perf_counter() - t0)
-        peaks.append(max(tidal.memory_stats()["peak_bytes"],
-                         session.stats().step_peak if session else 0))
+        loss, seconds, peak = train_step(model, opt, x, y, session=session)
+        times.append(seconds)
+        peaks.append(peak)
         print(f"rank {rank} step {step:3d}  loss {loss.item():.6f}  {1e3 * times[-1]:8.1f} ms  "
               f"peak {tidal.format_bytes(peaks[-1])}  {session.stats() if session else ''}",
               flush=True)

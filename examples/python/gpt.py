@@ -1,6 +1,7 @@
 """A small character-level GPT (nanoGPT's shape) for the Python examples: model and corpus."""
 
 import math
+import time
 
 import torch
 import torch.nn as nn
@@ -76,3 +77,30 @@ def add_model_args(p) -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
+
+
+def train_step(model, opt, x, y, session=None, offload=None):
+    """One ordinary training step: inside tidal's step markers when there is a `tidal.Session`,
+    with the forward pass under `tidal.offload_activations` when there is one. Returns the loss,
+    the step's seconds and its peak bytes (tidal's memory meter, and the session's step peak)."""
+    import tidal
+
+    tidal.reset_peak_memory()
+    t0 = time.perf_counter()
+    if session:
+        session.begin_step()
+    opt.zero_grad(set_to_none=False)
+    if offload:
+        with offload:
+            loss = model(x, y)
+    else:
+        loss = model(x, y)
+    loss.backward()
+    opt.step()
+    if session:
+        session.end_step()
+    seconds = time.perf_counter() - t0
+    peak = tidal.memory_stats()["peak_bytes"]
+    if session:
+        peak = max(peak, session.stats().step_peak)
+    return loss, seconds, peak

@@ -12,12 +12,11 @@ a summary (median step time and peak over the steps after the warm-up/profiling 
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
 import tidal  # before the model: tidal's memory meter counts from here
-from gpt import GPT, CharCorpus, add_model_args
+from gpt import GPT, CharCorpus, add_model_args, train_step
 
 
 def main() -> None:
@@ -53,24 +52,7 @@ def main() -> None:
     rows = []
     for step in range(a.steps):
         x, y = corpus.batch(g, a.batch, a.block)
-        tidal.reset_peak_memory()
-        t0 = time.perf_counter()
-        if session:
-            session.begin_step()
-        opt.zero_grad(set_to_none=False)
-        if offload:
-            with offload:
-                loss = model(x, y)
-        else:
-            loss = model(x, y)
-        loss.backward()
-        opt.step()
-        if session:
-            session.end_step()
-        seconds = time.perf_counter() - t0
-        peak = tidal.memory_stats()["peak_bytes"]
-        if session:
-            peak = max(peak, session.stats().step_peak)
+        loss, seconds, peak = train_step(model, opt, x, y, session=session, offload=offload)
         row = {"step": step, "loss": loss.item(), "seconds": seconds, "peak": peak}
         note = str(session.stats()) if session else ""
         rows.append(row)
