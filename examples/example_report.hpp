@@ -10,8 +10,10 @@
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "tidal/torch/build_info.hpp"
 #include "tidal/torch/session.hpp"
@@ -79,8 +81,14 @@ class Report {
   void start_step() { t0_ = std::chrono::steady_clock::now(); }
 
   /// Right after session.end_step(): its peak (the meter's, from begin_step to end_step), time
-  /// and bytes moved.
-  void end_step(int step, const tidal::torch_layer::Session& session) {
+  /// and bytes moved; prints the step's losses bit-exact ("step 3 loss 0x1.2p-1"), the lines
+  /// run_examples.sh compares across modes.
+  void end_step(int step, const tidal::torch_layer::Session& session,
+                std::initializer_list<std::pair<const char*, double>> losses) {
+    std::printf("step %d", step);
+    for (const auto& [name, value] : losses) std::printf(" %s %a", name, value);
+    std::printf("\n");
+    std::fflush(stdout);
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
     const auto s = session.stats();
     peak_ = std::max(peak_, s.step_peak);
@@ -121,10 +129,10 @@ class Report {
   int timed_ = 0;
 };
 
-/// Runs `run` and turns an exception into "error: ..." and exit status 1.
-inline int main_with_errors(const std::function<int()>& run) {
+/// An example's main: runs `run` and turns an exception into "error: ..." and exit status 1.
+inline int main_with_errors(int argc, char** argv, int (*run)(int, char**)) {
   try {
-    return run();
+    return run(argc, argv);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

@@ -83,10 +83,8 @@ int run(int argc, char** argv) {
     g_optimizer.step();
 
     session.end_step();
-    report.end_step(step, session);
-    std::printf("step %d loss_d %a loss_g %a\n", step, d_loss.item<double>(),
-                g_loss.item<double>());
-    std::fflush(stdout);
+    report.end_step(step, session,
+                    {{"loss_d", d_loss.item<double>()}, {"loss_g", g_loss.item<double>()}});
   }
 
   report.print_summary(args, session);
@@ -95,6 +93,4 @@ int run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  return tidal_example::main_with_errors([&] { return run(argc, argv); });
-}
+int main(int argc, char** argv) { return tidal_example::main_with_errors(argc, argv, run); }

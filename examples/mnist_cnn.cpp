@@ -158,9 +158,7 @@ int run(int argc, char** argv) {
       loss.backward();
       optimizer.step();
       session.end_step();
-      report.end_step(step, session);
-      std::printf("step %d loss %a\n", step, loss.item<double>());
-      std::fflush(stdout);
+      report.end_step(step, session, {{"loss", loss.item<double>()}});
       ++step;
     }
   }
@@ -171,6 +169,4 @@ int run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  return tidal_example::main_with_errors([&] { return run(argc, argv); });
-}
+int main(int argc, char** argv) { return tidal_example::main_with_errors(argc, argv, run); }
