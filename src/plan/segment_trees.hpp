@@ -12,13 +12,9 @@
 #include <utility>
 #include <vector>
 
-namespace tidal::plan::detail {
+#include "plan/int_index.hpp"
 
-/// v[i] for an op or position counted in int (the planner's unit), without a cast at each use.
-template <class Vector>
-decltype(auto) at(Vector& v, int i) {
-  return v[static_cast<std::size_t>(i)];
-}
+namespace tidal::plan::detail {
 
 /// Which way a search walks along the ops: towards higher indices or lower ones.
 enum class Scan : std::uint8_t { kForward, kBackward };
