@@ -166,10 +166,10 @@ class Planner {
     if (!opt_.use_host || hw_.host_memory == 0) {
       rates_[Channel::kHostWrite] = rates_[Channel::kHostRead] = 0;
     }
-    op_seconds_.resize(static_cast<std::size_t>(n_));
+    op_seconds_.resize(ops());
     for (int k = 0; k < n_; ++k) at(op_seconds_, k) = tr_.op_seconds(static_cast<std::size_t>(k));
     for (Channel c : kChannels) {  // buckets_ in Channel order
-      std::vector<double> cap(static_cast<std::size_t>(n_));
+      std::vector<double> cap(ops());
       for (int k = 0; k < n_; ++k) at(cap, k) = rates_[c] * at(op_seconds_, k);
       buckets_.emplace_back(cap);
     }
@@ -194,7 +194,7 @@ class Planner {
 
   // The ops over the target, with their compute time as weight; nothing planned away yet.
   void track_over_target(const trace::LifetimeAnalysis& la) {
-    std::vector<std::int64_t> m(static_cast<std::size_t>(n_));
+    std::vector<std::int64_t> m(ops());
     over_time_ = std::make_unique<Fenwick>(n_);
     for (int k = 0; k < n_; ++k) {
       const auto v = static_cast<std::int64_t>(at(la.live_bytes, k));
@@ -204,17 +204,16 @@ class Planner {
     }
     over_memory_ = std::make_unique<RangeTree>(m);
     for (auto& tree : away_bytes_) {
-      tree =
-          std::make_unique<RangeTree>(std::vector<std::int64_t>(static_cast<std::size_t>(n_), 0));
+      tree = std::make_unique<RangeTree>(std::vector<std::int64_t>(ops(), 0));
     }
-    planned_delta_.assign(static_cast<std::size_t>(n_) + 1, 0);
-    stall_at_.assign(static_cast<std::size_t>(n_), 0.0);
+    planned_delta_.assign(ops() + 1, 0);
+    stall_at_.assign(ops(), 0.0);
     initial_over_time_ = over_time_->sum(0, n_ - 1);
   }
 
   void check_active_fit(const trace::LifetimeAnalysis& la) {
     // Bytes that may leave at op k: periods that cover it away from their ends.
-    std::vector<std::int64_t> movable(static_cast<std::size_t>(n_) + 1, 0);
+    std::vector<std::int64_t> movable(ops() + 1, 0);
     for (const Candidate& c : candidates_) {
       for_each_segment(c, 1, c.len - 2, [&](const Segment& s) {
         at(movable, s.l) += static_cast<std::int64_t>(c.bytes);
@@ -246,6 +245,9 @@ class Planner {
   }
 
   // ---- a candidate's period ------------------------------------------------------------------
+
+  // The number of ops as a container size.
+  [[nodiscard]] std::size_t ops() const { return static_cast<std::size_t>(n_); }
 
   // Zero-time ops still count a little, so that an op over capacity always has a weight.
   double weight(int k) const { return at(op_seconds_, k) + 1e-9; }
@@ -773,8 +775,8 @@ class Planner {
   // M' per op (memory with every committed migration), and the prefix sums of the compute
   // time of the ops that exceed the target with everything kept.
   RangeTree planned_memory(const trace::LifetimeAnalysis& la, std::vector<double>& over_prefix) {
-    std::vector<std::int64_t> m(static_cast<std::size_t>(n_));
-    over_prefix.assign(static_cast<std::size_t>(n_) + 1, 0.0);
+    std::vector<std::int64_t> m(ops());
+    over_prefix.assign(ops() + 1, 0.0);
     std::int64_t run = 0;
     for (int k = 0; k < n_; ++k) {
       run += at(planned_delta_, k);

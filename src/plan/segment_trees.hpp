@@ -22,6 +22,18 @@ enum class Scan : std::uint8_t { kForward, kBackward };
 /// One leaf's index and value (a bucket and the bytes taken from or given back to it).
 using Leaf = std::pair<int, double>;
 
+/// A node x of a segment tree stored as an implicit binary heap (root 1, children 2x and
+/// 2x + 1) and the leaves [lo, hi] under it.
+struct TreeNode {
+  int x;
+  int lo;
+  int hi;
+  [[nodiscard]] TreeNode left() const { return {2 * x, lo, (lo + hi) / 2}; }
+  [[nodiscard]] TreeNode right() const { return {2 * x + 1, (lo + hi) / 2 + 1, hi}; }
+  [[nodiscard]] bool outside(int l, int r) const { return hi < l || lo > r; }
+  [[nodiscard]] bool inside(int l, int r) const { return l <= lo && hi <= r; }
+};
+
 /// Non-negative values per op (a channel's remaining capacity in bytes) with range sums and
 /// prefix searches. Values only shrink except where a planned stall adds capacity.
 class BucketTree {
@@ -79,7 +91,7 @@ class BucketTree {
   /// sum(j..r) >= need. -1 when there is none (need > 0).
   [[nodiscard]] int find(int l, int r, double need, Scan scan) const {
     if (l > r) return -1;
-    const Node root{1, 0, leaves_ - 1};
+    const TreeNode root{1, 0, leaves_ - 1};
     return scan == Scan::kForward ? descend<Scan::kForward>(root, l, r, need)
                                   : descend<Scan::kBackward>(root, l, r, need);
   }
@@ -91,15 +103,6 @@ class BucketTree {
   }
 
  private:
-  // A node and the leaves [lo, hi] under it.
-  struct Node {
-    int x;
-    int lo;
-    int hi;
-    [[nodiscard]] Node left() const { return {2 * x, lo, (lo + hi) / 2}; }
-    [[nodiscard]] Node right() const { return {2 * x + 1, (lo + hi) / 2 + 1, hi}; }
-  };
-
   double& node(int x) { return at(node_, x); }
   [[nodiscard]] double node(int x) const { return at(node_, x); }
   void pull(int x) { node(x) = node(2 * x) + node(2 * x + 1); }
@@ -107,22 +110,22 @@ class BucketTree {
   // The search of find(): takes whole nodes in the scan's order until one holds what is still
   // needed, then goes down into it.
   template <Scan kScan>
-  int descend(Node nd, int l, int r, double& need) const {
+  int descend(TreeNode nd, int l, int r, double& need) const {
     const double v = node(nd.x);
-    if (nd.hi < l || nd.lo > r || v <= 0) return -1;
-    if (l <= nd.lo && nd.hi <= r && v < need) {
+    if (nd.outside(l, r) || v <= 0) return -1;
+    if (nd.inside(l, r) && v < need) {
       need -= v;
       return -1;
     }
     if (nd.lo == nd.hi) return nd.lo;
-    const Node first = kScan == Scan::kForward ? nd.left() : nd.right();
-    const Node second = kScan == Scan::kForward ? nd.right() : nd.left();
+    const TreeNode first = kScan == Scan::kForward ? nd.left() : nd.right();
+    const TreeNode second = kScan == Scan::kForward ? nd.right() : nd.left();
     const int j = descend<kScan>(first, l, r, need);
     return j >= 0 ? j : descend<kScan>(second, l, r, need);
   }
 
-  void zero(Node nd, int l, int r, std::vector<Leaf>& cleared) {
-    if (nd.hi < l || nd.lo > r || node(nd.x) <= 0) return;
+  void zero(TreeNode nd, int l, int r, std::vector<Leaf>& cleared) {
+    if (nd.outside(l, r) || node(nd.x) <= 0) return;
     if (nd.lo == nd.hi) {
       cleared.emplace_back(nd.lo, node(nd.x));
       node(nd.x) = 0;
@@ -173,16 +176,7 @@ class RangeTree {
   }
 
  private:
-  struct Node {
-    int x;
-    int lo;
-    int hi;
-    [[nodiscard]] Node left() const { return {2 * x, lo, (lo + hi) / 2}; }
-    [[nodiscard]] Node right() const { return {2 * x + 1, (lo + hi) / 2 + 1, hi}; }
-    [[nodiscard]] bool outside(int l, int r) const { return hi < l || lo > r; }
-    [[nodiscard]] bool inside(int l, int r) const { return l <= lo && hi <= r; }
-  };
-  [[nodiscard]] Node root() const { return {1, 0, leaves_ - 1}; }
+  [[nodiscard]] TreeNode root() const { return {1, 0, leaves_ - 1}; }
 
   void pull(int x) {
     at(min_, x) = std::min(at(min_, 2 * x), at(min_, 2 * x + 1));
@@ -203,7 +197,7 @@ class RangeTree {
       at(pending_, x) = 0;
     }
   }
-  void add(Node nd, int l, int r, std::int64_t v) {
+  void add(TreeNode nd, int l, int r, std::int64_t v) {
     if (nd.outside(l, r)) return;
     if (nd.inside(l, r)) {
       apply(nd.x, v);
@@ -214,19 +208,19 @@ class RangeTree {
     add(nd.right(), l, r, v);
     pull(nd.x);
   }
-  std::int64_t max_in(Node nd, int l, int r) {
+  std::int64_t max_in(TreeNode nd, int l, int r) {
     if (nd.outside(l, r)) return -kInf;
     if (nd.inside(l, r)) return at(max_, nd.x);
     push(nd.x);
     return std::max(max_in(nd.left(), l, r), max_in(nd.right(), l, r));
   }
-  void set(Node nd, int i, std::int64_t v) {
+  void set(TreeNode nd, int i, std::int64_t v) {
     if (nd.lo == nd.hi) {
       at(min_, nd.x) = at(max_, nd.x) = v;
       return;
     }
     push(nd.x);
-    const Node left = nd.left();
+    const TreeNode left = nd.left();
     if (i <= left.hi) {
       set(left, i, v);
     } else {
@@ -234,7 +228,7 @@ class RangeTree {
     }
     pull(nd.x);
   }
-  int first_at_most(Node nd, int l, int r, std::int64_t threshold) {
+  int first_at_most(TreeNode nd, int l, int r, std::int64_t threshold) {
     if (nd.outside(l, r) || at(min_, nd.x) > threshold) return -1;
     if (nd.lo == nd.hi) return nd.lo;
     push(nd.x);

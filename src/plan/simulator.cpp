@@ -198,24 +198,13 @@ class Simulator {
 
   // The state of every tensor, in the vocabulary the executor reports too.
   std::vector<Residency> residency() const {
+    // By State: absent, resident, writing, offloaded, reading.
+    constexpr Residency kResidencyOf[] = {Residency::kAbsent, Residency::kResident,
+                                          Residency::kLeaving, Residency::kAway,
+                                          Residency::kArriving};
     std::vector<Residency> r(tensors_.size(), Residency::kAbsent);
     for (std::size_t i = 0; i < tensors_.size(); ++i) {
-      switch (tensors_[i].state) {
-        case State::kAbsent:
-          break;
-        case State::kResident:
-          r[i] = Residency::kResident;
-          break;
-        case State::kWriting:
-          r[i] = Residency::kLeaving;
-          break;
-        case State::kOffloaded:
-          r[i] = Residency::kAway;
-          break;
-        case State::kReading:
-          r[i] = Residency::kArriving;
-          break;
-      }
+      r[i] = kResidencyOf[static_cast<std::size_t>(tensors_[i].state)];
     }
     return r;
   }
