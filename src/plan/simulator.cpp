@@ -326,25 +326,20 @@ class Simulator {
   void set_away(TensorId id, std::optional<Tier> tier) {
     TensorState& s = state(id);
     const std::uint64_t bytes = bytes_of(id);
-    const bool host = tier == Tier::kHost;
-    const bool ssd = tier == Tier::kSsd;
-    if (s.on_host != host) {
-      s.on_host = host;
-      if (host) {
-        host_bytes_ += bytes;
-        if (counting_) peak_host_ = std::max(peak_host_, host_bytes_);
-      } else {
-        host_bytes_ -= bytes;
-      }
-    }
-    if (s.on_ssd != ssd) {
-      s.on_ssd = ssd;
-      if (ssd) {
-        ssd_bytes_ += bytes;
-        if (counting_) peak_ssd_ = std::max(peak_ssd_, ssd_bytes_);
-      } else {
-        ssd_bytes_ -= bytes;
-      }
+    hold(s.on_host, tier == Tier::kHost, bytes, host_bytes_, peak_host_);
+    hold(s.on_ssd, tier == Tier::kSsd, bytes, ssd_bytes_, peak_ssd_);
+  }
+  // Sets whether one tier holds a tensor (`on`), counting its bytes in what the tier holds and,
+  // in the reported iteration, in the peak.
+  void hold(bool& on, bool want, std::uint64_t bytes, std::uint64_t& held,
+            std::uint64_t& peak) const {
+    if (on == want) return;
+    on = want;
+    if (want) {
+      held += bytes;
+      if (counting_) peak = std::max(peak, held);
+    } else {
+      held -= bytes;
     }
   }
 
