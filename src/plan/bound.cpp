@@ -113,7 +113,7 @@ class WindowSearch {
  private:
   // A tensor the window from op i uses that existed before it counts once in E. A tensor with
   // a gap exists before op i when i is in its first live stretch or after its producer.
-  bool existed(TensorId x, OpIndex i) const {
+  [[nodiscard]] bool existed(TensorId x, OpIndex i) const {
     const auto& ten = at(trace_.tensors, x);
     return ten.has_gap() ? i <= ten.freed_after || i > ten.producer : at(spans_.begin, x) < i;
   }

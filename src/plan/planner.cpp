@@ -6,6 +6,7 @@
 #include <limits>
 #include <memory>
 #include <queue>
+#include <utility>
 
 #include "plan/segment_trees.hpp"
 #include "tidal/common/error.hpp"
@@ -108,8 +109,8 @@ struct PruneState {
 
 class Planner {
  public:
-  Planner(const trace::Trace& tr, const Hardware& hw, const PlannerOptions& opt)
-      : tr_(tr), hw_(hw), opt_(opt), n_(static_cast<int>(tr.ops.size())) {}
+  Planner(const trace::Trace& tr, const Hardware& hw, PlannerOptions opt)
+      : tr_(tr), hw_(hw), opt_(std::move(opt)), n_(static_cast<int>(tr.ops.size())) {}
 
   // The stages: set up the channels, candidates and memory over the target; the greedy; the
   // least-stall fallback; prune; the stalls and the summary.
@@ -250,15 +251,15 @@ class Planner {
   [[nodiscard]] std::size_t ops() const { return static_cast<std::size_t>(n_); }
 
   // Zero-time ops still count a little, so that an op over capacity always has a weight.
-  double weight(int k) const { return at(op_seconds_, k) + 1e-9; }
+  [[nodiscard]] double weight(int k) const { return at(op_seconds_, k) + 1e-9; }
 
   // Positions and ops are within one iteration of each other, so a compare replaces the modulo
   // (these two run tens of millions of times on a 70B trace).
-  int op_at(const Candidate& c, int pos) const {
+  [[nodiscard]] int op_at(const Candidate& c, int pos) const {
     const int k = c.last_use + 1 + pos;
     return k >= n_ ? k - n_ : (k < 0 ? k + n_ : k);
   }
-  int pos_of(const Candidate& c, int k) const {
+  [[nodiscard]] int pos_of(const Candidate& c, int k) const {
     return k > c.last_use ? k - c.last_use - 1 : k - c.last_use - 1 + n_;
   }
 
@@ -282,7 +283,7 @@ class Planner {
     for (int i = 0; i < ns; ++i) fn(s[i]);
   }
 
-  double bucket_sum(const BucketTree& t, const Candidate& c, int p0, int p1) const {
+  [[nodiscard]] double bucket_sum(const BucketTree& t, const Candidate& c, int p0, int p1) const {
     double v = 0;
     for_each_segment(c, p0, p1, [&](const Segment& s) { v += t.sum(s.l, s.r); });
     return v;
@@ -290,7 +291,8 @@ class Planner {
 
   // Filling `need` bytes into positions [p0, p1] of c, from p0 up (forward) or from p1 down
   // (backward): the position where it completes, or -1.
-  int fill(const BucketTree& t, const Candidate& c, int p0, int p1, double need, Scan scan) const {
+  [[nodiscard]] int fill(const BucketTree& t, const Candidate& c, int p0, int p1, double need,
+                         Scan scan) const {
     Segment s[2];
     const int ns = segments(c, p0, p1, s);
     for (int q = 0; q < ns; ++q) {
@@ -307,7 +309,7 @@ class Planner {
   }
 
   // Compute time of the ops over the target at positions [p0, p1].
-  double over_time(const Candidate& c, int p0, int p1) const {
+  [[nodiscard]] double over_time(const Candidate& c, int p0, int p1) const {
     double v = 0;
     for_each_segment(c, p0, p1, [&](const Segment& s) { v += over_time_->sum(s.l, s.r); });
     return v;
@@ -372,7 +374,7 @@ class Planner {
   }
 
   BucketTree& bucket(Target t, Direction d) { return buckets_[index_of(channel_of(t, d))]; }
-  const BucketTree& bucket(Target t, Direction d) const {
+  [[nodiscard]] const BucketTree& bucket(Target t, Direction d) const {
     return buckets_[index_of(channel_of(t, d))];
   }
 
@@ -788,7 +790,7 @@ class Planner {
   }
 
   // The committed migrations, by target (SSD first), tensor, epoch and offload time.
-  std::vector<PruneMember> prune_members() const {
+  [[nodiscard]] std::vector<PruneMember> prune_members() const {
     // The ops that modify each tensor, in order.
     std::vector<std::vector<OpIndex>> writes(tr_.tensors.size());
     for (const auto& op : tr_.ops) {
@@ -814,8 +816,8 @@ class Planner {
   }
 
   // The groups of the sorted members, in the order prune() tries them.
-  std::vector<PruneGroup> prune_groups(const std::vector<PruneMember>& members,
-                                       const std::vector<double>& over_prefix) const {
+  [[nodiscard]] std::vector<PruneGroup> prune_groups(const std::vector<PruneMember>& members,
+                                                     const std::vector<double>& over_prefix) const {
     std::vector<PruneGroup> groups;
     for (std::size_t i = 0; i < members.size();) {
       std::size_t j = i;

@@ -184,20 +184,20 @@ class Simulator {
     std::vector<int> heap;
   };
 
-  bool later(int a, int b) const {
+  [[nodiscard]] bool later(int a, int b) const {
     const Job& x = job(a);
     const Job& y = job(b);
     return x.key != y.key ? x.key > y.key : x.seq > y.seq;
   }
   Queue& channel(Channel c) { return queues_[index_of(c)]; }
   Job& job(int j) { return at(jobs_, j); }
-  const Job& job(int j) const { return at(jobs_, j); }
+  [[nodiscard]] const Job& job(int j) const { return at(jobs_, j); }
   TensorState& state(TensorId id) { return at(tensors_, id); }
-  std::uint64_t bytes_of(TensorId id) const { return at(tr_.tensors, id).bytes; }
-  const Queue& channel(Channel c) const { return queues_[index_of(c)]; }
+  [[nodiscard]] std::uint64_t bytes_of(TensorId id) const { return at(tr_.tensors, id).bytes; }
+  [[nodiscard]] const Queue& channel(Channel c) const { return queues_[index_of(c)]; }
 
   // The state of every tensor, in the vocabulary the executor reports too.
-  std::vector<Residency> residency() const {
+  [[nodiscard]] std::vector<Residency> residency() const {
     // By State: absent, resident, writing, offloaded, reading.
     constexpr Residency kResidencyOf[] = {Residency::kAbsent, Residency::kResident,
                                           Residency::kLeaving, Residency::kAway,
@@ -210,7 +210,7 @@ class Simulator {
   }
 
   // A channel's queue is a heap with the most urgent job on top.
-  auto most_urgent_on_top() const {
+  [[nodiscard]] auto most_urgent_on_top() const {
     return [this](int a, int b) { return later(a, b); };
   }
   void push(Channel c, int j) {
