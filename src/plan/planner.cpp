@@ -6,7 +6,10 @@
 #include <limits>
 #include <memory>
 #include <queue>
+#include <utility>
 
+#include "plan/cyclic_ops.hpp"
+#include "plan/segment_trees.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/trace/lifetime.hpp"
@@ -18,228 +21,14 @@ using trace::TensorId;
 
 namespace {
 
-// Remaining capacity of one channel per op (bytes), with prefix searches. Leaves only shrink
-// except where a planned stall adds capacity.
-class BucketTree {
- public:
-  explicit BucketTree(const std::vector<double>& v) {
-    n_ = static_cast<int>(v.size());
-    size_ = 1;
-    while (size_ < n_) size_ <<= 1;
-    t_.assign(2 * static_cast<std::size_t>(size_), 0.0);
-    for (int i = 0; i < n_; ++i)
-      t_[static_cast<std::size_t>(size_ + i)] = v[static_cast<std::size_t>(i)];
-    for (int i = size_ - 1; i >= 1; --i) pull(i);
-  }
-  double get(int i) const { return t_[static_cast<std::size_t>(size_ + i)]; }
-  void set(int i, double v) {
-    int x = size_ + i;
-    t_[static_cast<std::size_t>(x)] = std::max(0.0, v);
-    for (x >>= 1; x >= 1; x >>= 1) pull(x);
-  }
-  // Adds the (index, value) items to their leaves, then updates each ancestor once per run of
-  // neighbouring items (giving back a reservation of m items costs O(m + log n), not m log n).
-  void add(const std::pair<int, double>* first, const std::pair<int, double>* last) {
-    auto& xs = scratch_;
-    xs.clear();
-    for (const auto* p = first; p != last; ++p) {
-      const int x = size_ + p->first;
-      auto& v = t_[static_cast<std::size_t>(x)];
-      v = std::max(0.0, v + p->second);
-      if (xs.empty() || xs.back() != x) xs.push_back(x);
-    }
-    while (!xs.empty() && xs.front() > 1) {
-      std::size_t out = 0;
-      for (const int x : xs) {
-        if (out == 0 || xs[out - 1] != x >> 1) xs[out++] = x >> 1;
-      }
-      xs.resize(out);
-      for (const int x : xs) pull(x);
-    }
-  }
-  double sum(int l, int r) const {
-    double s = 0;
-    if (l > r) return 0;
-    for (int a = l + size_, b = r + size_ + 1; a < b; a >>= 1, b >>= 1) {
-      if ((a & 1) != 0) s += t_[static_cast<std::size_t>(a++)];
-      if ((b & 1) != 0) s += t_[static_cast<std::size_t>(--b)];
-    }
-    return s;
-  }
-  // Smallest j in [l, r] with sum(l..j) >= need (need > 0), or -1.
-  int find_forward(int l, int r, double need) const {
-    if (l > r) return -1;
-    const int j = ff(1, 0, size_ - 1, l, r, need);
-    return j;
-  }
-  // Largest j in [l, r] with sum(j..r) >= need, or -1.
-  int find_backward(int l, int r, double need) const {
-    if (l > r) return -1;
-    return fb(1, 0, size_ - 1, l, r, need);
-  }
-  // Sets [l, r] to zero and appends the (index, value) of every nonzero leaf it cleared.
-  void zero(int l, int r, std::vector<std::pair<int, double>>& cleared) {
-    if (l <= r) zero(1, 0, size_ - 1, l, r, cleared);
-  }
-
- private:
-  void pull(int x) {
-    t_[static_cast<std::size_t>(x)] =
-        t_[static_cast<std::size_t>(2 * x)] + t_[static_cast<std::size_t>(2 * x + 1)];
-  }
-  int ff(int x, int nl, int nr, int l, int r, double& need) const {
-    const double v = t_[static_cast<std::size_t>(x)];
-    if (nr < l || nl > r || v <= 0) return -1;
-    if (l <= nl && nr <= r && v < need) {
-      need -= v;
-      return -1;
-    }
-    if (nl == nr) return nl;
-    const int mid = (nl + nr) / 2;
-    const int j = ff(2 * x, nl, mid, l, r, need);
-    return j >= 0 ? j : ff(2 * x + 1, mid + 1, nr, l, r, need);
-  }
-  int fb(int x, int nl, int nr, int l, int r, double& need) const {
-    const double v = t_[static_cast<std::size_t>(x)];
-    if (nr < l || nl > r || v <= 0) return -1;
-    if (l <= nl && nr <= r && v < need) {
-      need -= v;
-      return -1;
-    }
-    if (nl == nr) return nl;
-    const int mid = (nl + nr) / 2;
-    const int j = fb(2 * x + 1, mid + 1, nr, l, r, need);
-    return j >= 0 ? j : fb(2 * x, nl, mid, l, r, need);
-  }
-  void zero(int x, int nl, int nr, int l, int r, std::vector<std::pair<int, double>>& cleared) {
-    if (nr < l || nl > r || t_[static_cast<std::size_t>(x)] <= 0) return;
-    if (nl == nr) {
-      cleared.emplace_back(nl, t_[static_cast<std::size_t>(x)]);
-      t_[static_cast<std::size_t>(x)] = 0;
-      return;
-    }
-    const int mid = (nl + nr) / 2;
-    zero(2 * x, nl, mid, l, r, cleared);
-    zero(2 * x + 1, mid + 1, nr, l, r, cleared);
-    pull(x);
-  }
-  int n_ = 0;
-  int size_ = 1;
-  std::vector<double> t_;
-  std::vector<int> scratch_;
-};
-
-// Range add with min and max queries over int64 values.
-class RangeTree {
- public:
-  explicit RangeTree(const std::vector<std::int64_t>& v) {
-    n_ = static_cast<int>(v.size());
-    size_ = 1;
-    while (size_ < n_) size_ <<= 1;
-    mn_.assign(2 * static_cast<std::size_t>(size_), kInf);
-    mx_.assign(2 * static_cast<std::size_t>(size_), -kInf);
-    lz_.assign(2 * static_cast<std::size_t>(size_), 0);
-    for (int i = 0; i < n_; ++i) {
-      mn_[static_cast<std::size_t>(size_ + i)] = mx_[static_cast<std::size_t>(size_ + i)] =
-          v[static_cast<std::size_t>(i)];
-    }
-    for (int i = size_ - 1; i >= 1; --i) pull(i);
-  }
-  static constexpr std::int64_t kInf = std::numeric_limits<std::int64_t>::max() / 4;
-
-  void add(int l, int r, std::int64_t v) {
-    if (l <= r) add(1, 0, size_ - 1, l, r, v);
-  }
-  std::int64_t max(int l, int r) { return l <= r ? qmax(1, 0, size_ - 1, l, r) : -kInf; }
-  std::int64_t get(int i) { return qmax(1, 0, size_ - 1, i, i); }
-  void set(int i, std::int64_t v) { set(1, 0, size_ - 1, i, v); }
-  // Leftmost index in [l, r] whose value is <= threshold, or -1.
-  int first_at_most(int l, int r, std::int64_t threshold) {
-    return l <= r ? fam(1, 0, size_ - 1, l, r, threshold) : -1;
-  }
-
- private:
-  void pull(int x) {
-    const auto a = static_cast<std::size_t>(2 * x);
-    mn_[static_cast<std::size_t>(x)] = std::min(mn_[a], mn_[a + 1]);
-    mx_[static_cast<std::size_t>(x)] = std::max(mx_[a], mx_[a + 1]);
-  }
-  void apply(int x, std::int64_t v) {
-    const auto i = static_cast<std::size_t>(x);
-    if (mn_[i] < kInf) mn_[i] += v;
-    if (mx_[i] > -kInf) mx_[i] += v;
-    lz_[i] += v;
-  }
-  void push(int x) {
-    const auto i = static_cast<std::size_t>(x);
-    if (lz_[i] != 0) {
-      apply(2 * x, lz_[i]);
-      apply(2 * x + 1, lz_[i]);
-      lz_[i] = 0;
-    }
-  }
-  void add(int x, int nl, int nr, int l, int r, std::int64_t v) {
-    if (nr < l || nl > r) return;
-    if (l <= nl && nr <= r) {
-      apply(x, v);
-      return;
-    }
-    push(x);
-    const int mid = (nl + nr) / 2;
-    add(2 * x, nl, mid, l, r, v);
-    add(2 * x + 1, mid + 1, nr, l, r, v);
-    pull(x);
-  }
-  std::int64_t qmax(int x, int nl, int nr, int l, int r) {
-    if (nr < l || nl > r) return -kInf;
-    if (l <= nl && nr <= r) return mx_[static_cast<std::size_t>(x)];
-    push(x);
-    const int mid = (nl + nr) / 2;
-    return std::max(qmax(2 * x, nl, mid, l, r), qmax(2 * x + 1, mid + 1, nr, l, r));
-  }
-  void set(int x, int nl, int nr, int i, std::int64_t v) {
-    if (nl == nr) {
-      mn_[static_cast<std::size_t>(x)] = mx_[static_cast<std::size_t>(x)] = v;
-      return;
-    }
-    push(x);
-    const int mid = (nl + nr) / 2;
-    if (i <= mid) {
-      set(2 * x, nl, mid, i, v);
-    } else {
-      set(2 * x + 1, mid + 1, nr, i, v);
-    }
-    pull(x);
-  }
-  int fam(int x, int nl, int nr, int l, int r, std::int64_t th) {
-    if (nr < l || nl > r || mn_[static_cast<std::size_t>(x)] > th) return -1;
-    if (nl == nr) return nl;
-    push(x);
-    const int mid = (nl + nr) / 2;
-    const int j = fam(2 * x, nl, mid, l, r, th);
-    return j >= 0 ? j : fam(2 * x + 1, mid + 1, nr, l, r, th);
-  }
-  int n_ = 0;
-  int size_ = 1;
-  std::vector<std::int64_t> mn_, mx_, lz_;
-};
-
-class Fenwick {
- public:
-  explicit Fenwick(int n) : t_(static_cast<std::size_t>(n) + 1, 0.0) {}
-  void add(int i, double v) {
-    for (++i; i < static_cast<int>(t_.size()); i += i & -i) t_[static_cast<std::size_t>(i)] += v;
-  }
-  double prefix(int i) const {  // sum of [0, i]
-    double s = 0;
-    for (++i; i > 0; i -= i & -i) s += t_[static_cast<std::size_t>(i)];
-    return s;
-  }
-  double sum(int l, int r) const { return l > r ? 0 : prefix(r) - (l > 0 ? prefix(l - 1) : 0); }
-
- private:
-  std::vector<double> t_;
-};
+using detail::at;
+using detail::BucketTree;
+using detail::CyclicOps;
+using detail::Fenwick;
+using detail::Leaf;
+using detail::RangeTree;
+using detail::Scan;
+using detail::Segment;
 
 // The bandwidth a committed migration holds on one channel: (op, bytes) items sorted by their
 // position in the candidate's period, with prefix sums. The least-stall fallback asks, for every
@@ -247,47 +36,115 @@ class Fenwick {
 // op; a scan of the items made that 80% of the planning time on Llama-3.1-405B (reservations in
 // the optimizer step's millisecond ops have hundreds of items).
 struct Reservation {
-  std::vector<std::pair<int, double>> items;
+  std::vector<Leaf> items;
   std::vector<int> pos;     // items' positions, ascending
   std::vector<double> cum;  // cum[i]: bytes of items[0, i)
 };
 
+// One inactive period of a tensor, a candidate migration. Positions count the ops strictly
+// inside the period: position 0 is op last_use + 1, position len - 1 is op next_use - 1
+// (cyclically).
 struct Candidate {
   TensorId tensor = 0;
   std::uint64_t bytes = 0;
-  OpIndex a = 0;  // last use
-  OpIndex b = 0;  // next use
-  int len = 0;    // ops strictly between, cyclically
+  OpIndex last_use = 0;
+  OpIndex next_use = 0;
+  int len = 0;  // ops strictly between, cyclically
   bool done = false;
   // Once committed: where, the positions of its transfers' end buckets, the bandwidth it
   // reserved per op (so that the least-stall fallback can move it), and its two actions.
   Target target = Target::kSsd;
-  int pe = -1;
-  int pp = -1;
-  Reservation wres;
-  Reservation rres;
-  std::size_t off_action = 0;
+  int offload_end = -1;     // position of the bucket where the offload completes
+  int prefetch_start = -1;  // position of the bucket where the prefetch starts
+  Reservation write_res;
+  Reservation read_res;
+  std::size_t off_action = 0;  // index of its offload in Plan::actions; the prefetch follows
 };
 
-struct Segment {
-  int l, r;
-};
-
+// Where the transfers of a candidate would go on one target, and what that frees.
 struct Choice {
   bool ok = false;
   Target target = Target::kSsd;
-  int pe = -1;  // position (0 = op a+1) of the bucket where the offload completes
-  int pp = -1;  // position of the bucket where the prefetch starts
-  double score = 0;
+  int offload_end = -1;
+  int prefetch_start = -1;
+  double score = 0;  // compute time of the freed ops that are over the target
+};
+
+// A stall that makes a candidate absent at one op (the least-stall fallback).
+struct StallOption {
+  int cand = -1;
+  Target target = Target::kSsd;
+  double stall_write = 0;  // seconds before the op so that the offload is out
+  double stall_read = 0;   // seconds before next_use so that the prefetch, started after, is in
+  double cost = std::numeric_limits<double>::infinity();  // stall per byte of excess relieved
+};
+
+// A committed migration as prune() sees it: the migrations of one tensor to one target between
+// two ops that modify the tensor form a group, and only the first of a group writes.
+struct PruneMember {
+  bool host;
+  TensorId tensor;
+  int epoch;  // the last op at or before the offload that modified the tensor (-1: none)
+  int after;  // ops from that op to the offload
+  int cand;
+};
+
+struct PruneGroup {
+  bool host;
+  double need;  // compute time over the target, with everything kept, of the ops it frees
+  std::uint64_t bytes;
+  std::size_t first;  // members[first, last)
+  std::size_t last;
+};
+
+// What prune() works on: memory per op with every kept migration, and the groups.
+struct PruneState {
+  RangeTree memory;
+  std::vector<PruneMember> members;
+  std::vector<PruneGroup> groups;
+  std::vector<char> dropped;  // per plan action
 };
 
 class Planner {
  public:
-  Planner(const trace::Trace& tr, const Hardware& hw, const PlannerOptions& opt)
-      : tr_(tr), hw_(hw), opt_(opt), n_(static_cast<int>(tr.ops.size())) {}
+  Planner(const trace::Trace& tr, const Hardware& hw, PlannerOptions opt)
+      : tr_(tr), hw_(hw), opt_(std::move(opt)), n_(static_cast<int>(tr.ops.size())), cycle_(n_) {}
 
+  // The stages: set up the channels, candidates and memory over the target; the greedy; the
+  // least-stall fallback; prune; the stalls and the summary.
   Plan run() {
     const auto t0 = std::chrono::steady_clock::now();
+    Plan plan = empty_plan();
+    if (n_ == 0) {
+      plan.summary.fits = true;
+      return plan;
+    }
+    const trace::LifetimeAnalysis la = trace::analyze_lifetimes(tr_);
+    for (std::uint64_t v : la.live_bytes) {
+      plan.summary.peak_before_bytes = std::max(plan.summary.peak_before_bytes, v);
+    }
+    setup_channels();
+    collect_candidates(la);
+    plan.summary.candidates = static_cast<std::int64_t>(candidates_.size());
+    check_active_fit(la);
+    track_over_target(la);
+
+    greedy(plan);
+    if (first_over(0, n_ - 1) >= 0 && opt_.allow_stalls) fallback(plan);
+    if (opt_.prune) prune(plan, la);
+    stall_summary(plan);
+    summarize(plan, la);
+
+    if (opt_.progress) opt_.progress(1.0);
+    plan.summary.planning_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return plan;
+  }
+
+ private:
+  // ---- setup ---------------------------------------------------------------------------------
+
+  Plan empty_plan() {
     Plan plan;
     plan.model = tr_.model;
     plan.hardware = hw_.name;
@@ -299,156 +156,135 @@ class Planner {
                                         (1.0 - hw_.memory_margin));
     sum.target_bytes = static_cast<std::uint64_t>(target_);
     sum.compute_seconds = tr_.compute_seconds();
-    if (n_ == 0) {
-      sum.fits = true;
-      return plan;
-    }
-    const trace::LifetimeAnalysis la = trace::analyze_lifetimes(tr_);
-    for (std::uint64_t v : la.live_bytes)
-      sum.peak_before_bytes = std::max(sum.peak_before_bytes, v);
+    return plan;
+  }
 
+  // The channels' rates and their buckets: per op, rate x op time bytes.
+  void setup_channels() {
     rates_ = hw_.channels();
     if (!opt_.use_host || hw_.host_memory == 0) {
       rates_[Channel::kHostWrite] = rates_[Channel::kHostRead] = 0;
     }
-    tau_.resize(static_cast<std::size_t>(n_));
-    for (int k = 0; k < n_; ++k)
-      tau_[static_cast<std::size_t>(k)] = tr_.op_seconds(static_cast<std::size_t>(k));
+    op_seconds_.resize(ops());
+    for (int k = 0; k < n_; ++k) at(op_seconds_, k) = tr_.op_seconds(static_cast<std::size_t>(k));
     for (Channel c : kChannels) {  // buckets_ in Channel order
-      std::vector<double> cap(static_cast<std::size_t>(n_));
-      for (int k = 0; k < n_; ++k)
-        cap[static_cast<std::size_t>(k)] = rates_[c] * tau_[static_cast<std::size_t>(k)];
+      std::vector<double> cap(ops());
+      for (int k = 0; k < n_; ++k) at(cap, k) = rates_[c] * at(op_seconds_, k);
       buckets_.emplace_back(cap);
     }
+  }
 
-    // Candidates: every inactive period of a tensor worth moving.
+  // Candidates: every inactive period of a tensor worth moving.
+  void collect_candidates(const trace::LifetimeAnalysis& la) {
     for (const auto& life : la.tensors) {
       for (const auto& p : life.periods) {
         if (p.bytes == 0 || p.bytes < opt_.min_bytes) continue;
         Candidate c;
         c.tensor = p.tensor;
         c.bytes = p.bytes;
-        c.a = p.last_use;
-        c.b = p.next_use;
+        c.last_use = p.last_use;
+        c.next_use = p.next_use;
         c.len = p.wraps ? (n_ - 1 - p.last_use) + p.next_use : p.next_use - p.last_use - 1;
         if (c.len < 3) continue;  // nothing can be freed between the transfers
-        cands_.push_back(c);
+        candidates_.push_back(c);
       }
     }
-    sum.candidates = static_cast<std::int64_t>(cands_.size());
+  }
 
-    check_active_fit(la);
-
-    // Ops over the target, with their compute time as weight.
-    std::vector<std::int64_t> m(static_cast<std::size_t>(n_));
-    fenwick_ = std::make_unique<Fenwick>(n_);
+  // The ops over the target, with their compute time as weight; nothing planned away yet.
+  void track_over_target(const trace::LifetimeAnalysis& la) {
+    std::vector<std::int64_t> m(ops());
+    over_time_ = std::make_unique<Fenwick>(n_);
     for (int k = 0; k < n_; ++k) {
-      const auto v = static_cast<std::int64_t>(la.live_bytes[static_cast<std::size_t>(k)]);
+      const auto v = static_cast<std::int64_t>(at(la.live_bytes, k));
       const bool over = v > target_;
-      m[static_cast<std::size_t>(k)] = over ? v : RangeTree::kInf;
-      if (over) fenwick_->add(k, weight(k));
+      at(m, k) = over ? v : RangeTree::kInf;
+      if (over) over_time_->add(k, weight(k));
     }
-    over_ = std::make_unique<RangeTree>(m);
-    for (auto& tree : away_) {
-      tree =
-          std::make_unique<RangeTree>(std::vector<std::int64_t>(static_cast<std::size_t>(n_), 0));
+    over_memory_ = std::make_unique<RangeTree>(m);
+    for (auto& tree : away_bytes_) {
+      tree = std::make_unique<RangeTree>(std::vector<std::int64_t>(ops(), 0));
     }
-    diff_.assign(static_cast<std::size_t>(n_) + 1, 0);
-    stall_at_.assign(static_cast<std::size_t>(n_), 0.0);
-    initial_over_ = fenwick_->sum(0, n_ - 1);
+    planned_delta_.assign(ops() + 1, 0);
+    stall_at_.assign(ops(), 0.0);
+    initial_over_time_ = over_time_->sum(0, n_ - 1);
+  }
 
-    greedy(plan);
-    if (over_->first_at_most(0, n_ - 1, RangeTree::kInf / 2) >= 0 && opt_.allow_stalls) {
-      fallback(plan);
+  void check_active_fit(const trace::LifetimeAnalysis& la) {
+    // Bytes that may leave at op k: periods that cover it away from their ends.
+    std::vector<std::int64_t> movable(ops() + 1, 0);
+    for (const Candidate& c : candidates_) {
+      for_each_segment(c, 1, c.len - 2, [&](const Segment& s) {
+        at(movable, s.l) += static_cast<std::int64_t>(c.bytes);
+        at(movable, s.r + 1) -= static_cast<std::int64_t>(c.bytes);
+      });
     }
-    if (opt_.prune) prune(plan, la);
-
-    stall_summary(plan);
-
-    // The planned memory per op, and the summary.
     std::int64_t run = 0;
+    std::int64_t worst = 0;
+    int worst_op = -1;
     for (int k = 0; k < n_; ++k) {
-      run += diff_[static_cast<std::size_t>(k)];
-      const std::int64_t v =
-          static_cast<std::int64_t>(la.live_bytes[static_cast<std::size_t>(k)]) + run;
-      if (static_cast<std::uint64_t>(v) > sum.peak_after_bytes) {
-        sum.peak_after_bytes = static_cast<std::uint64_t>(v);
-        sum.peak_after_op = k;
+      run += at(movable, k);
+      const std::int64_t pinned = static_cast<std::int64_t>(at(la.live_bytes, k)) - run;
+      if (pinned - target_ > worst) {
+        worst = pinned - target_;
+        worst_op = k;
       }
     }
-    sum.peak_host_bytes =
-        static_cast<std::uint64_t>(std::max<std::int64_t>(0, away(Target::kHost).max(0, n_ - 1)));
-    sum.fits = sum.peak_after_bytes <= hw_.device_memory;
-    for (const auto& [op, s] : plan.stalls) sum.planned_stall_seconds += s;
-    std::sort(plan.actions.begin(), plan.actions.end(),
-              [](const PlanAction& x, const PlanAction& y) {
-                if (x.trigger != y.trigger) return x.trigger < y.trigger;
-                if (x.kind != y.kind) return x.kind < y.kind;
-                return x.tensor < y.tensor;
-              });
-    if (opt_.progress) opt_.progress(1.0);
-    sum.planning_seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    return plan;
+    if (worst_op < 0) return;
+    const auto& op = at(tr_.ops, worst_op);
+    TIDAL_EXPECT_AS(
+        InvalidArgument, false, "the plan cannot fit: op ", worst_op, " '", op.name, "' (",
+        trace::to_string(op.phase), ") needs ", format_bytes(static_cast<double>(worst + target_)),
+        " of tensors that cannot leave device memory around it (",
+        format_bytes(static_cast<double>(at(la.active_bytes, worst_op))),
+        " used by the op itself), but ", format_bytes(static_cast<double>(target_)),
+        " is available (", format_bytes(static_cast<double>(hw_.device_memory)), " less the ",
+        hw_.memory_margin * 100, "% margin): ", format_bytes(static_cast<double>(worst)),
+        " short. Use a smaller batch or sequence, or ", opt_.more_memory_hint, ".");
   }
 
- private:
+  // ---- a candidate's period ------------------------------------------------------------------
+
+  // The number of ops as a container size.
+  [[nodiscard]] std::size_t ops() const { return static_cast<std::size_t>(n_); }
+
   // Zero-time ops still count a little, so that an op over capacity always has a weight.
-  double weight(int k) const { return tau_[static_cast<std::size_t>(k)] + 1e-9; }
+  [[nodiscard]] double weight(int k) const { return at(op_seconds_, k) + 1e-9; }
 
-  // Positions and ops are within one iteration of each other, so a compare replaces the modulo
-  // (these two run tens of millions of times on a 70B trace).
-  int op_at(const Candidate& c, int pos) const {
-    const int k = c.a + 1 + pos;
-    return k >= n_ ? k - n_ : (k < 0 ? k + n_ : k);
+  // The op at position pos of c's interior, the position of op k, and the op ranges covering
+  // positions [p0, p1] of c's interior, in order.
+  [[nodiscard]] int op_at(const Candidate& c, int pos) const {
+    return cycle_.op_at(c.last_use, pos);
   }
-  int pos_of(const Candidate& c, int k) const { return k > c.a ? k - c.a - 1 : k - c.a - 1 + n_; }
-
-  // The op ranges covering positions [p0, p1] of c's interior, in order.
+  [[nodiscard]] int pos_of(const Candidate& c, int k) const { return cycle_.pos_of(c.last_use, k); }
   int segments(const Candidate& c, int p0, int p1, Segment out[2]) const {
-    if (p0 > p1) return 0;
-    const int l = op_at(c, p0);
-    const int len = p1 - p0;
-    if (l + len < n_) {
-      out[0] = {l, l + len};
-      return 1;
-    }
-    out[0] = {l, n_ - 1};
-    out[1] = {0, l + len - n_};
-    return 2;
+    return cycle_.segments(c.last_use, p0, p1, out);
   }
-
-  double bucket_sum(const BucketTree& t, const Candidate& c, int p0, int p1) const {
+  template <class Fn>
+  void for_each_segment(const Candidate& c, int p0, int p1, Fn&& fn) const {
     Segment s[2];
     const int ns = segments(c, p0, p1, s);
+    for (int i = 0; i < ns; ++i) fn(s[i]);
+  }
+
+  [[nodiscard]] double bucket_sum(const BucketTree& t, const Candidate& c, int p0, int p1) const {
     double v = 0;
-    for (int i = 0; i < ns; ++i) v += t.sum(s[i].l, s[i].r);
+    for_each_segment(c, p0, p1, [&](const Segment& s) { v += t.sum(s.l, s.r); });
     return v;
   }
 
-  // Position where filling `need` bytes forward from p0 completes, or -1.
-  int fill_forward(const BucketTree& t, const Candidate& c, int p0, int p1, double need) const {
+  // Filling `need` bytes into positions [p0, p1] of c, from p0 up (forward) or from p1 down
+  // (backward): the position where it completes, or -1.
+  [[nodiscard]] int fill(const BucketTree& t, const Candidate& c, int p0, int p1, double need,
+                         Scan scan) const {
     Segment s[2];
     const int ns = segments(c, p0, p1, s);
-    for (int i = 0; i < ns; ++i) {
-      const double have = t.sum(s[i].l, s[i].r);
+    for (int q = 0; q < ns; ++q) {
+      const Segment& seg = s[scan == Scan::kForward ? q : ns - 1 - q];
+      const double have = t.sum(seg.l, seg.r);
       if (have >= need) {
-        int j = t.find_forward(s[i].l, s[i].r, need);
-        if (j < 0) j = s[i].r;  // rounding
-        return pos_of(c, j);
-      }
-      need -= have;
-    }
-    return -1;
-  }
-  int fill_backward(const BucketTree& t, const Candidate& c, int p0, int p1, double need) const {
-    Segment s[2];
-    const int ns = segments(c, p0, p1, s);
-    for (int i = ns - 1; i >= 0; --i) {
-      const double have = t.sum(s[i].l, s[i].r);
-      if (have >= need) {
-        int j = t.find_backward(s[i].l, s[i].r, need);
-        if (j < 0) j = s[i].l;
+        int j = t.find(seg.l, seg.r, need, scan);
+        if (j < 0) j = scan == Scan::kForward ? seg.r : seg.l;  // rounding
         return pos_of(c, j);
       }
       need -= have;
@@ -456,16 +292,44 @@ class Planner {
     return -1;
   }
 
-  double over_time(const Candidate& c, int p0, int p1) const {
-    Segment s[2];
-    const int ns = segments(c, p0, p1, s);
+  // Compute time of the ops over the target at positions [p0, p1].
+  [[nodiscard]] double over_time(const Candidate& c, int p0, int p1) const {
     double v = 0;
-    for (int i = 0; i < ns; ++i) v += fenwick_->sum(s[i].l, s[i].r);
+    for_each_segment(c, p0, p1, [&](const Segment& s) { v += over_time_->sum(s.l, s.r); });
     return v;
   }
+
+  // ---- memory over the target ----------------------------------------------------------------
+
+  // Ops still over the target hold their planned memory in over_memory_; the others kInf.
+  bool is_over(int k) { return over_memory_->get(k) < RangeTree::kInf / 2; }
+  int first_over(int l, int r) { return over_memory_->first_at_most(l, r, RangeTree::kInf / 2); }
+
+  // Adds `bytes` to the planned memory of ops [s.l, s.r].
+  void add_planned(const Segment& s, std::int64_t bytes) {
+    at(planned_delta_, s.l) += bytes;
+    at(planned_delta_, s.r + 1) -= bytes;
+  }
+
+  // Lowers the memory by the candidate's bytes over positions [p0, p1] and retires ops that now
+  // fit.
+  void free_span(const Candidate& c, int p0, int p1) {
+    const auto s = static_cast<std::int64_t>(c.bytes);
+    for_each_segment(c, p0, p1, [&](const Segment& seg) {
+      over_memory_->add(seg.l, seg.r, -s);
+      for (int k = over_memory_->first_at_most(seg.l, seg.r, target_); k >= 0;
+           k = over_memory_->first_at_most(seg.l, seg.r, target_)) {
+        over_memory_->set(k, RangeTree::kInf);
+        over_time_->add(k, -weight(k));
+      }
+      add_planned(seg, -s);
+    });
+  }
+
+  // ---- the tiers -----------------------------------------------------------------------------
 
   // The tensors planned away to `target` at each op (bytes), and the tier's capacity (0: none).
-  RangeTree& away(Target target) { return *away_[target == Target::kHost ? 1 : 0]; }
+  RangeTree& away(Target target) { return *away_bytes_[target == Target::kHost ? 1 : 0]; }
   [[nodiscard]] std::uint64_t tier_capacity(Target target) const {
     return target == Target::kHost ? hw_.host_memory : hw_.ssd_capacity;
   }
@@ -480,36 +344,41 @@ class Planner {
   // Adds `bytes` (negative: removes) to what `target` holds over c's inactive period.
   void mark_away(const Candidate& c, Target target, std::int64_t bytes) {
     if (!bounded(target)) return;
-    Segment all[2];
-    const int na = segments(c, 0, c.len - 1, all);
-    for (int i = 0; i < na; ++i) away(target).add(all[i].l, all[i].r, bytes);
+    for_each_segment(c, 0, c.len - 1, [&](const Segment& s) { away(target).add(s.l, s.r, bytes); });
   }
 
   // Whether `target` can hold c over its whole inactive period.
   bool room(const Candidate& c, Target target) {
     if (!bounded(target)) return true;
     const std::uint64_t cap = tier_capacity(target);
-    Segment s[2];
-    const int ns = segments(c, 0, c.len - 1, s);
     std::int64_t used = 0;
-    for (int i = 0; i < ns; ++i) used = std::max(used, away(target).max(s[i].l, s[i].r));
+    for_each_segment(c, 0, c.len - 1,
+                     [&](const Segment& s) { used = std::max(used, away(target).max(s.l, s.r)); });
     return used + static_cast<std::int64_t>(c.bytes) <= static_cast<std::int64_t>(cap);
   }
+
+  BucketTree& bucket(Target t, Direction d) { return buckets_[index_of(channel_of(t, d))]; }
+  [[nodiscard]] const BucketTree& bucket(Target t, Direction d) const {
+    return buckets_[index_of(channel_of(t, d))];
+  }
+
+  // ---- choosing and committing migrations ----------------------------------------------------
 
   Choice evaluate_target(const Candidate& c, Target target) {
     Choice ch;
     if (!rates_.usable(target)) return ch;
     if (!room(c, target)) return ch;
     const auto need = static_cast<double>(c.bytes);
-    const int pe = fill_forward(bucket(target, Direction::kWrite), c, 0, c.len - 1, need);
-    if (pe < 0) return ch;
-    const int pp = fill_backward(bucket(target, Direction::kRead), c, 0, c.len - 1, need);
-    if (pp < 0 || pe + 1 > pp - 1) return ch;
+    const int end = fill(bucket(target, Direction::kWrite), c, 0, c.len - 1, need, Scan::kForward);
+    if (end < 0) return ch;
+    const int start =
+        fill(bucket(target, Direction::kRead), c, 0, c.len - 1, need, Scan::kBackward);
+    if (start < 0 || end + 1 > start - 1) return ch;
     ch.ok = true;
     ch.target = target;
-    ch.pe = pe;
-    ch.pp = pp;
-    ch.score = over_time(c, pe + 1, pp - 1);
+    ch.offload_end = end;
+    ch.prefetch_start = start;
+    ch.score = over_time(c, end + 1, start - 1);
     return ch;
   }
 
@@ -531,21 +400,14 @@ class Planner {
     return ssd;
   }
 
-  // Takes `need` bytes from the buckets at positions 0..pe (all of 0..pe-1, the rest from pe).
-  void consume_forward(BucketTree& t, const Candidate& c, int pe, double need, Reservation& res) {
-    consume_forward_range(t, c, 0, pe, need, res);
-  }
-  // Takes `need` bytes from positions pp..len-1 (all of pp+1.., the rest from pp).
-  void consume_backward(BucketTree& t, const Candidate& c, int pp, int last, double need,
-                        Reservation& res) {
+  // Reserves `need` bytes of positions [p0, p1] of c into res: all of the buckets but the last
+  // one the scan meets (p1 forward, p0 backward), and the rest from that one.
+  void reserve(BucketTree& t, const Candidate& c, int p0, int p1, double need, Scan scan,
+               Reservation& res) {
+    const bool forward = scan == Scan::kForward;
     Segment s[2];
-    const int ns = segments(c, pp + 1, last, s);
-    take(t, c, s, ns, op_at(c, pp), need, res);
-  }
-
-  // Empties the buckets of the segments into res, then takes what is still needed from op k.
-  void take(BucketTree& t, const Candidate& c, const Segment* s, int ns, int k, double need,
-            Reservation& res) {
+    const int ns = forward ? segments(c, p0, p1 - 1, s) : segments(c, p0 + 1, p1, s);
+    const int k = op_at(c, forward ? p1 : p0);
     auto& items = res.items;
     const std::size_t first = items.size();
     for (int i = 0; i < ns; ++i) t.zero(s[i].l, s[i].r, items);
@@ -581,129 +443,6 @@ class Planner {
     return {static_cast<std::size_t>(i), static_cast<std::size_t>(std::max(i, j))};
   }
 
-  // Lowers M' by the candidate's bytes over positions [p0, p1] and retires ops that now fit.
-  void free_span(const Candidate& c, int p0, int p1) {
-    const auto s = static_cast<std::int64_t>(c.bytes);
-    Segment seg[2];
-    const int ns = segments(c, p0, p1, seg);
-    for (int i = 0; i < ns; ++i) {
-      over_->add(seg[i].l, seg[i].r, -s);
-      for (int k = over_->first_at_most(seg[i].l, seg[i].r, target_); k >= 0;
-           k = over_->first_at_most(seg[i].l, seg[i].r, target_)) {
-        over_->set(k, RangeTree::kInf);
-        fenwick_->add(k, -weight(k));
-      }
-      diff_[static_cast<std::size_t>(seg[i].l)] -= s;
-      diff_[static_cast<std::size_t>(seg[i].r) + 1] += s;
-    }
-  }
-
-  void commit(Plan& plan, Candidate& c, const Choice& ch) {
-    c.done = true;
-    c.target = ch.target;
-    c.pe = ch.pe;
-    c.pp = ch.pp;
-    const auto need = static_cast<double>(c.bytes);
-    consume_forward(bucket(ch.target, Direction::kWrite), c, ch.pe, need, c.wres);
-    consume_backward(bucket(ch.target, Direction::kRead), c, ch.pp, c.len - 1, need, c.rres);
-    free_span(c, ch.pe + 1, ch.pp - 1);
-    PlanSummary& sum = plan.summary;
-    mark_away(c, ch.target, static_cast<std::int64_t>(c.bytes));
-    if (ch.target == Target::kHost) {
-      ++sum.offloads_host;
-      sum.bytes_to_host += c.bytes;
-    } else {
-      ++sum.offloads_ssd;
-      sum.bytes_to_ssd += c.bytes;
-    }
-    PlanAction off;
-    off.tensor = c.tensor;
-    off.kind = ActionKind::kOffload;
-    off.target = ch.target;
-    off.bytes = c.bytes;
-    PlanAction pre = off;
-    pre.kind = ActionKind::kPrefetch;
-    c.off_action = plan.actions.size();
-    plan.actions.push_back(off);
-    plan.actions.push_back(pre);
-    set_times(plan, c);
-    if (opt_.progress && (++commits_ & 255) == 0 && initial_over_ > 0) {
-      opt_.progress(1.0 - fenwick_->sum(0, n_ - 1) / initial_over_);
-    }
-  }
-
-  // The actions' trigger and deadline ops from the candidate's transfer positions.
-  void set_times(Plan& plan, const Candidate& c) const {
-    PlanAction& off = plan.actions[c.off_action];
-    PlanAction& pre = plan.actions[c.off_action + 1];
-    off.trigger = c.a;
-    off.deadline = op_at(c, c.pe + 1);
-    off.wraps = off.deadline <= off.trigger;
-    pre.trigger = op_at(c, c.pp - 1);
-    pre.deadline = c.b;
-    pre.wraps = pre.deadline <= pre.trigger;
-  }
-
-  void greedy(Plan& plan) {
-    struct Entry {
-      double score;
-      std::uint64_t bytes;
-      int cand;
-      bool operator<(const Entry& o) const {
-        return score != o.score ? score < o.score : bytes < o.bytes;
-      }
-    };
-    std::priority_queue<Entry> heap;
-    for (std::size_t i = 0; i < cands_.size(); ++i) {
-      const Choice ch = evaluate(cands_[i]);
-      if (ch.ok) heap.push({ch.score, cands_[i].bytes, static_cast<int>(i)});
-    }
-    while (!heap.empty() && fenwick_->sum(0, n_ - 1) > 0) {
-      const Entry top = heap.top();
-      heap.pop();
-      Candidate& c = cands_[static_cast<std::size_t>(top.cand)];
-      if (c.done) continue;
-      const Choice ch = evaluate(c);
-      if (!ch.ok) continue;
-      if (!heap.empty() && ch.score < heap.top().score * (1 - 1e-12)) {
-        heap.push({ch.score, c.bytes, top.cand});  // scores only shrink: re-queue, look again
-        continue;
-      }
-      commit(plan, c, ch);
-    }
-  }
-
-  // A stall of `seconds` in bucket `bucket` gives every channel that much more time there.
-  // The op that waits is the next one; the stalls are merged per bucket in stall_summary().
-  void add_stall(int bucket, double seconds) {
-    for (Channel c : kChannels) {
-      BucketTree& t = buckets_[index_of(c)];
-      t.set(bucket, t.get(bucket) + rates_[c] * seconds);
-    }
-    stall_at_[static_cast<std::size_t>(bucket)] += seconds;
-  }
-
-  // The stalls the plan needs: the channels run at once, so a stall in bucket k serves all of
-  // them and only has to be as long as the channel that uses most of it needs (its reservations
-  // there beyond the op's own time, over its rate), not the sum of the stalls that were added
-  // there one channel at a time. The reservations stay feasible with these stalls.
-  void stall_summary(Plan& plan) const {
-    for (int k = 0; k < n_; ++k) {
-      const double added = stall_at_[static_cast<std::size_t>(k)];
-      if (added <= 0) continue;
-      double need = 0;
-      for (Channel c : kChannels) {
-        const double rate = rates_[c];
-        if (rate <= 0) continue;
-        const double own = rate * tau_[static_cast<std::size_t>(k)];
-        const double used = own + rate * added - buckets_[index_of(c)].get(k);
-        need = std::max(need, (used - own) / rate);
-      }
-      need = std::min(added, need);
-      if (need > 0) plan.stalls.emplace_back((k + 1) % n_, need);
-    }
-  }
-
   // Bytes of a reservation at positions [p0, p1] of c's interior.
   static double reserved(const Reservation& res, int p0, int p1) {
     const auto [i, j] = span_of(res, p0, p1);
@@ -721,20 +460,110 @@ class Planner {
     return v;
   }
 
-  struct Option {
-    int cand = -1;
-    Target target = Target::kSsd;
-    double stall_w = 0;  // seconds before op k so that the offload is out
-    double stall_r = 0;  // seconds before op b so that the prefetch, started after k, is in
-    double cost = std::numeric_limits<double>::infinity();
-  };
+  // Counts c's migration into (add) or out of (!add) the summary.
+  static void count_offload(PlanSummary& sum, const Candidate& c, bool add) {
+    const bool host = c.target == Target::kHost;
+    std::int64_t& count = host ? sum.offloads_host : sum.offloads_ssd;
+    std::uint64_t& bytes = host ? sum.bytes_to_host : sum.bytes_to_ssd;
+    if (add) {
+      ++count;
+      bytes += c.bytes;
+    } else {
+      --count;
+      bytes -= c.bytes;
+    }
+  }
 
-  // The stall that makes candidate c absent at op k (position pk): for a new candidate, both
-  // transfers squeezed around k; for a committed one, its offload finished before k or its
-  // prefetch started after k.
-  Option option_for(int i, int k, std::int64_t excess) {
-    Option best;
-    const Candidate& c = cands_[static_cast<std::size_t>(i)];
+  void commit(Plan& plan, Candidate& c, const Choice& ch) {
+    c.done = true;
+    c.target = ch.target;
+    c.offload_end = ch.offload_end;
+    c.prefetch_start = ch.prefetch_start;
+    const auto need = static_cast<double>(c.bytes);
+    reserve(bucket(ch.target, Direction::kWrite), c, 0, c.offload_end, need, Scan::kForward,
+            c.write_res);
+    reserve(bucket(ch.target, Direction::kRead), c, c.prefetch_start, c.len - 1, need,
+            Scan::kBackward, c.read_res);
+    free_span(c, c.offload_end + 1, c.prefetch_start - 1);
+    mark_away(c, ch.target, static_cast<std::int64_t>(c.bytes));
+    count_offload(plan.summary, c, true);
+    PlanAction off;
+    off.tensor = c.tensor;
+    off.kind = ActionKind::kOffload;
+    off.target = ch.target;
+    off.bytes = c.bytes;
+    PlanAction pre = off;
+    pre.kind = ActionKind::kPrefetch;
+    c.off_action = plan.actions.size();
+    plan.actions.push_back(off);
+    plan.actions.push_back(pre);
+    set_times(plan, c);
+    if (opt_.progress && (++commits_ & 255) == 0 && initial_over_time_ > 0) {
+      opt_.progress(1.0 - over_time_->sum(0, n_ - 1) / initial_over_time_);
+    }
+  }
+
+  // The actions' trigger and deadline ops from the candidate's transfer positions.
+  void set_times(Plan& plan, const Candidate& c) const {
+    PlanAction& off = plan.actions[c.off_action];
+    PlanAction& pre = plan.actions[c.off_action + 1];
+    off.trigger = c.last_use;
+    off.deadline = op_at(c, c.offload_end + 1);
+    off.wraps = off.deadline <= off.trigger;
+    pre.trigger = op_at(c, c.prefetch_start - 1);
+    pre.deadline = c.next_use;
+    pre.wraps = pre.deadline <= pre.trigger;
+  }
+
+  // ---- stage: the greedy ---------------------------------------------------------------------
+
+  void greedy(Plan& plan) {
+    struct Entry {
+      double score;
+      std::uint64_t bytes;
+      int cand;
+      bool operator<(const Entry& o) const {
+        return score != o.score ? score < o.score : bytes < o.bytes;
+      }
+    };
+    std::priority_queue<Entry> heap;
+    for (std::size_t i = 0; i < candidates_.size(); ++i) {
+      const Choice ch = evaluate(candidates_[i]);
+      if (ch.ok) heap.push({ch.score, candidates_[i].bytes, static_cast<int>(i)});
+    }
+    while (!heap.empty() && over_time_->sum(0, n_ - 1) > 0) {
+      const Entry top = heap.top();
+      heap.pop();
+      Candidate& c = at(candidates_, top.cand);
+      if (c.done) continue;
+      const Choice ch = evaluate(c);
+      if (!ch.ok) continue;
+      if (!heap.empty() && ch.score < heap.top().score * (1 - 1e-12)) {
+        heap.push({ch.score, c.bytes, top.cand});  // scores only shrink: re-queue, look again
+        continue;
+      }
+      commit(plan, c, ch);
+    }
+  }
+
+  // ---- stage: the least-stall fallback -------------------------------------------------------
+
+  // A stall of `seconds` in bucket `bucket` gives every channel that much more time there.
+  // The op that waits is the next one; the stalls are merged per bucket in stall_summary().
+  void add_stall(int bucket, double seconds) {
+    for (Channel c : kChannels) {
+      BucketTree& t = buckets_[index_of(c)];
+      t.set(bucket, t.get(bucket) + rates_[c] * seconds);
+    }
+    at(stall_at_, bucket) += seconds;
+  }
+
+  // The stall that makes candidate i absent at op k: for a new candidate, both transfers
+  // squeezed around k; for a committed one, its offload finished before k or its prefetch
+  // started after k.
+  StallOption option_for(int i, int k, std::int64_t excess) {
+    StallOption best;
+    const Candidate& c = at(candidates_, i);
     const int pk = pos_of(c, k);
     if (pk < 1 || pk > c.len - 2) return best;
     const auto s = static_cast<double>(c.bytes);
@@ -750,19 +579,19 @@ class Planner {
       if (!c.done) {
         dw = std::max(0.0, s - bucket_sum(tw, c, 0, pk - 1));
         dr = std::max(0.0, s - bucket_sum(tr, c, pk + 1, c.len - 1));
-      } else if (pk <= c.pe) {
-        dw = std::max(0.0, reserved(c.wres, pk, c.len - 1) - bucket_sum(tw, c, 0, pk - 1));
-      } else if (pk >= c.pp) {
-        dr = std::max(0.0, reserved(c.rres, 0, pk) - bucket_sum(tr, c, pk + 1, c.len - 1));
+      } else if (pk <= c.offload_end) {
+        dw = std::max(0.0, reserved(c.write_res, pk, c.len - 1) - bucket_sum(tw, c, 0, pk - 1));
+      } else if (pk >= c.prefetch_start) {
+        dr = std::max(0.0, reserved(c.read_res, 0, pk) - bucket_sum(tr, c, pk + 1, c.len - 1));
       } else {
         continue;  // already absent at k
       }
-      Option o;
+      StallOption o;
       o.cand = i;
       o.target = target;
-      o.stall_w = dw / rates_[channel_of(target, Direction::kWrite)];
-      o.stall_r = dr / rates_[channel_of(target, Direction::kRead)];
-      o.cost = (o.stall_w + o.stall_r) / denom;
+      o.stall_write = dw / rates_[channel_of(target, Direction::kWrite)];
+      o.stall_read = dr / rates_[channel_of(target, Direction::kRead)];
+      o.cost = (o.stall_write + o.stall_read) / denom;
       if (o.cost < best.cost) best = o;
     }
     return best;
@@ -778,47 +607,118 @@ class Planner {
   // the first ops (waiting for offloads issued at the end of the previous iteration) before
   // the stalls just before them in time, which give the same channels their capacity.
   void fallback(Plan& plan) {
-    std::vector<std::pair<double, int>> ranked;
     const int start = sweep_start();
     for (;;) {
-      int k = over_->first_at_most(start, n_ - 1, RangeTree::kInf / 2);
-      if (k < 0) k = over_->first_at_most(0, n_ - 1, RangeTree::kInf / 2);
+      int k = first_over(start, n_ - 1);
+      if (k < 0) k = first_over(0, n_ - 1);
       if (k < 0) break;
-      for (int pass = 0; pass < 2 && over_->get(k) < RangeTree::kInf / 2; ++pass) {
-        ranked.clear();
-        const std::int64_t excess = over_->get(k) - target_;
-        for (std::size_t i = 0; i < cands_.size(); ++i) {
-          if (cands_[i].done != (pass == 1)) continue;
-          const Option o = option_for(static_cast<int>(i), k, excess);
-          if (o.cand >= 0) ranked.emplace_back(o.cost, o.cand);
-        }
-        std::sort(ranked.begin(), ranked.end(), [&](const auto& x, const auto& y) {
-          if (x.first != y.first) return x.first < y.first;
-          return cands_[static_cast<std::size_t>(x.second)].bytes >
-                 cands_[static_cast<std::size_t>(y.second)].bytes;
-        });
-        for (const auto& [cost, i] : ranked) {
-          if (over_->get(k) >= RangeTree::kInf / 2) break;
-          const Option o = option_for(i, k, over_->get(k) - target_);
-          if (o.cand >= 0) apply(plan, o, k);
-        }
-      }
-      if (over_->get(k) < RangeTree::kInf / 2) {
-        // Without a bound on the SSDs some migration always relieves an op (the feasibility
-        // check saw to that); with one, the SSDs and host memory may both be full there.
-        TIDAL_EXPECT_AS(InvalidArgument, hw_.ssd_capacity == 0, "the plan cannot fit: at op ", k,
-                        " '", tr_.ops[static_cast<std::size_t>(k)].name,
-                        "' the tensors that could leave device memory find no room in the SSD "
-                        "store (",
-                        format_bytes(static_cast<double>(hw_.ssd_capacity)),
-                        " usable) or in host memory (",
-                        format_bytes(static_cast<double>(hw_.host_memory)),
-                        "): give the store more capacity, or allow more host memory");
-        TIDAL_FAIL("planner: no migration can relieve op ", k, " (",
-                   tr_.ops[static_cast<std::size_t>(k)].name, "); this is a bug");
-      }
+      for (int pass = 0; pass < 2 && is_over(k); ++pass) relieve(plan, k, pass == 1);
+      if (is_over(k)) fail_to_relieve(k);
     }
   }
+
+  // Ranks the options of the candidates not yet planned (or, with `committed`, the planned
+  // ones) that free op k, and applies them in that order until k fits.
+  void relieve(Plan& plan, int k, bool committed) {
+    ranked_.clear();
+    const std::int64_t excess = over_memory_->get(k) - target_;
+    for (std::size_t i = 0; i < candidates_.size(); ++i) {
+      if (candidates_[i].done != committed) continue;
+      const StallOption o = option_for(static_cast<int>(i), k, excess);
+      if (o.cand >= 0) ranked_.emplace_back(o.cost, o.cand);
+    }
+    std::sort(ranked_.begin(), ranked_.end(), [&](const auto& x, const auto& y) {
+      if (x.first != y.first) return x.first < y.first;
+      return at(candidates_, x.second).bytes > at(candidates_, y.second).bytes;
+    });
+    for (const auto& [cost, i] : ranked_) {
+      if (!is_over(k)) break;
+      const StallOption o = option_for(i, k, over_memory_->get(k) - target_);
+      if (o.cand >= 0) apply(plan, o, k);
+    }
+  }
+
+  [[noreturn]] void fail_to_relieve(int k) const {
+    // Without a bound on the SSDs some migration always relieves an op (the feasibility
+    // check saw to that); with one, the SSDs and host memory may both be full there.
+    TIDAL_EXPECT_AS(InvalidArgument, hw_.ssd_capacity == 0, "the plan cannot fit: at op ", k, " '",
+                    at(tr_.ops, k).name,
+                    "' the tensors that could leave device memory find no room in the SSD "
+                    "store (",
+                    format_bytes(static_cast<double>(hw_.ssd_capacity)),
+                    " usable) or in host memory (",
+                    format_bytes(static_cast<double>(hw_.host_memory)),
+                    "): give the store more capacity, or allow more host memory");
+    TIDAL_FAIL("planner: no migration can relieve op ", k, " (", at(tr_.ops, k).name,
+               "); this is a bug");
+  }
+
+  int sweep_start() {
+    int first = -1;
+    int prev = -1;
+    int best_gap = -1;
+    int start = 0;
+    for (int k = first_over(0, n_ - 1); k >= 0; k = k + 1 < n_ ? first_over(k + 1, n_ - 1) : -1) {
+      if (first < 0) first = k;
+      if (prev >= 0 && k - prev > best_gap) {
+        best_gap = k - prev;
+        start = k;
+      }
+      prev = k;
+    }
+    if (first >= 0 && n_ - prev + first > best_gap) start = first;  // the gap across the wrap
+    return start;
+  }
+
+  void apply(Plan& plan, const StallOption& best, int k) {
+    Candidate& c = at(candidates_, best.cand);
+    const int pk = pos_of(c, k);
+    // A hair more than the deficit, so that rounding cannot leave it short.
+    if (best.stall_write > 0) {
+      add_stall(op_at(c, pk - 1), best.stall_write * (1 + 1e-9) + 1e-12);
+    }
+    if (best.stall_read > 0) {
+      add_stall(op_at(c, c.len - 1), best.stall_read * (1 + 1e-9) + 1e-12);
+    }
+    if (!c.done) {
+      Choice ch = evaluate_target(c, best.target);
+      TIDAL_EXPECT(ch.ok && ch.offload_end < pk && ch.prefetch_start > pk,
+                   "planner: the stall for op ", k, " did not make room; this is a bug");
+      commit(plan, c, ch);
+    } else {
+      move_clear_of(c, pk, pk <= c.offload_end ? Direction::kWrite : Direction::kRead);
+      set_times(plan, c);
+    }
+  }
+
+  // Moves a committed transfer of c clear of position pk: the offload (kWrite) to finish
+  // before pk, its bytes from pk on moved to the buckets before; or the prefetch (kRead) to
+  // start after pk, its bytes up to pk moved to the buckets after.
+  void move_clear_of(Candidate& c, int pk, Direction dir) {
+    const bool write = dir == Direction::kWrite;
+    BucketTree& t = bucket(c.target, dir);
+    Reservation& res = write ? c.write_res : c.read_res;
+    const double moved = write ? release(t, c, res, pk, c.len - 1) : release(t, c, res, 0, pk);
+    const Scan scan = write ? Scan::kBackward : Scan::kForward;
+    const int p0 = write ? 0 : pk + 1;
+    const int p1 = write ? pk - 1 : c.len - 1;
+    const int edge = fill(t, c, p0, p1, moved, scan);  // the new far end of the transfer
+    TIDAL_EXPECT(edge >= 0, "planner: the stall for op ", op_at(c, pk),
+                 " did not make room; a bug");
+    if (write) {
+      reserve(t, c, edge, p1, moved, scan, res);
+      const int old_end = c.offload_end;
+      c.offload_end = pk - 1;
+      free_span(c, pk, old_end);
+    } else {
+      reserve(t, c, p0, edge, moved, scan, res);
+      const int old_start = c.prefetch_start;
+      c.prefetch_start = pk + 1;
+      free_span(c, old_start, pk);
+    }
+  }
+
+  // ---- stage: prune --------------------------------------------------------------------------
 
   // Drops the committed migrations that the others make unnecessary. The greedy scores a period
   // by the time it frees while the ops are over the target, but commits the whole period; the
@@ -839,66 +739,79 @@ class Planner {
   // the ops a group frees; zero for ops that never exceeded it), then the largest. M' only grows
   // as migrations go, so each pass is maximal for its order.
   void prune(Plan& plan, const trace::LifetimeAnalysis& la) {
-    std::vector<std::int64_t> m(static_cast<std::size_t>(n_));
-    std::vector<double> over_prefix(static_cast<std::size_t>(n_) + 1, 0.0);
+    std::vector<double> over_prefix;
+    PruneState st{planned_memory(la, over_prefix), prune_members(), {}, {}};
+    st.groups = prune_groups(st.members, over_prefix);
+    st.dropped.assign(plan.actions.size(), 0);
+    for (bool host : {false, true}) {
+      for (const PruneGroup& g : st.groups) {
+        if (g.host == host) drop_group(plan, st, g);
+      }
+      for (const PruneGroup& g : st.groups) {
+        if (g.host == host) drop_readers(plan, st, g);
+      }
+    }
+    std::size_t out = 0;
+    for (std::size_t i = 0; i < plan.actions.size(); ++i) {
+      if (st.dropped[i] == 0) plan.actions[out++] = plan.actions[i];
+    }
+    plan.actions.resize(out);
+  }
+
+  // M' per op (memory with every committed migration), and the prefix sums of the compute
+  // time of the ops that exceed the target with everything kept.
+  RangeTree planned_memory(const trace::LifetimeAnalysis& la, std::vector<double>& over_prefix) {
+    std::vector<std::int64_t> m(ops());
+    over_prefix.assign(ops() + 1, 0.0);
     std::int64_t run = 0;
     for (int k = 0; k < n_; ++k) {
-      const auto kk = static_cast<std::size_t>(k);
-      run += diff_[kk];
-      const auto live = static_cast<std::int64_t>(la.live_bytes[kk]);
-      m[kk] = live + run;
-      over_prefix[kk + 1] = over_prefix[kk] + (live > target_ ? weight(k) : 0.0);
+      run += at(planned_delta_, k);
+      const auto live = static_cast<std::int64_t>(at(la.live_bytes, k));
+      at(m, k) = live + run;
+      at(over_prefix, k + 1) = at(over_prefix, k) + (live > target_ ? weight(k) : 0.0);
     }
-    RangeTree mem(m);
+    return RangeTree(m);
+  }
 
+  // The committed migrations, by target (SSD first), tensor, epoch and offload time.
+  [[nodiscard]] std::vector<PruneMember> prune_members() const {
     // The ops that modify each tensor, in order.
     std::vector<std::vector<OpIndex>> writes(tr_.tensors.size());
     for (const auto& op : tr_.ops) {
-      for (TensorId id : op.outputs) writes[static_cast<std::size_t>(id)].push_back(op.index);
+      for (TensorId id : op.outputs) at(writes, id).push_back(op.index);
     }
-    struct Member {
-      bool host;
-      TensorId tensor;
-      int epoch;  // the last op at or before the offload that modified the tensor (-1: none)
-      int after;  // ops from that op to the offload
-      int cand;
-    };
-    std::vector<Member> members;
-    for (std::size_t i = 0; i < cands_.size(); ++i) {
-      const Candidate& c = cands_[i];
+    std::vector<PruneMember> members;
+    for (std::size_t i = 0; i < candidates_.size(); ++i) {
+      const Candidate& c = candidates_[i];
       if (!c.done) continue;
-      const auto& w = writes[static_cast<std::size_t>(c.tensor)];
-      const auto it = std::upper_bound(w.begin(), w.end(), c.a);
+      const auto& w = at(writes, c.tensor);
+      const auto it = std::upper_bound(w.begin(), w.end(), c.last_use);
       const int epoch = it != w.begin() ? *(it - 1) : (w.empty() ? -1 : w.back());
-      const int after = epoch < 0 ? c.a : ((c.a - epoch) % n_ + n_) % n_;
+      const int after = epoch < 0 ? c.last_use : ((c.last_use - epoch) % n_ + n_) % n_;
       members.push_back({c.target == Target::kHost, c.tensor, epoch, after, static_cast<int>(i)});
     }
-    std::sort(members.begin(), members.end(), [](const Member& x, const Member& y) {
+    std::sort(members.begin(), members.end(), [](const PruneMember& x, const PruneMember& y) {
       if (x.host != y.host) return !x.host;
       if (x.tensor != y.tensor) return x.tensor < y.tensor;
       if (x.epoch != y.epoch) return x.epoch < y.epoch;
       return x.after < y.after;
     });
-    struct Group {
-      bool host;
-      double need;
-      std::uint64_t bytes;
-      std::size_t first;  // members[first, last)
-      std::size_t last;
-    };
-    std::vector<Group> groups;
+    return members;
+  }
+
+  // The groups of the sorted members, in the order prune() tries them.
+  [[nodiscard]] std::vector<PruneGroup> prune_groups(const std::vector<PruneMember>& members,
+                                                     const std::vector<double>& over_prefix) const {
+    std::vector<PruneGroup> groups;
     for (std::size_t i = 0; i < members.size();) {
       std::size_t j = i;
-      Group g{members[i].host, 0.0, 0, i, i};
+      PruneGroup g{members[i].host, 0.0, 0, i, i};
       while (j < members.size() && members[j].host == members[i].host &&
              members[j].tensor == members[i].tensor && members[j].epoch == members[i].epoch) {
-        const Candidate& c = cands_[static_cast<std::size_t>(members[j].cand)];
-        Segment seg[2];
-        const int ns = segments(c, c.pe + 1, c.pp - 1, seg);
-        for (int q = 0; q < ns; ++q) {
-          g.need += over_prefix[static_cast<std::size_t>(seg[q].r) + 1] -
-                    over_prefix[static_cast<std::size_t>(seg[q].l)];
-        }
+        const Candidate& c = at(candidates_, members[j].cand);
+        for_each_segment(c, c.offload_end + 1, c.prefetch_start - 1, [&](const Segment& s) {
+          g.need += at(over_prefix, s.r + 1) - at(over_prefix, s.l);
+        });
         g.bytes += c.bytes;
         ++j;
       }
@@ -906,201 +819,129 @@ class Planner {
       groups.push_back(g);
       i = j;
     }
-    std::sort(groups.begin(), groups.end(), [](const Group& x, const Group& y) {
+    std::sort(groups.begin(), groups.end(), [](const PruneGroup& x, const PruneGroup& y) {
       if (x.host != y.host) return !x.host;
       if (x.need != y.need) return x.need < y.need;
       if (x.bytes != y.bytes) return x.bytes > y.bytes;
       return x.first < y.first;
     });
-
-    auto can_drop = [&](const Candidate& c) {
-      Segment seg[2];
-      const int ns = segments(c, c.pe + 1, c.pp - 1, seg);
-      for (int q = 0; q < ns; ++q) {
-        if (mem.max(seg[q].l, seg[q].r) + static_cast<std::int64_t>(c.bytes) > target_) {
-          return false;
-        }
-      }
-      return true;
-    };
-    std::vector<char> dropped(plan.actions.size(), 0);
-    auto drop = [&](Candidate& c) {
-      const auto s = static_cast<std::int64_t>(c.bytes);
-      Segment seg[2];
-      const int ns = segments(c, c.pe + 1, c.pp - 1, seg);
-      for (int q = 0; q < ns; ++q) {
-        mem.add(seg[q].l, seg[q].r, s);
-        diff_[static_cast<std::size_t>(seg[q].l)] += s;
-        diff_[static_cast<std::size_t>(seg[q].r) + 1] -= s;
-      }
-      for (Direction dir : {Direction::kWrite, Direction::kRead}) {
-        BucketTree& t = bucket(c.target, dir);
-        Reservation& res = dir == Direction::kWrite ? c.wres : c.rres;
-        t.add(res.items.data(), res.items.data() + res.items.size());
-        res = Reservation{};
-      }
-      PlanSummary& sum = plan.summary;
-      mark_away(c, c.target, -s);
-      if (c.target == Target::kHost) {
-        --sum.offloads_host;
-        sum.bytes_to_host -= c.bytes;
-      } else {
-        --sum.offloads_ssd;
-        sum.bytes_to_ssd -= c.bytes;
-      }
-      c.done = false;
-      dropped[c.off_action] = dropped[c.off_action + 1] = 1;
-    };
-
-    for (bool host : {false, true}) {
-      for (const Group& g : groups) {  // whole groups
-        if (g.host != host) continue;
-        bool all = true;
-        for (std::size_t i = g.first; i < g.last && all; ++i) {
-          all = can_drop(cands_[static_cast<std::size_t>(members[i].cand)]);
-        }
-        if (!all) continue;
-        for (std::size_t i = g.first; i < g.last; ++i) {
-          drop(cands_[static_cast<std::size_t>(members[i].cand)]);
-        }
-      }
-      for (const Group& g : groups) {  // the members that only read
-        if (g.host != host) continue;
-        std::size_t writer = g.first;
-        while (writer < g.last && !cands_[static_cast<std::size_t>(members[writer].cand)].done) {
-          ++writer;
-        }
-        for (std::size_t i = writer + 1; i < g.last; ++i) {
-          Candidate& c = cands_[static_cast<std::size_t>(members[i].cand)];
-          if (c.done && can_drop(c)) drop(c);
-        }
-      }
-    }
-    std::size_t out = 0;
-    for (std::size_t i = 0; i < plan.actions.size(); ++i) {
-      if (dropped[i] == 0) plan.actions[out++] = plan.actions[i];
-    }
-    plan.actions.resize(out);
+    return groups;
   }
 
-  int sweep_start() {
-    int first = -1;
-    int prev = -1;
-    int best_gap = -1;
-    int start = 0;
-    for (int k = over_->first_at_most(0, n_ - 1, RangeTree::kInf / 2); k >= 0;
-         k = k + 1 < n_ ? over_->first_at_most(k + 1, n_ - 1, RangeTree::kInf / 2) : -1) {
-      if (first < 0) first = k;
-      if (prev >= 0 && k - prev > best_gap) {
-        best_gap = k - prev;
-        start = k;
-      }
-      prev = k;
+  // Drops every member of g when each can go.
+  void drop_group(Plan& plan, PruneState& st, const PruneGroup& g) {
+    bool all = true;
+    for (std::size_t i = g.first; i < g.last && all; ++i) {
+      all = can_drop(st, at(candidates_, st.members[i].cand));
     }
-    if (first >= 0 && n_ - prev + first > best_gap) start = first;  // the gap across the wrap
-    return start;
-  }
-
-  void apply(Plan& plan, const Option& best, int k) {
-    Candidate& c = cands_[static_cast<std::size_t>(best.cand)];
-    const int pk = pos_of(c, k);
-    // A hair more than the deficit, so that rounding cannot leave it short.
-    if (best.stall_w > 0) add_stall(op_at(c, pk - 1), best.stall_w * (1 + 1e-9) + 1e-12);
-    if (best.stall_r > 0) add_stall(op_at(c, c.len - 1), best.stall_r * (1 + 1e-9) + 1e-12);
-    BucketTree& tw = bucket(best.target, Direction::kWrite);
-    BucketTree& tr = bucket(best.target, Direction::kRead);
-    if (!c.done) {
-      Choice ch = evaluate_target(c, best.target);
-      TIDAL_EXPECT(ch.ok && ch.pe < pk && ch.pp > pk, "planner: the stall for op ", k,
-                   " did not make room; this is a bug");
-      commit(plan, c, ch);
-    } else if (pk <= c.pe) {
-      // Finish the offload before k: the bytes it moved from k on move to the ops before.
-      const double moved = release(tw, c, c.wres, pk, c.len - 1);
-      const int from = fill_backward(tw, c, 0, pk - 1, moved);
-      TIDAL_EXPECT(from >= 0, "planner: the stall for op ", k, " did not make room; a bug");
-      consume_backward(tw, c, from, pk - 1, moved, c.wres);
-      const int old_pe = c.pe;
-      c.pe = pk - 1;
-      free_span(c, pk, old_pe);
-      set_times(plan, c);
-    } else {
-      // Start the prefetch after k.
-      const double moved = release(tr, c, c.rres, 0, pk);
-      const int to = fill_forward(tr, c, pk + 1, c.len - 1, moved);
-      TIDAL_EXPECT(to >= 0, "planner: the stall for op ", k, " did not make room; a bug");
-      consume_forward_range(tr, c, pk + 1, to, moved, c.rres);
-      const int old_pp = c.pp;
-      c.pp = pk + 1;
-      free_span(c, old_pp, pk);
-      set_times(plan, c);
+    if (!all) return;
+    for (std::size_t i = g.first; i < g.last; ++i) {
+      drop(plan, st, at(candidates_, st.members[i].cand));
     }
   }
 
-  // Takes `need` bytes from positions p0..pe of c (all of p0..pe-1, the rest from pe).
-  void consume_forward_range(BucketTree& t, const Candidate& c, int p0, int pe, double need,
-                             Reservation& res) {
-    Segment s[2];
-    const int ns = segments(c, p0, pe - 1, s);
-    take(t, c, s, ns, op_at(c, pe), need, res);
+  // Drops the members of g that can go after the one that writes (they only read).
+  void drop_readers(Plan& plan, PruneState& st, const PruneGroup& g) {
+    std::size_t writer = g.first;
+    while (writer < g.last && !at(candidates_, st.members[writer].cand).done) ++writer;
+    for (std::size_t i = writer + 1; i < g.last; ++i) {
+      Candidate& c = at(candidates_, st.members[i].cand);
+      if (c.done && can_drop(st, c)) drop(plan, st, c);
+    }
   }
 
-  void check_active_fit(const trace::LifetimeAnalysis& la) {
-    // Bytes that may leave at op k: periods that cover it away from their ends.
-    std::vector<std::int64_t> movable(static_cast<std::size_t>(n_) + 1, 0);
-    for (const Candidate& c : cands_) {
-      Segment s[2];
-      const int ns = segments(c, 1, c.len - 2, s);
-      for (int i = 0; i < ns; ++i) {
-        movable[static_cast<std::size_t>(s[i].l)] += static_cast<std::int64_t>(c.bytes);
-        movable[static_cast<std::size_t>(s[i].r) + 1] -= static_cast<std::int64_t>(c.bytes);
+  bool can_drop(PruneState& st, const Candidate& c) {
+    Segment seg[2];
+    const int ns = segments(c, c.offload_end + 1, c.prefetch_start - 1, seg);
+    for (int q = 0; q < ns; ++q) {
+      if (st.memory.max(seg[q].l, seg[q].r) + static_cast<std::int64_t>(c.bytes) > target_) {
+        return false;
       }
     }
-    std::int64_t run = 0;
-    std::int64_t worst = 0;
-    int worst_op = -1;
+    return true;
+  }
+
+  void drop(Plan& plan, PruneState& st, Candidate& c) {
+    const auto s = static_cast<std::int64_t>(c.bytes);
+    for_each_segment(c, c.offload_end + 1, c.prefetch_start - 1, [&](const Segment& seg) {
+      st.memory.add(seg.l, seg.r, s);
+      add_planned(seg, s);
+    });
+    for (Direction dir : {Direction::kWrite, Direction::kRead}) {
+      Reservation& res = dir == Direction::kWrite ? c.write_res : c.read_res;
+      bucket(c.target, dir).add(res.items.data(), res.items.data() + res.items.size());
+      res = Reservation{};
+    }
+    mark_away(c, c.target, -s);
+    count_offload(plan.summary, c, false);
+    c.done = false;
+    st.dropped[c.off_action] = st.dropped[c.off_action + 1] = 1;
+  }
+
+  // ---- stage: stalls and summary -------------------------------------------------------------
+
+  // The stalls the plan needs: the channels run at once, so a stall in bucket k serves all of
+  // them and only has to be as long as the channel that uses most of it needs (its reservations
+  // there beyond the op's own time, over its rate), not the sum of the stalls that were added
+  // there one channel at a time. The reservations stay feasible with these stalls.
+  void stall_summary(Plan& plan) const {
     for (int k = 0; k < n_; ++k) {
-      run += movable[static_cast<std::size_t>(k)];
-      const std::int64_t pinned =
-          static_cast<std::int64_t>(la.live_bytes[static_cast<std::size_t>(k)]) - run;
-      if (pinned - target_ > worst) {
-        worst = pinned - target_;
-        worst_op = k;
+      const double added = at(stall_at_, k);
+      if (added <= 0) continue;
+      double need = 0;
+      for (Channel c : kChannels) {
+        const double rate = rates_[c];
+        if (rate <= 0) continue;
+        const double own = rate * at(op_seconds_, k);
+        const double used = own + rate * added - buckets_[index_of(c)].get(k);
+        need = std::max(need, (used - own) / rate);
+      }
+      need = std::min(added, need);
+      if (need > 0) plan.stalls.emplace_back((k + 1) % n_, need);
+    }
+  }
+
+  // The planned memory per op, the peaks, and the actions in trigger order.
+  void summarize(Plan& plan, const trace::LifetimeAnalysis& la) {
+    PlanSummary& sum = plan.summary;
+    std::int64_t run = 0;
+    for (int k = 0; k < n_; ++k) {
+      run += at(planned_delta_, k);
+      const std::int64_t v = static_cast<std::int64_t>(at(la.live_bytes, k)) + run;
+      if (static_cast<std::uint64_t>(v) > sum.peak_after_bytes) {
+        sum.peak_after_bytes = static_cast<std::uint64_t>(v);
+        sum.peak_after_op = k;
       }
     }
-    if (worst_op < 0) return;
-    const auto& op = tr_.ops[static_cast<std::size_t>(worst_op)];
-    const auto kk = static_cast<std::size_t>(worst_op);
-    TIDAL_EXPECT_AS(
-        InvalidArgument, false, "the plan cannot fit: op ", worst_op, " '", op.name, "' (",
-        trace::to_string(op.phase), ") needs ", format_bytes(static_cast<double>(worst + target_)),
-        " of tensors that cannot leave device memory around it (",
-        format_bytes(static_cast<double>(la.active_bytes[kk])), " used by the op itself), but ",
-        format_bytes(static_cast<double>(target_)), " is available (",
-        format_bytes(static_cast<double>(hw_.device_memory)), " less the ", hw_.memory_margin * 100,
-        "% margin): ", format_bytes(static_cast<double>(worst)),
-        " short. Use a smaller batch or sequence, or ", opt_.more_memory_hint, ".");
+    sum.peak_host_bytes =
+        static_cast<std::uint64_t>(std::max<std::int64_t>(0, away(Target::kHost).max(0, n_ - 1)));
+    sum.fits = sum.peak_after_bytes <= hw_.device_memory;
+    for (const auto& [op, s] : plan.stalls) sum.planned_stall_seconds += s;
+    std::sort(plan.actions.begin(), plan.actions.end(),
+              [](const PlanAction& x, const PlanAction& y) {
+                if (x.trigger != y.trigger) return x.trigger < y.trigger;
+                if (x.kind != y.kind) return x.kind < y.kind;
+                return x.tensor < y.tensor;
+              });
   }
 
   const trace::Trace& tr_;
   const Hardware& hw_;
   PlannerOptions opt_;
   int n_;
-  std::int64_t target_ = 0;
+  CyclicOps cycle_;
+  std::int64_t target_ = 0;  // bytes of device memory the plan may use
   ChannelRates rates_;
-  std::vector<double> tau_;
+  std::vector<double> op_seconds_;
   std::vector<BucketTree> buckets_;  // remaining capacity per op, one per Channel (index_of)
-  BucketTree& bucket(Target t, Direction d) { return buckets_[index_of(channel_of(t, d))]; }
-  const BucketTree& bucket(Target t, Direction d) const {
-    return buckets_[index_of(channel_of(t, d))];
-  }
-  std::vector<Candidate> cands_;
-  std::unique_ptr<Fenwick> fenwick_;
-  std::unique_ptr<RangeTree> over_;
-  std::unique_ptr<RangeTree> away_[2];  // bytes planned away per op: [0] SSD, [1] host
-  std::vector<std::int64_t> diff_;
-  std::vector<double> stall_at_;  // seconds of stall added per bucket
-  double initial_over_ = 0;
+  std::vector<Candidate> candidates_;
+  std::unique_ptr<Fenwick> over_time_;          // compute time of the ops still over the target
+  std::unique_ptr<RangeTree> over_memory_;      // memory of the ops over the target, kInf: fits
+  std::unique_ptr<RangeTree> away_bytes_[2];    // bytes planned away per op: [0] SSD, [1] host
+  std::vector<std::int64_t> planned_delta_;     // planned memory change, as differences per op
+  std::vector<double> stall_at_;                // seconds of stall added per bucket
+  std::vector<std::pair<double, int>> ranked_;  // the fallback's options for one op
+  double initial_over_time_ = 0;
   std::int64_t commits_ = 0;
 };
 

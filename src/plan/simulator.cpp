@@ -5,6 +5,7 @@
 #include <optional>
 #include <queue>
 
+#include "plan/int_index.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/plan/schedule.hpp"
 
@@ -14,6 +15,8 @@ using trace::OpIndex;
 using trace::TensorId;
 
 namespace {
+
+using detail::at;
 
 enum class State : std::uint8_t { kAbsent, kResident, kWriting, kOffloaded, kReading };
 
@@ -48,16 +51,10 @@ class Simulator {
     for (Channel c : kChannels) channel(c).rate = rates[c];
   }
 
+  // Replays the iterations; the last one is reported.
   SimResult run() {
     const auto n = static_cast<OpIndex>(tr_.ops.size());
-    tensors_.assign(tr_.tensors.size(), {});
-    for (std::size_t i = 0; i < tr_.tensors.size(); ++i) {
-      if (tr_.tensors[i].persistent) {
-        tensors_[i].state = State::kResident;
-        resident_ += tr_.tensors[i].bytes;
-      }
-    }
-
+    start_resident();
     SimResult res;
     res.capacity_bytes = hw_.device_memory;
     res.memory_per_op.assign(static_cast<std::size_t>(n), 0);
@@ -70,57 +67,87 @@ class Simulator {
       const bool last = it == iterations - 1;
       if (last) {
         iter_start = t;
-        for (Channel c : kChannels) {
-          issued_[index_of(c)] = 0;
-          busy0[index_of(c)] = channel(c).busy;
-        }
-        if (opt_.record_residency) res.residency.assign(static_cast<std::size_t>(n), {});
-        peak_host_ = host_bytes_;
-        peak_ssd_ = ssd_bytes_;
-        misses_ = forwarded_ = 0;
-        counting_ = true;
+        busy0 = start_counting(res, n);
       }
-      for (OpIndex k = 0; k < n; ++k) {
-        const auto kk = static_cast<std::size_t>(k);
-        const double g = static_cast<double>(it) * n + k;
-        if (last && opt_.record_residency) res.residency[kk] = residency();
-        for (TensorId id : sched_.created[kk]) create(id);
-        // What this op waits for: reads of what it uses, and offloads due before it.
-        std::vector<int> waits;
-        for (TensorId id : sched_.uses[kk]) {
-          TensorState& s = tensors_[static_cast<std::size_t>(id)];
-          if (s.state == State::kWriting) {
-            s.state = State::kResident;  // still in memory: keep it
-          } else if (s.state == State::kOffloaded) {
-            ++misses_;
-            issue_read(id, g - 0.5, t);
-            waits.push_back(s.job);
-          } else if (s.state == State::kReading) {
-            waits.push_back(s.job);
-          }
-        }
-        double start = t;
-        for (Channel c : kChannels) {
-          if (is_write(c)) start = std::max(start, run_until_key(c, g));
-        }
-        for (int j : waits) start = std::max(start, run_until_done(j));
-        advance_all(start);
-        if (last) res.stall_per_op[kk] = start - t;
-        t = start;
-        for (TensorId id : tr_.ops[kk].outputs) ++tensors_[static_cast<std::size_t>(id)].version;
-        if (last) res.memory_per_op[kk] = resident_;
-        // The op, and the compute the transfers started since the last op take from it.
-        t += tr_.op_seconds(kk) + io_compute_;
-        if (last) res.io_compute_seconds += io_compute_;
-        io_compute_ = 0;
-        advance_all(t);
-        for (std::int32_t m : sched_.issued_after[kk]) {
-          fire(sched_.migrations[static_cast<std::size_t>(m)], it, n, t);
-        }
-        for (TensorId id : sched_.freed[kk]) release(id);
-      }
+      for (OpIndex k = 0; k < n; ++k) t = run_op(k, it, t, last ? &res : nullptr);
     }
     res.iteration_seconds = t - iter_start;
+    report(res, busy0);
+    return res;
+  }
+
+ private:
+  // Every persistent tensor starts in device memory.
+  void start_resident() {
+    tensors_.assign(tr_.tensors.size(), {});
+    for (std::size_t i = 0; i < tr_.tensors.size(); ++i) {
+      if (tr_.tensors[i].persistent) {
+        tensors_[i].state = State::kResident;
+        resident_ += tr_.tensors[i].bytes;
+      }
+    }
+  }
+
+  // Starts the counters of the reported iteration; returns each channel's busy time so far.
+  std::array<double, kNumChannels> start_counting(SimResult& res, OpIndex n) {
+    std::array<double, kNumChannels> busy{};
+    for (Channel c : kChannels) {
+      issued_[index_of(c)] = 0;
+      busy[index_of(c)] = channel(c).busy;
+    }
+    if (opt_.record_residency) res.residency.assign(static_cast<std::size_t>(n), {});
+    peak_host_ = host_bytes_;
+    peak_ssd_ = ssd_bytes_;
+    misses_ = forwarded_ = 0;
+    counting_ = true;
+    return busy;
+  }
+
+  // Runs op k of iteration `it` from time t (when the previous op ended): waits for what it
+  // needs, runs it, issues the migrations due after it and frees what dies. Returns the time
+  // it ended; records it in `report` (the reported iteration) unless null.
+  double run_op(OpIndex k, int it, double t, SimResult* report) {
+    const auto n = static_cast<OpIndex>(tr_.ops.size());
+    const auto kk = static_cast<std::size_t>(k);
+    const double g = static_cast<double>(it) * n + k;
+    if (report != nullptr && opt_.record_residency) report->residency[kk] = residency();
+    for (TensorId id : sched_.created[kk]) create(id);
+    // What this op waits for: reads of what it uses, and offloads due before it.
+    std::vector<int> waits;
+    for (TensorId id : sched_.uses[kk]) {
+      TensorState& s = state(id);
+      if (s.state == State::kWriting) {
+        s.state = State::kResident;  // still in memory: keep it
+      } else if (s.state == State::kOffloaded) {
+        ++misses_;
+        issue_read(id, g - 0.5, t);
+        waits.push_back(s.job);
+      } else if (s.state == State::kReading) {
+        waits.push_back(s.job);
+      }
+    }
+    double start = t;
+    for (Channel c : kChannels) {
+      if (is_write(c)) start = std::max(start, run_until_key(c, g));
+    }
+    for (int j : waits) start = std::max(start, run_until_done(j));
+    advance_all(start);
+    if (report != nullptr) report->stall_per_op[kk] = start - t;
+    t = start;
+    for (TensorId id : tr_.ops[kk].outputs) ++state(id).version;
+    if (report != nullptr) report->memory_per_op[kk] = resident_;
+    // The op, and the compute the transfers started since the last op take from it.
+    t += tr_.op_seconds(kk) + io_compute_;
+    if (report != nullptr) report->io_compute_seconds += io_compute_;
+    io_compute_ = 0;
+    advance_all(t);
+    for (std::int32_t m : sched_.issued_after[kk]) fire(at(sched_.migrations, m), it, n, t);
+    for (TensorId id : sched_.freed[kk]) release(id);
+    return t;
+  }
+
+  // Fills the rest of the result from the reported iteration's counters.
+  void report(SimResult& res, const std::array<double, kNumChannels>& busy0) const {
     res.compute_seconds = tr_.compute_seconds();
     res.stall_seconds =
         std::max(0.0, res.iteration_seconds - res.compute_seconds - res.io_compute_seconds);
@@ -152,10 +179,8 @@ class Simulator {
           hw_.ssd_tbw * hw_.ssd_count / static_cast<double>(res.ssd_bytes_written);
       res.ssd_lifetime_days = res.ssd_lifetime_iterations * res.iteration_seconds / 86400.0;
     }
-    return res;
   }
 
- private:
   struct Queue {
     double rate = 0;
     double now = 0;
@@ -163,46 +188,43 @@ class Simulator {
     std::vector<int> heap;
   };
 
-  bool later(int a, int b) const {
-    const Job& x = jobs_[static_cast<std::size_t>(a)];
-    const Job& y = jobs_[static_cast<std::size_t>(b)];
+  [[nodiscard]] bool later(int a, int b) const {
+    const Job& x = job(a);
+    const Job& y = job(b);
     return x.key != y.key ? x.key > y.key : x.seq > y.seq;
   }
   Queue& channel(Channel c) { return queues_[index_of(c)]; }
-  const Queue& channel(Channel c) const { return queues_[index_of(c)]; }
+  Job& job(int j) { return at(jobs_, j); }
+  [[nodiscard]] const Job& job(int j) const { return at(jobs_, j); }
+  TensorState& state(TensorId id) { return at(tensors_, id); }
+  [[nodiscard]] std::uint64_t bytes_of(TensorId id) const { return at(tr_.tensors, id).bytes; }
+  [[nodiscard]] const Queue& channel(Channel c) const { return queues_[index_of(c)]; }
 
   // The state of every tensor, in the vocabulary the executor reports too.
-  std::vector<Residency> residency() const {
+  [[nodiscard]] std::vector<Residency> residency() const {
+    // By State: absent, resident, writing, offloaded, reading.
+    constexpr Residency kResidencyOf[] = {Residency::kAbsent, Residency::kResident,
+                                          Residency::kLeaving, Residency::kAway,
+                                          Residency::kArriving};
     std::vector<Residency> r(tensors_.size(), Residency::kAbsent);
     for (std::size_t i = 0; i < tensors_.size(); ++i) {
-      switch (tensors_[i].state) {
-        case State::kAbsent:
-          break;
-        case State::kResident:
-          r[i] = Residency::kResident;
-          break;
-        case State::kWriting:
-          r[i] = Residency::kLeaving;
-          break;
-        case State::kOffloaded:
-          r[i] = Residency::kAway;
-          break;
-        case State::kReading:
-          r[i] = Residency::kArriving;
-          break;
-      }
+      r[i] = kResidencyOf[static_cast<std::size_t>(tensors_[i].state)];
     }
     return r;
   }
 
+  // A channel's queue is a heap with the most urgent job on top.
+  [[nodiscard]] auto most_urgent_on_top() const {
+    return [this](int a, int b) { return later(a, b); };
+  }
   void push(Channel c, int j) {
     auto& h = channel(c).heap;
     h.push_back(j);
-    std::push_heap(h.begin(), h.end(), [this](int a, int b) { return later(a, b); });
+    std::push_heap(h.begin(), h.end(), most_urgent_on_top());
   }
   int pop(Channel c) {
     auto& h = channel(c).heap;
-    std::pop_heap(h.begin(), h.end(), [this](int a, int b) { return later(a, b); });
+    std::pop_heap(h.begin(), h.end(), most_urgent_on_top());
     const int j = h.back();
     h.pop_back();
     return j;
@@ -212,7 +234,7 @@ class Simulator {
   void advance(Channel c, double t) {
     Queue& ch = channel(c);
     while (!ch.heap.empty() && ch.now < t) {
-      Job& j = jobs_[static_cast<std::size_t>(ch.heap.front())];
+      Job& j = job(ch.heap.front());
       const double need = j.remaining / ch.rate;
       if (ch.now + need <= t) {
         ch.now += need;
@@ -233,20 +255,20 @@ class Simulator {
   // time that happened.
   double run_until_key(Channel c, double key) {
     Queue& ch = channel(c);
-    while (!ch.heap.empty() && jobs_[static_cast<std::size_t>(ch.heap.front())].key <= key) {
+    while (!ch.heap.empty() && job(ch.heap.front()).key <= key) {
       serve_head(c);
     }
     return ch.now;
   }
-  double run_until_done(int job) {
-    const Channel c = jobs_[static_cast<std::size_t>(job)].channel;
-    while (!jobs_[static_cast<std::size_t>(job)].done) serve_head(c);
+  double run_until_done(int j) {
+    const Channel c = job(j).channel;
+    while (!job(j).done) serve_head(c);
     return channel(c).now;
   }
   // Runs channel c's most urgent job to its end.
   void serve_head(Channel c) {
     Queue& ch = channel(c);
-    const double need = jobs_[static_cast<std::size_t>(ch.heap.front())].remaining / ch.rate;
+    const double need = job(ch.heap.front()).remaining / ch.rate;
     ch.now += need;
     ch.busy += need;
     complete(pop(c));
@@ -257,13 +279,13 @@ class Simulator {
                     " over the ", tier_of(c) == Tier::kSsd ? "SSD" : "host-memory",
                     " channel, but that channel has no bandwidth on this hardware model");
     Job j;
-    j.bytes = tr_.tensors[static_cast<std::size_t>(id)].bytes;
+    j.bytes = bytes_of(id);
     j.remaining = static_cast<double>(j.bytes);
     j.key = key;
     j.seq = seq_++;
     j.tensor = id;
     j.channel = c;
-    j.version = tensors_[static_cast<std::size_t>(id)].version;
+    j.version = state(id).version;
     jobs_.push_back(j);
     const int index = static_cast<int>(jobs_.size()) - 1;
     if (counting_) issued_[index_of(c)] += j.bytes;
@@ -276,14 +298,14 @@ class Simulator {
     return index;
   }
 
-  void complete(int job) {
-    Job& j = jobs_[static_cast<std::size_t>(job)];
+  void complete(int index) {
+    Job& j = job(index);
     j.done = true;
     if (j.tensor < 0) return;  // its tensor instance is gone
-    TensorState& s = tensors_[static_cast<std::size_t>(j.tensor)];
-    const std::uint64_t bytes = tr_.tensors[static_cast<std::size_t>(j.tensor)].bytes;
+    TensorState& s = state(j.tensor);
+    const std::uint64_t bytes = bytes_of(j.tensor);
     const bool write = is_write(j.channel);
-    if (s.job == job) s.job = -1;
+    if (s.job == index) s.job = -1;
     if (write) {
       if (s.state == State::kWriting) {
         resident_ -= bytes;
@@ -307,52 +329,47 @@ class Simulator {
 
   // Where a tensor's only copy is while it is away from device memory (none: it is not away).
   void set_away(TensorId id, std::optional<Tier> tier) {
-    TensorState& s = tensors_[static_cast<std::size_t>(id)];
-    const std::uint64_t bytes = tr_.tensors[static_cast<std::size_t>(id)].bytes;
-    const bool host = tier == Tier::kHost;
-    const bool ssd = tier == Tier::kSsd;
-    if (s.on_host != host) {
-      s.on_host = host;
-      if (host) {
-        host_bytes_ += bytes;
-        if (counting_) peak_host_ = std::max(peak_host_, host_bytes_);
-      } else {
-        host_bytes_ -= bytes;
-      }
-    }
-    if (s.on_ssd != ssd) {
-      s.on_ssd = ssd;
-      if (ssd) {
-        ssd_bytes_ += bytes;
-        if (counting_) peak_ssd_ = std::max(peak_ssd_, ssd_bytes_);
-      } else {
-        ssd_bytes_ -= bytes;
-      }
+    TensorState& s = state(id);
+    const std::uint64_t bytes = bytes_of(id);
+    hold(s.on_host, tier == Tier::kHost, bytes, host_bytes_, peak_host_);
+    hold(s.on_ssd, tier == Tier::kSsd, bytes, ssd_bytes_, peak_ssd_);
+  }
+  // Sets whether one tier holds a tensor (`on`), counting its bytes in what the tier holds and,
+  // in the reported iteration, in the peak.
+  void hold(bool& on, bool want, std::uint64_t bytes, std::uint64_t& held,
+            std::uint64_t& peak) const {
+    if (on == want) return;
+    on = want;
+    if (want) {
+      held += bytes;
+      if (counting_) peak = std::max(peak, held);
+    } else {
+      held -= bytes;
     }
   }
 
   void create(TensorId id) {
-    TensorState& s = tensors_[static_cast<std::size_t>(id)];
+    TensorState& s = state(id);
     if (s.state == State::kResident || s.state == State::kWriting || s.state == State::kReading) {
       // A transfer of last iteration's instance still runs; it no longer matters.
       if (s.state != State::kResident) s.dead = true;
-      if (s.state != State::kResident) resident_ -= tr_.tensors[static_cast<std::size_t>(id)].bytes;
+      if (s.state != State::kResident) resident_ -= bytes_of(id);
     }
     set_away(id, std::nullopt);
     TensorState fresh;
     fresh.version = s.version + 1;
     fresh.state = State::kResident;
-    if (s.job >= 0 && !jobs_[static_cast<std::size_t>(s.job)].done) {
+    if (s.job >= 0 && !job(s.job).done) {
       // Detach the stale job: it keeps using bandwidth but changes nothing when it completes.
-      jobs_[static_cast<std::size_t>(s.job)].tensor = -1;
+      job(s.job).tensor = -1;
     }
     s = fresh;
-    resident_ += tr_.tensors[static_cast<std::size_t>(id)].bytes;
+    resident_ += bytes_of(id);
   }
 
   void release(TensorId id) {
-    TensorState& s = tensors_[static_cast<std::size_t>(id)];
-    const std::uint64_t bytes = tr_.tensors[static_cast<std::size_t>(id)].bytes;
+    TensorState& s = state(id);
+    const std::uint64_t bytes = bytes_of(id);
     switch (s.state) {
       case State::kResident:
         resident_ -= bytes;
@@ -376,16 +393,16 @@ class Simulator {
   }
 
   void issue_read(TensorId id, double key, double now) {
-    TensorState& s = tensors_[static_cast<std::size_t>(id)];
+    TensorState& s = state(id);
     advance_all(now);
     const Channel c = channel_of(s.has_copy ? s.copy_tier : Tier::kSsd, Direction::kRead);
     s.state = State::kReading;
-    resident_ += tr_.tensors[static_cast<std::size_t>(id)].bytes;
+    resident_ += bytes_of(id);
     s.job = new_job(c, id, key);
   }
 
   void fire(const Migration& m, int it, OpIndex n, double now) {
-    TensorState& s = tensors_[static_cast<std::size_t>(m.tensor)];
+    TensorState& s = state(m.tensor);
     const double key = static_cast<double>(it) * n + static_cast<double>(m.due);
     if (m.kind == ActionKind::kOffload) {
       if (s.state != State::kResident) return;
