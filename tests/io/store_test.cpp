@@ -30,6 +30,18 @@
 namespace tidal::io {
 namespace {
 
+// Expects waiting for ticket t to fail with an IoError that says `what` (and has errno `errnum`
+// unless 0).
+void expect_io_error(TensorStore& store, Ticket t, const std::string& what, int errnum = 0) {
+  try {
+    store.wait(t);
+    ADD_FAILURE() << "the request must fail with '" << what << "'";
+  } catch (const IoError& e) {
+    if (errnum != 0) EXPECT_EQ(e.errnum(), errnum);
+    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+  }
+}
+
 // Reads ticket t back (n bytes) and waits for it.
 std::vector<unsigned char> read_back(TensorStore& store, Ticket t, std::size_t n) {
   std::vector<unsigned char> back(n);
@@ -183,13 +195,7 @@ TEST_P(StoreTest, FullStoreFailsOneRequestAndRecoversAfterFree) {
   Ticket c = store.write(data.data(), 3 * kMiB);  // 9 MiB > 8 MiB
   store.wait(a);
   store.wait(b);
-  try {
-    store.wait(c);
-    FAIL() << "a write past capacity must fail";
-  } catch (const IoError& e) {
-    EXPECT_EQ(e.errnum(), ENOSPC);
-    EXPECT_NE(std::string(e.what()).find("store is full"), std::string::npos) << e.what();
-  }
+  expect_io_error(store, c, "store is full", ENOSPC);
   EXPECT_THROW(store.read(c, data.data()), Error) << "a failed write holds no data";
   store.free(c);
   store.free(a);
@@ -224,13 +230,7 @@ TEST_P(StoreTest, InjectedEioIsReportedAndTheStoreStaysUsable) {
   Ticket a = store.write(data.data(), kMiB);
   store.wait(a);
   Ticket b = store.write(data.data(), kMiB);
-  try {
-    store.wait(b);
-    FAIL() << "the 2nd op was set to fail";
-  } catch (const IoError& e) {
-    EXPECT_EQ(e.errnum(), EIO);
-    EXPECT_NE(std::string(e.what()).find("Input/output error"), std::string::npos) << e.what();
-  }
+  expect_io_error(store, b, "Input/output error", EIO);
   store.wait(b);  // reported once
   Ticket c = store.write(data.data(), kMiB);
   store.wait(c);
@@ -280,12 +280,7 @@ TEST_P(StoreTest, ShortWriteAndShortReadFailTheirRequest) {
   store2.wait(b);
   std::vector<unsigned char> back(data.size());
   store2.read(b, back.data());
-  try {
-    store2.wait(b);
-    FAIL();
-  } catch (const IoError& e) {
-    EXPECT_NE(std::string(e.what()).find("short read"), std::string::npos) << e.what();
-  }
+  expect_io_error(store2, b, "short read");
   store2.read(b, back.data());  // the data is still there: a retry succeeds
   store2.wait(b);
   EXPECT_EQ(back, data);
@@ -301,12 +296,7 @@ TEST_P(StoreTest, CorruptReadIsDetectedByChecksum) {
   store.wait(t);
   std::vector<unsigned char> back(data.size());
   store.read(t, back.data());
-  try {
-    store.wait(t);
-    FAIL() << "a flipped byte must fail the read";
-  } catch (const IoError& e) {
-    EXPECT_NE(std::string(e.what()).find("checksum mismatch"), std::string::npos) << e.what();
-  }
+  expect_io_error(store, t, "checksum mismatch");
   store.read(t, back.data());
   store.wait(t);
   EXPECT_EQ(back, data);

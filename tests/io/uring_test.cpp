@@ -247,6 +247,15 @@ bool uring_works(const TestDir& dir) {
   }
 }
 
+// Expects the store to have moved to POSIX once, for `why`; returns its stats.
+StoreStats expect_fell_back(const TensorStore& store, const std::string& why) {
+  const StoreStats s = store.stats();
+  EXPECT_EQ(s.backend, "posix");
+  EXPECT_EQ(s.backend_fallback.count, 1u);
+  EXPECT_NE(s.backend_fallback.reason.find(why), std::string::npos) << s.backend_fallback.reason;
+  return s;
+}
+
 // A store's directory with the calls hooked (and the hooks reset after); skipped where the
 // kernel has no working io_uring.
 class UringFaults : public ::testing::Test {
@@ -285,12 +294,7 @@ TEST_F(UringFaults, StoreMovesToPosixWhenTheRingBreaksAndSaysWhy) {
     store.wait(t);
     EXPECT_EQ(back, data);
   }
-  const StoreStats s = store.stats();
-  EXPECT_EQ(s.backend, "posix");
-  EXPECT_EQ(s.backend_fallback.count, 1u);
-  EXPECT_NE(s.backend_fallback.reason.find("io_uring_submit failed: Bad file descriptor"),
-            std::string::npos)
-      << s.backend_fallback.reason;
+  const StoreStats s = expect_fell_back(store, "io_uring_submit failed: Bad file descriptor");
   EXPECT_EQ(s.write_failed.count, 1u);
   EXPECT_EQ(s.failed_requests, 1u);
 }
@@ -320,12 +324,7 @@ TEST(UringFaultsAtOpen, FallbackWhenOpeningKeepsItsReason) {
   TestDir dir;
   g_init_error = EPERM;  // io_uring disabled by sysctl or seccomp
   TensorStore store(store_options(dir, BackendKind::kAuto));
-  const StoreStats s = store.stats();
-  EXPECT_EQ(s.backend, "posix");
-  EXPECT_EQ(s.backend_fallback.count, 1u);
-  EXPECT_NE(s.backend_fallback.reason.find("io_uring_queue_init failed: Operation not permitted"),
-            std::string::npos)
-      << s.backend_fallback.reason;
+  expect_fell_back(store, "io_uring_queue_init failed: Operation not permitted");
   EXPECT_THROW(TensorStore(store_options(dir, BackendKind::kIoUring)), IoError)
       << "asked for by name, io_uring is not replaced";
 }

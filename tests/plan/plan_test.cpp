@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <optional>
 #include <random>
 #include <string>
 
@@ -84,6 +85,16 @@ Hardware simple_hw(std::uint64_t capacity, double bw) {
   hw.gpu_mem_bw = 1e11;
   hw.memory_margin = 0;
   return hw;
+}
+
+// make_plan, or nothing where no plan fits (InvalidArgument): the fuzz loops skip those cases.
+std::optional<Plan> try_plan(const trace::Trace& t, const Hardware& hw,
+                             const PlannerOptions& options = {}) {
+  try {
+    return make_plan(t, hw, options);
+  } catch (const InvalidArgument&) {
+    return std::nullopt;
+  }
 }
 
 // Cyclic "strictly after x, at or before y" on an iteration of n ops, with wrap.
@@ -275,12 +286,9 @@ TEST(ModelTrace, OptimizerInBackwardOnRandomTracesPlansAndFits) {
     EXPECT_NEAR(t.compute_seconds(), base.compute_seconds(), 1e-9);
     const auto la = trace::analyze_lifetimes(t);
     const Hardware hw = simple_hw(la.summary.peak_live_bytes * 8 / 10, 1e10);
-    Plan p;
-    try {
-      p = make_plan(t, hw);
-    } catch (const InvalidArgument&) {
-      continue;
-    }
+    const std::optional<Plan> p_or = try_plan(t, hw);
+    if (!p_or) continue;
+    const Plan& p = *p_or;
     expect_paired(p, t);
     const SimResult sim = simulate(t, &p, hw);
     EXPECT_LE(sim.peak_bytes, hw.device_memory) << "seed " << seed;
@@ -363,12 +371,9 @@ TEST(ModelTrace, OptimizerDeferredOnRandomTracesPlansAndFits) {
     Hardware hw = simple_hw(la.summary.peak_live_bytes * 8 / 10, 1e10);
     const SimResult keep = simulate(t, nullptr, hw);
     EXPECT_EQ(keep.memory_per_op, la.live_bytes) << "seed " << seed;
-    Plan p;
-    try {
-      p = make_plan(t, hw);
-    } catch (const InvalidArgument&) {
-      continue;
-    }
+    const std::optional<Plan> p_or = try_plan(t, hw);
+    if (!p_or) continue;
+    const Plan& p = *p_or;
     ASSERT_NO_THROW(validate_plan(p, t)) << "seed " << seed;
     expect_paired(p, t);
     const SimResult sim = simulate(t, &p, hw);
@@ -627,12 +632,9 @@ TEST(Simulator, TheComputeTransfersTakeIsChargedOncePerByteStarted) {
     Hardware hw = simple_hw(la.summary.peak_live_bytes * 6 / 10, 1e9);
     hw.host_memory = la.summary.peak_live_bytes / 4;
     hw.host_link_bw = 3e9;
-    Plan p;
-    try {
-      p = make_plan(t, hw);
-    } catch (const InvalidArgument&) {
-      continue;
-    }
+    const std::optional<Plan> p_or = try_plan(t, hw);
+    if (!p_or) continue;
+    const Plan& p = *p_or;
     const SimResult free_io = simulate(t, &p, hw);
     EXPECT_EQ(free_io.io_compute_seconds, 0) << "seed " << seed;
     for (Channel c : kChannels) hw.compute_seconds_per_byte[index_of(c)] = ns(rng) * 1e-9;
@@ -1013,12 +1015,9 @@ TEST(PlannerFuzz, TheSsdCapacityBoundsWhatIsAwayOnTheSsds) {
   for (std::uint64_t seed = 0; seed < 400; ++seed) {
     FuzzCase fc = fuzz_case(seed, rng, FuzzLink::kPerArray, false);
     Hardware hw = fc.hw;
-    Plan free_plan;
-    try {
-      free_plan = make_plan(fc.trace, hw, PlannerOptions{});
-    } catch (const InvalidArgument&) {
-      continue;
-    }
+    const std::optional<Plan> free_plan_or = try_plan(fc.trace, hw, PlannerOptions{});
+    if (!free_plan_or) continue;
+    const Plan& free_plan = *free_plan_or;
     const SimResult free_sim = simulate(fc.trace, &free_plan, hw);
     if (free_sim.peak_ssd_bytes < 2) continue;
     hw.ssd_capacity = free_sim.peak_ssd_bytes * (5 + seed % 4) / 10;  // 50-80% of it
@@ -1055,12 +1054,9 @@ TEST(PlannerFuzz, PlannedStallBoundsTheSimulatedStall) {
     // that needed a stall keep their place, so it can be looser than before).
     PlannerOptions keep;
     keep.prune = false;
-    Plan p;
-    try {
-      p = make_plan(t, hw, keep);
-    } catch (const InvalidArgument&) {
-      continue;
-    }
+    const std::optional<Plan> p_or = try_plan(t, hw, keep);
+    if (!p_or) continue;
+    const Plan& p = *p_or;
     const SimResult sim = simulate(t, &p, hw);
     const double planned = p.summary.planned_stall_seconds;
     const double slack = 1e-6 * t.compute_seconds() + 1e-9;
@@ -1091,12 +1087,9 @@ TEST(PlannerFuzz, PruningNeverWritesMoreAndKeepsTheInvariants) {
     Hardware hw = fc.hw;
     PlannerOptions keep;
     keep.prune = false;
-    Plan g;
-    try {
-      g = make_plan(t, hw, keep);
-    } catch (const InvalidArgument&) {
-      continue;
-    }
+    const std::optional<Plan> g_or = try_plan(t, hw, keep);
+    if (!g_or) continue;
+    const Plan& g = *g_or;
     const Plan p = make_plan(t, hw);
     ++planned;
     if (p.actions.size() < g.actions.size()) ++pruned;
