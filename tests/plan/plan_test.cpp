@@ -97,6 +97,13 @@ std::optional<Plan> try_plan(const trace::Trace& t, const Hardware& hw,
   }
 }
 
+// The plan as the greedy and the fallback leave it, before pruning; nothing where none fits.
+std::optional<Plan> try_unpruned_plan(const trace::Trace& t, const Hardware& hw) {
+  PlannerOptions keep;
+  keep.prune = false;
+  return try_plan(t, hw, keep);
+}
+
 // Cyclic "strictly after x, at or before y" on an iteration of n ops, with wrap.
 int cyc(int from, int to, int n) { return ((to - from) % n + n) % n; }
 
@@ -968,10 +975,7 @@ TEST(PlannerFuzz, RandomTracesFitAndPair) {
   int planned = 0;
   int infeasible = 0;
   for (std::uint64_t seed = 0; seed < 400; ++seed) {
-    const FuzzCase fc = fuzz_case(seed, rng, FuzzLink::kPerArray, true);
-    const trace::Trace& t = fc.trace;
-    const auto& la = fc.lifetimes;
-    Hardware hw = fc.hw;
+    auto [t, la, hw] = fuzz_case(seed, rng, FuzzLink::kPerArray, true);
     PlannerOptions po;
     po.prefer_host = seed % 4 == 3;
     Plan p;
@@ -1045,16 +1049,11 @@ TEST(PlannerFuzz, PlannedStallBoundsTheSimulatedStall) {
   std::mt19937_64 rng(777);
   int compared = 0;
   for (std::uint64_t seed = 0; seed < 400; ++seed) {
-    const FuzzCase fc = fuzz_case(seed, rng, FuzzLink::kPerSsd, false);
-    const trace::Trace& t = fc.trace;
-    const auto& la = fc.lifetimes;
-    Hardware hw = fc.hw;
-    // The estimate is judged on the plan as the greedy and the fallback leave it; pruning
-    // only gives bandwidth back, and the planned stall stays an upper bound (the reservations
-    // that needed a stall keep their place, so it can be looser than before).
-    PlannerOptions keep;
-    keep.prune = false;
-    const std::optional<Plan> p_or = try_plan(t, hw, keep);
+    auto [t, la, hw] = fuzz_case(seed, rng, FuzzLink::kPerSsd, false);
+    // The estimate is judged on the unpruned plan; pruning only gives bandwidth back, and the
+    // planned stall stays an upper bound (the reservations that needed a stall keep their
+    // place, so it can be looser than before).
+    const std::optional<Plan> p_or = try_unpruned_plan(t, hw);
     if (!p_or) continue;
     const Plan& p = *p_or;
     const SimResult sim = simulate(t, &p, hw);
@@ -1081,13 +1080,8 @@ TEST(PlannerFuzz, PruningNeverWritesMoreAndKeepsTheInvariants) {
   int planned = 0;
   int pruned = 0;
   for (std::uint64_t seed = 0; seed < 400; ++seed) {
-    const FuzzCase fc = fuzz_case(seed, rng, FuzzLink::kPerArray, true);
-    const trace::Trace& t = fc.trace;
-    const auto& la = fc.lifetimes;
-    Hardware hw = fc.hw;
-    PlannerOptions keep;
-    keep.prune = false;
-    const std::optional<Plan> g_or = try_plan(t, hw, keep);
+    auto [t, la, hw] = fuzz_case(seed, rng, FuzzLink::kPerArray, true);
+    const std::optional<Plan> g_or = try_unpruned_plan(t, hw);
     if (!g_or) continue;
     const Plan& g = *g_or;
     const Plan p = make_plan(t, hw);
