@@ -15,6 +15,7 @@
 # (its plan summary), the plan's capacity, no margin, and the run's --host-mem. The simulator
 # replays the profiled op times, so the profile is 5 steps (TIDAL_SIMEXEC_PROFILE_STEPS; medians
 # per op), not train's default 2: on a small CPU one slow step moves a 2-step median a lot.
+# Each run starts after a sync and a pause (TIDAL_SIMEXEC_SETTLE seconds, default 5).
 set -euo pipefail
 build=${1:-build}
 dir=${2:-/var/tmp/tidal-simexec}
@@ -49,6 +50,10 @@ for ((rep = 1; rep <= repeats; ++rep)); do
       [ "${flags_a[k]}" = "--host-mem" ] && host=${flags_a[k + 1]}
     done
     f="$out/$i-$rep"
+    # Let the previous run's aftermath settle first (its store file's blocks are freed and
+    # written back after it exits): it slowed the next run's profiled steps by 8-12% here.
+    sync
+    sleep "${TIDAL_SIMEXEC_SETTLE:-5}"
     echo "== run $rep, $i: $bin train ${model_a[*]} --offload plan ${flags_a[*]} --steps $steps --profile-steps $profile_steps" >&2
     "$bin" train "${model_a[@]}" --steps "$steps" --profile-steps "$profile_steps" \
       --offload plan --min-offload 16KiB "${flags_a[@]}" --dir "$dir" --save-trace "$f.trace.json" \
