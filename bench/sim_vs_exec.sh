@@ -50,8 +50,8 @@ for ((rep = 1; rep <= repeats; ++rep)); do
       [ "${flags_a[k]}" = "--host-mem" ] && host=${flags_a[k + 1]}
     done
     f="$out/$i-$rep"
-    # Let the previous run's aftermath settle first (its store file's blocks are freed and
-    # written back after it exits): it slowed the next run's profiled steps by 8-12% here.
+    # Let the previous run's aftermath settle first (its store file's blocks are freed after
+    # it exits): runs after a heavy-I/O one profiled 8-12% slow here (docs/results.md).
     sync
     sleep "${TIDAL_SIMEXEC_SETTLE:-5}"
     echo "== run $rep, $i: $bin train ${model_a[*]} --offload plan ${flags_a[*]} --steps $steps --profile-steps $profile_steps" >&2
