@@ -47,8 +47,11 @@ if(TIDAL_HAVE_IO_URING)
   string(APPEND TIDAL_PC_REQUIRES_PRIVATE " liburing")
   string(APPEND TIDAL_PC_CFLAGS " -DTIDAL_WITH_IO_URING=1")
 endif()
+set(TIDAL_PC_LIBS_PRIVATE "-pthread -ldl")
 if(TIDAL_HAVE_CUDA)
   string(APPEND TIDAL_PC_CFLAGS " -DTIDAL_WITH_CUDA=1")
+  # The CUDA backend's static objects call the CUDA runtime.
+  string(APPEND TIDAL_PC_LIBS_PRIVATE " -L${CUDAToolkit_LIBRARY_DIR} -lcudart")
 endif()
 # Relocatable: the prefix is found from the .pc file's own place.
 file(RELATIVE_PATH TIDAL_PC_TO_PREFIX /prefix/${CMAKE_INSTALL_LIBDIR}/pkgconfig /prefix)

@@ -12,6 +12,7 @@ build=$(cd "${2:?usage: run.sh SOURCE_DIR BUILD_DIR}" && pwd)
 here="$src/tests/package"
 jobs=${TIDAL_JOBS:-$(nproc)}
 tmp=$(mktemp -d /var/tmp/tidal-package.XXXXXX)
+mkdir -p "$tmp"/store-{installed,train,pc,subdirectory}
 trap 'rm -rf "$tmp"' EXIT
 prefix="$tmp/prefix"
 start=$(date +%s)
