@@ -21,7 +21,7 @@ if [ "${TIDAL_QUICK:-0}" != 1 ]; then
   stamp "build with AddressSanitizer+UBSan (torch-free layers)"
   TIDAL_TARGETS="tidal_common_tests tidal_io_tests tidal_trace_tests tidal_plan_tests" \
     BUILD_DIR=build-asan BUILD_TYPE=Debug bash scripts/build.sh -DTIDAL_WITH_TORCH=OFF \
-    -DTIDAL_BUILD_BENCH=OFF -DTIDAL_SANITIZE=address,undefined
+    -DTIDAL_BUILD_BENCH=OFF -DTIDAL_INSTALL=OFF -DTIDAL_SANITIZE=address,undefined
   stamp "tests under ASan+UBSan"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
     ctest --test-dir build-asan --output-on-failure -j "$(nproc)" --timeout 900
@@ -29,7 +29,7 @@ if [ "${TIDAL_QUICK:-0}" != 1 ]; then
   stamp "build with ThreadSanitizer (torch-free layers)"
   TIDAL_TARGETS="tidal_io_tests" \
     BUILD_DIR=build-tsan BUILD_TYPE=RelWithDebInfo bash scripts/build.sh -DTIDAL_WITH_TORCH=OFF \
-    -DTIDAL_BUILD_BENCH=OFF -DTIDAL_SANITIZE=thread
+    -DTIDAL_BUILD_BENCH=OFF -DTIDAL_INSTALL=OFF -DTIDAL_SANITIZE=thread
   stamp "store concurrency tests under TSan"
   TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
     ctest --test-dir build-tsan --output-on-failure -L io --timeout 900

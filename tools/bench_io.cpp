@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "commands.hpp"
+#include "progress.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/text.hpp"
 #include "tidal/common/units.hpp"
@@ -111,26 +112,6 @@ class Pattern {
   AlignedBytes pool_;
 };
 
-class Progress {
- public:
-  Progress(const char* phase, std::uint64_t total)
-      : phase_(phase), total_(total), tty_(isatty(STDERR_FILENO) != 0) {}
-  void update(std::uint64_t done) {
-    if (!tty_) return;
-    const int pct = static_cast<int>(100 * done / std::max<std::uint64_t>(1, total_));
-    if (pct == last_) return;
-    last_ = pct;
-    std::fprintf(stderr, "\r  %s %3d%%", phase_, pct);
-    if (done == total_) std::fprintf(stderr, "\r            \r");
-  }
-
- private:
-  const char* phase_;
-  std::uint64_t total_;
-  bool tty_;
-  int last_ = -1;
-};
-
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -191,7 +172,7 @@ void run_bench_io(const BenchIoArgs& a) {
   }
 
   // Write phase.
-  Progress pw("write", nblocks);
+  Progress pw("write", static_cast<std::int64_t>(nblocks), Progress::Style::kPercent);
   auto t0 = std::chrono::steady_clock::now();
   for (std::uint64_t i = 0; i < nblocks; ++i) {
     const auto slot = static_cast<std::size_t>(i % static_cast<std::uint64_t>(a.depth));
@@ -215,7 +196,7 @@ void run_bench_io(const BenchIoArgs& a) {
   // compares nothing), and on a loaded two-core machine it delayed the next read.
   auto read_pass = [&](const char* phase, bool every_byte) {
     std::uint64_t bad = 0;
-    Progress pr(phase, nblocks);
+    Progress pr(phase, static_cast<std::int64_t>(nblocks), Progress::Style::kPercent);
     auto check_slot = [&](std::size_t slot) {
       if (slot_block[slot] < 0) return;
       const auto b = static_cast<std::uint64_t>(slot_block[slot]);

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "progress.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/plan/bound.hpp"
@@ -35,12 +36,7 @@ void run_plan(const PlanArgs& a) {
   opt.prefer_host = a.prefer_host;
   opt.allow_stalls = !a.no_stalls;
   if (!a.min_bytes.empty()) opt.min_bytes = parse_bytes(a.min_bytes);
-  if (isatty(2) != 0) {
-    opt.progress = [](double f) {
-      std::fprintf(stderr, "\rplanning: %3.0f%%", 100 * f);
-      if (f >= 1) std::fprintf(stderr, "\r               \r");
-    };
-  }
+  opt.progress = planning_progress();
   const plan::Plan p = plan::make_plan(tr, hw, opt);
   const plan::SimResult sim = plan::simulate(tr, &p, hw);
   const plan::PlanSummary& s = p.summary;

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "commands.hpp"
+#include "progress.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/text.hpp"
 #include "tidal/common/units.hpp"
@@ -158,12 +159,7 @@ void run_simulate(const SimulateArgs& a) {
   plan::PolicyOptions opt;
   opt.planner.min_bytes = a.min_bytes;
   opt.planner.prefer_host = a.prefer_host;
-  if (isatty(2) != 0) {
-    opt.planner.progress = [](double f) {
-      std::fprintf(stderr, "\rplanning: %3.0f%%", 100 * f);
-      if (f >= 1) std::fprintf(stderr, "\r               \r");
-    };
-  }
+  opt.planner.progress = planning_progress();
   const auto results = plan::run_policies(policies, tr, hw, opt);
 
   const plan::StallBound bound = plan::stall_lower_bound(tr, hw);

@@ -93,25 +93,4 @@ inline models::TrainerOptions to_trainer_options(const ModelArgs& a) {
   return o;
 }
 
-/// A one-line progress bar on stderr; a line per update when stderr is not a terminal.
-class ProgressBar {
- public:
-  explicit ProgressBar(std::int64_t total) : total_(total), tty_(isatty(2) != 0) {}
-  void update(std::int64_t done, const std::string& text) {
-    constexpr int kWidth = 24;
-    const int filled = total_ > 0 ? static_cast<int>(kWidth * done / total_) : kWidth;
-    std::string bar(static_cast<std::size_t>(filled), '#');
-    bar.resize(kWidth, '.');
-    std::fprintf(stderr, "%s[%s] %lld/%lld %s%s", tty_ ? "\r" : "", bar.c_str(),
-                 static_cast<long long>(done), static_cast<long long>(total_), text.c_str(),
-                 tty_ ? "\x1b[K" : "\n");
-    if (tty_ && done == total_) std::fputc('\n', stderr);
-    std::fflush(stderr);
-  }
-
- private:
-  std::int64_t total_;
-  bool tty_;
-};
-
 }  // namespace tidal::cli

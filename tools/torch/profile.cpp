@@ -8,6 +8,7 @@
 
 #include "commands.hpp"
 #include "model_options.hpp"
+#include "progress.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/stats.hpp"
 #include "tidal/common/units.hpp"
@@ -89,7 +90,7 @@ void run_profile(const ProfileArgs& args) {
   const std::int64_t baseline_steps =
       args.baseline_steps < 0 ? args.model.steps : args.baseline_steps;
   std::vector<double> plain_seconds;
-  ProgressBar plain_bar(baseline_steps);
+  Progress plain_bar("steps", baseline_steps, Progress::Style::kBar);
   for (std::int64_t i = 0; i < baseline_steps; ++i) {
     const auto r = trainer.step();
     plain_seconds.push_back(r.seconds);
@@ -102,7 +103,7 @@ void run_profile(const ProfileArgs& args) {
   trainer.add_observer(&tracer);
   meter.reset_peak();
   std::vector<double> traced_seconds;
-  ProgressBar bar(args.model.steps);
+  Progress bar("steps", args.model.steps, Progress::Style::kBar);
   for (std::int64_t i = 0; i < args.model.steps; ++i) {
     const auto r = trainer.step();
     traced_seconds.push_back(r.seconds);

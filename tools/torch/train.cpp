@@ -14,6 +14,7 @@
 
 #include "commands.hpp"
 #include "model_options.hpp"
+#include "progress.hpp"
 #include "tidal/common/env.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/stats.hpp"
@@ -233,7 +234,7 @@ void run_train(const TrainArgs& args) {
                  static_cast<long long>(first_step));
   }
   int checkpoints_written = 0;
-  ProgressBar bar(args.model.steps - first_step);
+  Progress bar("steps", args.model.steps - first_step, Progress::Style::kBar);
   std::vector<double> losses;
   std::vector<double> seconds;
   std::vector<double> offload_seconds;  // steps that ran with offloading on
