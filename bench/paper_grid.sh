@@ -7,10 +7,13 @@
 #
 #   bench/paper_grid.sh [OUT.jsonl]
 #
-# The setup: two H100 NVL GPUs in data parallel, each with its own 4-SSD array and half of the
-# 1.5 TB host (the h100-4ssd preset is one GPU's share); each GPU runs half of the global batch
-# as micro-batches of TIDAL_GRID_MICRO sequences (default 8) with gradient accumulation, then one
-# AdamW step. Not modelled: the gradient all-reduce between the two GPUs.
+# The setup: two H100 NVL GPUs, each with its own 4-SSD array and half of the 1.5 TB host (the
+# h100-4ssd preset is one GPU's share), joined by their NVLink bridge (300 GB/s each way). With
+# TIDAL_GRID_PARALLEL=tensor (the default) the two GPUs split every matrix (tensor parallel 2)
+# and both run the global batch; with =data each runs half of it and the gradients are
+# all-reduced. Either way a GPU runs its batch as micro-batches of TIDAL_GRID_MICRO sequences
+# (default 8) with gradient accumulation, then one AdamW step; the collectives are ops on the
+# link, so ideal includes them.
 # Environment: TIDAL_BIN (default ./build/tidal), TIDAL_GRID_PRECISION (fp32, the paper's;
 # bf16-mixed; bf16), TIDAL_GRID_SCHEDULE (empty: the optimizer step after backward, as the paper
 # ran it; or --optimizer-deferred / --optimizer-in-backward), TIDAL_GRID_CASES ("model:batch:seq
@@ -22,18 +25,23 @@ micro=${TIDAL_GRID_MICRO:-8}
 precision=${TIDAL_GRID_PRECISION:-fp32}
 schedule=${TIDAL_GRID_SCHEDULE:-}
 hardware=${TIDAL_GRID_HARDWARE:-h100-4ssd}
-cases=${TIDAL_GRID_CASES:-"llama3-8b:32:1024 llama3-8b:32:2048 llama3-8b:32:4096 llama3-8b:64:2048 llama3-8b:128:1024 llama3-70b:16:1024 llama3-70b:16:2048 llama3-70b:32:2048"}
+parallel=${TIDAL_GRID_PARALLEL:-tensor}
+cases=${TIDAL_GRID_CASES:-"llama3-8b:32:1024 llama3-8b:32:2048 llama3-8b:32:4096 llama3-8b:64:2048 llama3-8b:128:1024 granite-8b:32:1024 granite-8b:32:2048 granite-8b:64:2048 llama3-70b:16:1024 llama3-70b:16:2048 llama3-70b:32:2048"}
 [ -x "$bin" ] || { echo "no tidal binary at $bin: build first (scripts/build.sh)" >&2; exit 1; }
 mkdir -p "$(dirname "$out")"
 : >"$out"
 
 for c in $cases; do
   IFS=: read -r model batch seq <<<"$c"
-  per_gpu=$((batch / 2))
+  case $parallel in
+    tensor) per_gpu=$batch; split=(--tensor-parallel 2) ;;
+    data) per_gpu=$((batch / 2)); split=(--data-parallel 2) ;;
+    *) echo "TIDAL_GRID_PARALLEL is tensor or data, not '$parallel'" >&2; exit 1 ;;
+  esac
   mb=$((per_gpu / micro))
   [ "$mb" -ge 1 ] || mb=1
   [ $((per_gpu % mb)) -eq 0 ] || { echo "batch $batch does not split into $mb micro-batches per GPU" >&2; exit 1; }
-  common=(--model "$model" --batch "$per_gpu" --seq "$seq" --micro-batches "$mb" --precision "$precision" --hardware "$hardware")
+  common=(--model "$model" --batch "$batch" --seq "$seq" "${split[@]}" --micro-batches "$mb" --precision "$precision" --hardware "$hardware")
   # shellcheck disable=SC2206
   common+=($schedule)
   echo "== $model b$batch s$seq: $bin simulate ${common[*]} [--host-mem 0]" >&2
@@ -58,7 +66,7 @@ print(json.dumps({
 EOF
 done
 
-python3 - "$out" "$precision" "${schedule:-after-backward}" <<'EOF'
+python3 - "$out" "$precision" "${schedule:-after-backward}" "$parallel" <<'EOF'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 # TERAIO (arXiv 2506.06472) gives per-model averages, not per-cell figures (shared/REFERENCES.md):
@@ -68,7 +76,7 @@ def cell(r):
     if r is None:
         return "-"
     return f"{100 * r['fraction']:.1f}%" + ("" if r["fits"] else " (no fit)")
-print(f"precision {sys.argv[2]}, optimizer step {sys.argv[3]}; fractions of ideal")
+print(f"precision {sys.argv[2]}, optimizer step {sys.argv[3]}, {sys.argv[4]} parallel over 2 GPUs; fractions of ideal")
 print("| model | batch | seq | micro-batches/GPU | ideal s | TERAIO published | tidal-SSD | tidal-Mixed | ZeRO-Offload | ZeRO-Infinity | lower bound | tidal-Mixed / bound |")
 print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
@@ -81,4 +89,12 @@ for r in rows:
 if rows:
     avg = sum(r["tidal_mixed"]["fraction"] for r in rows) / len(rows)
     print(f"tidal-Mixed average {100 * avg:.1f}% of ideal (TERAIO: 80.7%); JSON lines in {sys.argv[1]}")
+    for model in sorted({r["model"] for r in rows}):
+        mine = [r for r in rows if r["model"] == model]
+        m = sum(r["tidal_mixed"]["fraction"] for r in mine) / len(mine)
+        s = sum(r["tidal_ssd"]["fraction"] for r in mine) / len(mine)
+        print(f"{model}: tidal-Mixed {100 * m:.1f}%, tidal-SSD {100 * s:.1f}% of ideal on average")
+    worst = min(r["tidal_mixed"]["fraction"] / r["lower_bound"] for r in rows)
+    worst_ssd = min(r["tidal_ssd"]["fraction"] / r["lower_bound_ssd"] for r in rows)
+    print(f"lowest tidal / lower bound: Mixed {worst:.3f}, SSD {worst_ssd:.3f}")
 EOF

@@ -29,6 +29,8 @@ struct TraceSource {
   bool optimizer_in_backward = false;
   bool optimizer_deferred = false;
   int micro_batches = 1;
+  int data_parallel = 1;
+  int tensor_parallel = 1;
   std::string precision = "fp32";
   std::string hardware = "h100-4ssd";
   plan::HardwareOverrides hw;
@@ -66,7 +68,7 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
   cmd->add_option("--trace", s.trace_path, "trace JSON from `tidal profile`");
   cmd->add_option("--model", s.model,
                   "or an analytic trace of a transformer: gpt2-small|gpt2-medium|gpt2-large|"
-                  "gpt2-xl|llama3.2-1b|llama3-8b|llama3-70b|llama3.1-405b");
+                  "gpt2-xl|llama3.2-1b|llama3-8b|granite-8b|llama3-70b|llama3.1-405b");
   cmd->add_option("--batch", s.batch, "batch size (with --model)");
   cmd->add_option("--seq", s.seq, "sequence length (with --model)");
   cmd->add_flag("--optimizer-in-backward", s.optimizer_in_backward,
@@ -79,6 +81,16 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
                   "with --model: split the batch into this many micro-batches, each with its own "
                   "forward and backward pass, accumulating gradients; one optimizer step after "
                   "the last (gradient accumulation)")
+      ->capture_default_str();
+  cmd->add_option("--data-parallel", s.data_parallel,
+                  "with --model: data parallelism over this many GPUs; --batch is the global "
+                  "batch, split over them, and the gradients are all-reduced on the GPU link "
+                  "(--gpu-link) after the last micro-batch; the trace is one GPU's")
+      ->capture_default_str();
+  cmd->add_option("--tensor-parallel", s.tensor_parallel,
+                  "with --model: tensor parallelism over this many GPUs (Megatron-LM's split of "
+                  "the attention, MLP and vocabulary; all-reduces of activations on the GPU "
+                  "link); the trace is one GPU's")
       ->capture_default_str();
   cmd->add_option("--precision", s.precision,
                   "with --model: fp32 (the paper), bf16-mixed (bf16 activations and matmuls, fp32 "
@@ -95,6 +107,9 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
   cmd->add_option("--ssd", s.hw.ssd, "SSD array, e.g. 4x6.5/6.7GB/s (count x write/read)");
   cmd->add_option("--host-mem", s.hw.host_mem, "host memory for offloaded tensors, e.g. 256GiB");
   cmd->add_option("--host-link", s.hw.host_link, "device-host link per direction, e.g. 55GB/s");
+  cmd->add_option("--gpu-link", s.hw.gpu_link,
+                  "GPU-GPU link per direction, for --data-parallel/--tensor-parallel, e.g. "
+                  "300GB/s");
   cmd->add_option("--gpu-flops", s.hw.gpu_flops, "peak matmul FLOP/s, e.g. 60T");
   cmd->add_option("--gpu-flops-bf16", s.hw.gpu_flops_bf16,
                   "peak dense bf16 matmul FLOP/s, e.g. 835T (with --precision bf16-mixed|bf16)");
@@ -141,6 +156,9 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
     TIDAL_EXPECT_AS(InvalidArgument, s.micro_batches == 1,
                     "--micro-batches builds an analytic trace (--model); a profiled trace has the "
                     "passes its training loop ran");
+    TIDAL_EXPECT_AS(InvalidArgument, s.data_parallel == 1 && s.tensor_parallel == 1,
+                    "--data-parallel and --tensor-parallel build an analytic trace (--model); a "
+                    "profiled trace is the GPU it was profiled on");
     return {hw, trace::read_trace(s.trace_path)};
   }
   TIDAL_EXPECT_AS(InvalidArgument, !s.model.empty(),
@@ -148,15 +166,24 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
                   "4096)");
   TIDAL_EXPECT_AS(InvalidArgument, s.batch > 0 && s.seq > 0,
                   "--model needs --batch and --seq (positive)");
-  TIDAL_EXPECT_AS(InvalidArgument, s.micro_batches >= 1 && s.batch % s.micro_batches == 0,
-                  "--micro-batches ", s.micro_batches, " must be at least 1 and divide --batch ",
+  TIDAL_EXPECT_AS(InvalidArgument, s.data_parallel >= 1 && s.batch % s.data_parallel == 0,
+                  "--data-parallel ", s.data_parallel, " must be at least 1 and divide --batch ",
                   s.batch);
+  TIDAL_EXPECT_AS(
+      InvalidArgument, s.micro_batches >= 1 && (s.batch / s.data_parallel) % s.micro_batches == 0,
+      "--micro-batches ", s.micro_batches,
+      " must be at least 1 and divide each GPU's batch (--batch ", s.batch,
+      s.data_parallel > 1 ? " / --data-parallel " + std::to_string(s.data_parallel) : std::string(),
+      ")");
+  TIDAL_EXPECT_AS(InvalidArgument, s.tensor_parallel >= 1, "--tensor-parallel must be at least 1");
   plan::TransformerConfig cfg = plan::model_preset(s.model);
   plan::apply_overrides(cfg, s.shape);
   plan::AnalyticTraceOptions topt;
   topt.optimizer_in_backward = s.optimizer_in_backward;
   topt.optimizer_deferred = s.optimizer_deferred;
   topt.micro_batches = s.micro_batches;
+  topt.data_parallel = s.data_parallel;
+  topt.tensor_parallel = s.tensor_parallel;
   topt.precision = plan::precision_from_string(s.precision);
   return {hw, plan::transformer_trace(cfg, s.batch, s.seq, hw, topt)};
 }

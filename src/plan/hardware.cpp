@@ -35,6 +35,7 @@ std::string Hardware::describe() const {
       << format_bandwidth(ssd_write_bw) << " write / " << format_bandwidth(ssd_read_bw)
       << " read, host link " << format_bandwidth(host_link_bw) << ", host memory "
       << format_bytes(static_cast<double>(host_memory));
+  if (gpu_link_bw > 0) out << ", GPU link " << format_bandwidth(gpu_link_bw);
   return out.str();
 }
 
@@ -50,6 +51,7 @@ Hardware hardware_preset(const std::string& name) {
     hw.ssd_read_bw = 6.7e9;
     hw.host_link_bw = 55e9;               // PCIe Gen5 x16: 64 GB/s raw, about 55 GB/s achieved
     hw.host_memory = 768'000'000'000ull;  // half of the 1.5 TB host of two GPUs
+    hw.gpu_link_bw = 300e9;               // NVLink bridge of an H100 NVL pair: 600 GB/s both ways
     hw.gpu_flops = 60e12;                 // fp32 without TF32 (PyTorch's default for matmul)
     hw.gpu_flops_bf16 = 835e12;           // H100 NVL dense bf16 (1,671 with sparsity)
     hw.gpu_mem_bw = 3.9e12;
@@ -62,6 +64,7 @@ Hardware hardware_preset(const std::string& name) {
     hw.ssd_read_bw = 3.5e9;
     hw.host_link_bw = 25e9;
     hw.host_memory = 256ull * kGiB;
+    hw.gpu_link_bw = 300e9;  // NVLink bridge of an A100 PCIe pair: 600 GB/s both ways
     hw.gpu_flops = 19.5e12;
     hw.gpu_flops_bf16 = 312e12;
     hw.gpu_mem_bw = 2.0e12;
@@ -192,6 +195,7 @@ void apply_overrides(Hardware& hw, const HardwareOverrides& o) {
   }
   if (o.host_mem) hw.host_memory = parse_bytes(*o.host_mem);
   if (o.host_link) hw.host_link_bw = parse_bandwidth(*o.host_link);
+  if (o.gpu_link) hw.gpu_link_bw = parse_bandwidth(*o.gpu_link);
   if (o.gpu_flops) hw.gpu_flops = parse_rate(*o.gpu_flops);
   if (o.gpu_flops_bf16) hw.gpu_flops_bf16 = parse_rate(*o.gpu_flops_bf16);
   if (o.gpu_mem_bw) hw.gpu_mem_bw = parse_bandwidth(*o.gpu_mem_bw);
@@ -202,7 +206,7 @@ void apply_overrides(Hardware& hw, const HardwareOverrides& o) {
                     "--margin must be in [0, 0.5), got ", *o.margin);
     hw.memory_margin = *o.margin;
   }
-  const bool any = o.gpu_mem || o.ssd || o.host_mem || o.host_link || o.gpu_flops ||
+  const bool any = o.gpu_mem || o.ssd || o.host_mem || o.host_link || o.gpu_link || o.gpu_flops ||
                    o.gpu_flops_bf16 || o.gpu_mem_bw || o.cpu_adam || o.ssd_tbw || o.margin;
   if (any && hw.name.find('+') == std::string::npos) hw.name += "+overrides";
   TIDAL_EXPECT_AS(InvalidArgument, hw.device_memory > 0,

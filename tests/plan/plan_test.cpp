@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 #include <optional>
 #include <random>
 #include <string>
@@ -193,6 +194,8 @@ TEST(ModelTrace, ParameterCountsMatchTheModels) {
   EXPECT_EQ(model_preset("gpt2-small").parameters(), 124'439'808);
   EXPECT_NEAR(static_cast<double>(model_preset("llama3-8b").parameters()), 8.03e9, 0.01e9);
   EXPECT_NEAR(static_cast<double>(model_preset("llama3-70b").parameters()), 70.55e9, 0.1e9);
+  // granite-8b-code-base: 8.05B on its model card.
+  EXPECT_NEAR(static_cast<double>(model_preset("granite-8b").parameters()), 8.05e9, 0.01e9);
   EXPECT_NEAR(static_cast<double>(model_preset("llama3.1-405b").parameters()), 405.85e9, 0.1e9);
   EXPECT_THROW(model_preset("bert"), InvalidArgument);
 }
@@ -793,6 +796,115 @@ TEST(ModelTrace, MicroBatchesAccumulateGradientsUntilOneStep) {
   }
   AnalyticTraceOptions bad;
   bad.micro_batches = 3;
+  EXPECT_THROW(transformer_trace(three_blocks("gpt2-small"), 4, 128, hw, bad), InvalidArgument);
+}
+
+bool is_all_reduce(const trace::Op& op) {
+  return op.name.size() > 11 && op.name.compare(op.name.size() - 11, 11, ".all_reduce") == 0;
+}
+
+TEST(ModelTrace, TensorParallelSplitsTheMatricesAndAllReducesActivations) {
+  const Hardware hw = hardware_preset("h100-4ssd");
+  for (const char* name : {"gpt2-small", "llama3.2-1b"}) {
+    TransformerConfig cfg = three_blocks(name);
+    cfg.vocab = 50258;  // even, so that the vocabulary splits
+    const trace::Trace one = transformer_trace(cfg, 2, 128, hw);
+    AnalyticTraceOptions opt;
+    opt.tensor_parallel = 2;
+    const trace::Trace t = transformer_trace(cfg, 2, 128, hw, opt);
+    ASSERT_NO_THROW(trace::validate(t));
+    EXPECT_EQ(t.meta.at("tensor_parallel"), "2");
+    std::map<std::string, std::uint64_t> one_bytes;
+    for (const auto& x : one.tensors) one_bytes[x.name] = x.bytes;
+    // Matrices, column-parallel biases and the vocabulary are halved; norms, row-parallel
+    // biases and positions are whole on every GPU.
+    for (const auto& x : t.tensors) {
+      if (x.cls != TensorClass::kParameter) continue;
+      const bool whole = x.name.find("norm") != std::string::npos ||
+                         x.name.find("ln_") != std::string::npos || x.name == "wpe.weight" ||
+                         x.name.find("c_proj.bias") != std::string::npos;
+      ASSERT_EQ(one_bytes.count(x.name), 1U) << x.name;
+      EXPECT_EQ(whole ? x.bytes : 2 * x.bytes, one_bytes[x.name]) << x.name;
+    }
+    // Two all-reduces a block each way, one on the embedding's output, one on the head's input
+    // gradient, one for the loss; each moves its tensor once over the link (ring of two).
+    std::size_t reduces = 0;
+    for (const auto& op : t.ops) {
+      if (!is_all_reduce(op)) continue;
+      ++reduces;
+      ASSERT_EQ(op.inputs, op.outputs) << op.name;
+      const double bytes = static_cast<double>(t.tensors[op.inputs[0]].bytes);
+      EXPECT_NEAR(op.duration(), bytes / hw.gpu_link_bw + hw.op_overhead_s, 1e-12) << op.name;
+    }
+    EXPECT_EQ(reduces, 4 * 3 + 3U) << name;
+    EXPECT_LT(t.compute_seconds(), one.compute_seconds());
+    EXPECT_GT(t.compute_seconds(), one.compute_seconds() / 2);
+  }
+  AnalyticTraceOptions bad;
+  bad.tensor_parallel = 3;  // 8 key/value heads do not split over 3 GPUs
+  EXPECT_THROW(transformer_trace(three_blocks("llama3.2-1b"), 2, 128, hw, bad), InvalidArgument);
+  Hardware lone = hw;
+  lone.gpu_link_bw = 0;
+  bad.tensor_parallel = 2;
+  EXPECT_THROW(transformer_trace(three_blocks("llama3.2-1b"), 2, 128, lone, bad), InvalidArgument);
+}
+
+TEST(ModelTrace, DataParallelAllReducesEachGradientOnceAfterTheLastMicroBatch) {
+  const Hardware hw = hardware_preset("h100-4ssd");
+  for (const char* name : {"gpt2-small", "llama3.2-1b"}) {
+    const TransformerConfig cfg = three_blocks(name);
+    AnalyticTraceOptions two_passes;
+    two_passes.micro_batches = 2;
+    const trace::Trace alone = transformer_trace(cfg, 4, 128, hw, two_passes);  // a GPU's share
+    for (int schedule = 0; schedule < 3; ++schedule) {
+      AnalyticTraceOptions opt;
+      opt.data_parallel = 2;
+      opt.micro_batches = 2;
+      opt.optimizer_in_backward = schedule == 1;
+      opt.optimizer_deferred = schedule == 2;
+      const trace::Trace t = transformer_trace(cfg, 8, 128, hw, opt);  // 4 a GPU, 2 a pass
+      ASSERT_NO_THROW(trace::validate(t));
+      EXPECT_EQ(t.batch, 4);
+      EXPECT_EQ(t.meta.at("data_parallel"), "2");
+      std::map<TensorId, int> reduced;
+      std::map<TensorId, OpIndex> reduced_at;
+      std::size_t reduces = 0;
+      for (const auto& op : t.ops) {
+        if (!is_all_reduce(op)) continue;
+        ++reduces;
+        EXPECT_EQ(micro_batch_of(op), 1) << op.name;  // the last micro-batch
+        for (TensorId g : op.inputs) {
+          EXPECT_EQ(t.tensors[static_cast<std::size_t>(g)].cls, TensorClass::kGradient);
+          ++reduced[g];
+          reduced_at[g] = op.index;
+        }
+      }
+      EXPECT_EQ(reduces, 3 + 2U) << name;  // the blocks, the head, the embedding
+      // Every gradient exactly once, after its last accumulation and before its update.
+      const auto la = trace::analyze_lifetimes(t);
+      for (const auto& g : t.tensors) {
+        if (g.cls != TensorClass::kGradient) continue;
+        EXPECT_EQ(reduced[g.id], 1) << g.name;
+        for (OpIndex u : la.tensors[static_cast<std::size_t>(g.id)].uses) {
+          const auto& op = t.ops[static_cast<std::size_t>(u)];
+          if (op.phase == Phase::kBackward && !is_all_reduce(op)) {
+            EXPECT_LT(u, reduced_at[g.id]) << g.name << " accumulated by " << op.name;
+          }
+          if (op.phase == Phase::kOptimizer && schedule != 2) {
+            EXPECT_GT(u, reduced_at[g.id]) << g.name << " updated by " << op.name;
+          }
+        }
+      }
+      // The same per-GPU work as the GPU's share trained alone, plus the collectives.
+      double collectives = 0;
+      for (const auto& op : t.ops) collectives += is_all_reduce(op) ? op.duration() : 0;
+      EXPECT_GT(collectives, 0);
+      EXPECT_NEAR(t.compute_seconds() - collectives, alone.compute_seconds(),
+                  1e-9 * alone.compute_seconds());
+    }
+  }
+  AnalyticTraceOptions bad;
+  bad.data_parallel = 3;
   EXPECT_THROW(transformer_trace(three_blocks("gpt2-small"), 4, 128, hw, bad), InvalidArgument);
 }
 

@@ -20,7 +20,9 @@ struct Hardware {
   double ssd_write_bw = 0;          ///< per SSD, bytes/s
   double ssd_read_bw = 0;           ///< per SSD, bytes/s
   double host_link_bw = 0;          ///< device <-> host, per direction, bytes/s
-  std::uint64_t host_memory = 0;    ///< host memory offloaded tensors may use, bytes (0: none)
+  /// GPU <-> GPU link, per direction, bytes/s (0: one GPU only): what collectives run on.
+  double gpu_link_bw = 0;
+  std::uint64_t host_memory = 0;  ///< host memory offloaded tensors may use, bytes (0: none)
   /// Bytes the SSD store can hold at once, over all SSDs (0: no limit, the SSDs' size is
   /// assumed large enough). The planner keeps the tensors it has on the SSDs at any op within it.
   std::uint64_t ssd_capacity = 0;
@@ -71,6 +73,7 @@ struct HardwareOverrides {
   std::optional<std::string> ssd;             ///< "4x6.5/6.7GB/s" (count x write/read), "2x3GB/s"
   std::optional<std::string> host_mem;        ///< "256GiB", "0"
   std::optional<std::string> host_link;       ///< "55GB/s"
+  std::optional<std::string> gpu_link;        ///< "300GB/s"
   std::optional<std::string> gpu_flops;       ///< "60T", "378e12"
   std::optional<std::string> gpu_flops_bf16;  ///< "835T"
   std::optional<std::string> gpu_mem_bw;      ///< "3.9TB/s"

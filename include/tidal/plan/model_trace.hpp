@@ -37,7 +37,8 @@ struct TransformerConfig {
 };
 
 /// Names of the built-in configs: gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, llama3.2-1b,
-/// llama3-8b, llama3-70b, llama3.1-405b.
+/// llama3-8b, granite-8b (IBM's granite-8b-code-base: Llama's blocks, 36 of them, a 49,152-token
+/// vocabulary, tied embeddings), llama3-70b, llama3.1-405b.
 std::vector<std::string> model_preset_names();
 
 /// A built-in config. Throws tidal::InvalidArgument listing the names on an unknown one.
@@ -92,6 +93,19 @@ struct AnalyticTraceOptions {
   /// Hardware::gpu_flops_bf16 (when set) for the bf16 ones. The bf16 copies of the fp32 weights
   /// that autocast makes in bf16-mixed are not modelled.
   Precision precision = Precision::kFp32;
+  /// Data parallelism over this many GPUs: the batch is split evenly over them (each GPU's share
+  /// in its own micro-batches), and once the last micro-batch's backward has completed a
+  /// block's gradients an all-reduce averages them over the GPUs (ring, on Hardware::gpu_link_bw).
+  /// The trace is one GPU's.
+  int data_parallel = 1;
+  /// Tensor parallelism over this many GPUs (Megatron-LM's split): each GPU holds 1/N of every
+  /// attention and MLP matrix, of the heads and of the vocabulary (embedding and head), and the
+  /// whole hidden-size activations and norms; two all-reduces of a hidden-size activation per
+  /// block in forward (after the attention and MLP output projections) and two in backward,
+  /// one on the embedding's output, one on the head's input gradient and a small one for the
+  /// vocabulary-parallel loss. Every GPU runs the whole batch. Key/value heads, MLP width and
+  /// vocabulary must divide by it.
+  int tensor_parallel = 1;
 };
 
 /// The trace of one training iteration with fp32 weights, gradients (created in backward,

@@ -1,0 +1,660 @@
+// The analytic transformer trace (transformer_trace in model_trace.hpp): one GPU's ops of a
+// training iteration, built block by block from a table of the model's parts.
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tidal/common/error.hpp"
+#include "tidal/plan/model_trace.hpp"
+
+namespace tidal::plan {
+
+using trace::OpIndex;
+using trace::Phase;
+using trace::TensorClass;
+using trace::TensorId;
+
+namespace {
+
+constexpr std::uint64_t kFloat = 4;
+constexpr std::size_t kNone = SIZE_MAX;
+
+// Bytes per element of each tensor class under a precision.
+struct ElementBytes {
+  std::uint64_t activation = kFloat;
+  std::uint64_t parameter = kFloat;
+  std::uint64_t gradient = kFloat;
+  std::uint64_t state = kFloat;
+};
+ElementBytes element_bytes(Precision p) {
+  switch (p) {
+    case Precision::kFp32:
+      return {};
+    case Precision::kBf16Mixed:
+      return {2, kFloat, kFloat, kFloat};
+    case Precision::kBf16:
+      return {2, 2, 2, 2};
+  }
+  return {};
+}
+
+struct Param {
+  TensorId w = -1;
+  TensorId g = -1;
+  TensorId m = -1;
+  TensorId v = -1;
+  std::int64_t elems = 0;
+  std::string name;
+};
+
+// Builds a trace op by op; times from the roofline of the hardware, collectives from its GPU link.
+class Builder {
+ public:
+  Builder(const Hardware& hw, std::int64_t tokens, Precision precision)
+      : hw_(hw), tokens_(tokens), bytes_(element_bytes(precision)) {
+    flops_ =
+        precision != Precision::kFp32 && hw.gpu_flops_bf16 > 0 ? hw.gpu_flops_bf16 : hw.gpu_flops;
+  }
+  std::uint64_t activation_bytes() const { return bytes_.activation; }
+
+  TensorId tensor(const std::string& name, std::uint64_t bytes, TensorClass cls,
+                  bool persistent = false) {
+    trace::Tensor t;
+    t.id = static_cast<TensorId>(trace_.tensors.size());
+    t.name = name;
+    t.bytes = bytes;
+    t.device = "cuda:0";
+    t.cls = cls;
+    t.persistent = persistent;
+    trace_.tensors.push_back(std::move(t));
+    return trace_.tensors.back().id;
+  }
+  // A per-pass tensor of `per_token` elements per token, named within the current micro-batch.
+  TensorId act(const std::string& name, std::int64_t per_token,
+               TensorClass cls = TensorClass::kActivation) {
+    return tensor(prefix_ + name,
+                  static_cast<std::uint64_t>(per_token * tokens_) * bytes_.activation, cls);
+  }
+  // Names of the ops and activations that follow: "mb<i>." within micro-batch i of several.
+  void set_prefix(std::string prefix) { prefix_ = std::move(prefix); }
+  const std::string& prefix() const { return prefix_; }
+  TensorId temp(const std::string& name, std::int64_t per_token) {
+    return act(name, per_token, TensorClass::kTemporary);
+  }
+
+  std::size_t param(const std::string& name, std::int64_t elems) {
+    Param p;
+    p.name = name;
+    p.elems = elems;
+    const auto e = static_cast<std::uint64_t>(elems);
+    p.w = tensor(name, e * bytes_.parameter, TensorClass::kParameter, true);
+    p.m = tensor(name + ".exp_avg", e * bytes_.state, TensorClass::kOptimizerState, true);
+    p.v = tensor(name + ".exp_avg_sq", e * bytes_.state, TensorClass::kOptimizerState, true);
+    params_.push_back(p);
+    return params_.size() - 1;
+  }
+  std::size_t param_count() const { return params_.size(); }
+  TensorId weight(std::size_t i) const { return params_[i].w; }
+  TensorId gradient(std::size_t i) const { return params_[i].g; }
+
+  // Adds the gradient of params_[i] to an op: created by the first op that writes it,
+  // accumulated (read and written) by later ones.
+  void grad(std::size_t i, std::vector<TensorId>& in, std::vector<TensorId>& out) {
+    Param& p = params_[i];
+    if (p.g < 0) {
+      p.g = tensor(p.name + ".grad", static_cast<std::uint64_t>(p.elems) * bytes_.gradient,
+                   TensorClass::kGradient);
+    } else {
+      in.push_back(p.g);
+    }
+    out.push_back(p.g);
+  }
+
+  // An op timed by the roofline: max(compute, device-memory traffic) plus the launch overhead.
+  void op(const std::string& name, Phase phase, int layer, std::vector<TensorId> in,
+          std::vector<TensorId> out, double flops, double efficiency = 1.0) {
+    double bytes = 0;
+    std::vector<TensorId> seen;
+    for (const auto* ids : {&in, &out}) {
+      for (TensorId id : *ids) {
+        if (std::find(seen.begin(), seen.end(), id) != seen.end()) continue;
+        seen.push_back(id);
+        bytes += static_cast<double>(trace_.tensors[id].bytes);
+      }
+    }
+    const double compute = flops / (flops_ * hw_.matmul_efficiency * efficiency);
+    const double memory = bytes / hw_.gpu_mem_bw;
+    timed_op(name, phase, layer, std::move(in), std::move(out), std::max(compute, memory));
+  }
+
+  // A ring all-reduce of `tensors` in place over `group` GPUs on the GPU link: each GPU sends
+  // and receives 2 (group - 1) / group of the bytes. The collective runs between the compute ops
+  // (in the profile it is an op like the others), so the ideal iteration includes it.
+  void all_reduce(const std::string& name, Phase phase, int layer,
+                  const std::vector<TensorId>& tensors, int group) {
+    double bytes = 0;
+    for (TensorId id : tensors) bytes += static_cast<double>(trace_.tensors[id].bytes);
+    const double seconds = 2.0 * (group - 1) / group * bytes / hw_.gpu_link_bw;
+    timed_op(name, phase, layer, tensors, tensors, seconds);
+  }
+
+  void optimizer_step() {
+    for (const Param& p : params_) {
+      TIDAL_EXPECT(p.g >= 0, "analytic trace: parameter ", p.name, " got no gradient");
+      op("adamw." + p.name, Phase::kOptimizer, -1, {p.w, p.g, p.m, p.v}, {p.w, p.m, p.v},
+         10.0 * static_cast<double>(p.elems));
+    }
+  }
+
+  trace::Trace take() { return std::move(trace_); }
+
+ private:
+  void timed_op(const std::string& name, Phase phase, int layer, std::vector<TensorId> in,
+                std::vector<TensorId> out, double seconds) {
+    trace::Op o;
+    o.index = static_cast<OpIndex>(trace_.ops.size());
+    o.name = prefix_ + name;
+    o.phase = phase;
+    o.layer = layer;
+    for (std::size_t s = 0; s < out.size(); ++s) {
+      trace::Tensor& t = trace_.tensors[out[s]];
+      if (!t.persistent && t.producer == trace::kNoOp) {
+        t.producer = o.index;
+        t.output_slot = static_cast<std::int32_t>(s);
+      }
+    }
+    o.start_s = now_;
+    now_ += seconds + hw_.op_overhead_s;
+    o.end_s = now_;
+    o.inputs = std::move(in);
+    o.outputs = std::move(out);
+    trace_.ops.push_back(std::move(o));
+  }
+
+  const Hardware& hw_;
+  std::int64_t tokens_;
+  double now_ = 0;
+  trace::Trace trace_;
+  std::vector<Param> params_;
+  std::string prefix_;
+  ElementBytes bytes_;
+  double flops_ = 0;
+};
+
+// The parameters of one block (indices into the builder's parameters; kNone where the
+// architecture has no such part).
+struct LayerParams {
+  std::size_t n1 = kNone, n1b = kNone, n2 = kNone, n2b = kNone, q = kNone, k = kNone, v = kNone,
+              o = kNone, ob = kNone, w1 = kNone, w2 = kNone, w3 = kNone, qkv = kNone, qkvb = kNone,
+              fc = kNone, fcb = kNone, proj = kNone, projb = kNone;
+  std::size_t first = 0;  ///< first parameter of the block
+  std::size_t end = 0;    ///< one past its last
+};
+
+// What a block's forward pass keeps for its backward pass.
+struct Saved {
+  TensorId x = -1, n1 = -1, s1 = -1, q = -1, k = -1, v = -1, qkv = -1, o = -1, lse = -1, h1 = -1,
+           n2 = -1, s2 = -1, a = -1, up = -1, act = -1, m = -1;
+};
+
+// One GPU's share of the model's dimensions under tensor parallelism: attention heads, the MLP
+// and the vocabulary are split over the group (Megatron-LM's column/row split); the hidden
+// dimension and the norms are whole on every GPU.
+struct Dims {
+  std::int64_t h = 0;      ///< hidden
+  std::int64_t q = 0;      ///< this GPU's query/attention width (hidden / tp)
+  std::int64_t kv = 0;     ///< this GPU's key/value width
+  std::int64_t f = 0;      ///< this GPU's MLP width
+  std::int64_t vocab = 0;  ///< this GPU's share of the vocabulary (embedding and head)
+  std::int64_t heads = 0;  ///< this GPU's attention heads
+  std::int64_t norm_stats = 1;
+  double attn_flops = 0;  ///< one micro-batch's causal attention, this GPU's heads
+};
+
+constexpr double kAttnEfficiency = 0.7;
+
+class TransformerTraceBuilder {
+ public:
+  TransformerTraceBuilder(const TransformerConfig& cfg, std::int64_t batch, std::int64_t seq,
+                          const Hardware& hw, const AnalyticTraceOptions& o)
+      : cfg_(cfg),
+        opt_(o),
+        llama_(cfg.arch == Architecture::kLlama),
+        rank_batch_(batch / o.data_parallel),
+        mb_batch_(rank_batch_ / o.micro_batches),
+        seq_(seq),
+        b_(hw, mb_batch_ * seq, o.precision) {
+    const int tp = o.tensor_parallel;
+    d_.h = cfg.hidden;
+    d_.q = cfg.hidden / tp;
+    d_.kv = cfg.hidden / cfg.heads * cfg.kv_heads / tp;
+    d_.f = cfg.ffn / tp;
+    d_.vocab = cfg.vocab / tp;
+    d_.heads = cfg.heads / tp;
+    d_.norm_stats = llama_ ? 1 : 2;
+    // Causal attention computes half of QK^T and PV; the backward pass is about 2.5x the forward.
+    d_.attn_flops = 2.0 * static_cast<double>(mb_batch_) * seq * seq * d_.q;
+  }
+
+  trace::Trace build() {
+    add_parameters();
+    const int M = opt_.micro_batches;
+    // Gradient accumulation: each micro-batch runs forward and backward on its share of the
+    // batch; the first backward op that writes a gradient makes it, the later ones (in this and
+    // the next micro-batches) accumulate into it, and the optimizer step reads it once after the
+    // last.
+    for (int mb = 0; mb < M; ++mb) {
+      b_.set_prefix(M > 1 ? "mb" + std::to_string(mb) + "." : "");
+      last_micro_batch_ = mb == M - 1;
+      micro_batch();
+    }
+    b_.set_prefix("");
+    b_.optimizer_step();
+    return b_.take();
+  }
+
+ private:
+  TensorId W(std::size_t i) const { return b_.weight(i); }
+  int tp() const { return opt_.tensor_parallel; }
+
+  std::size_t add(const std::string& name, std::int64_t elems) { return b_.param(name, elems); }
+
+  void add_parameters() {
+    wte_ = add("tok_embeddings.weight", d_.vocab * d_.h);
+    if (!llama_) wpe_ = add("wpe.weight", cfg_.max_seq * d_.h);
+    lp_.resize(static_cast<std::size_t>(cfg_.layers));
+    for (int l = 0; l < cfg_.layers; ++l) {
+      LayerParams& x = lp_[static_cast<std::size_t>(l)];
+      x.first = b_.param_count();
+      if (llama_) {
+        add_llama_block(block_prefix(l), x);
+      } else {
+        add_gpt2_block(block_prefix(l), x);
+      }
+      x.end = b_.param_count();
+    }
+    wf_ = add("norm.weight", d_.h);
+    if (!llama_) wfb_ = add("norm.bias", d_.h);
+    head_ = cfg_.tied_embeddings ? wte_ : add("output.weight", d_.vocab * d_.h);
+  }
+
+  void add_llama_block(const std::string& p, LayerParams& x) {
+    const std::int64_t h = d_.h;
+    x.n1 = add(p + "attention_norm.weight", h);
+    x.q = add(p + "attention.wq.weight", h * d_.q);
+    x.k = add(p + "attention.wk.weight", h * d_.kv);
+    x.v = add(p + "attention.wv.weight", h * d_.kv);
+    x.o = add(p + "attention.wo.weight", d_.q * h);
+    x.n2 = add(p + "ffn_norm.weight", h);
+    x.w1 = add(p + "feed_forward.w1.weight", h * d_.f);
+    x.w3 = add(p + "feed_forward.w3.weight", h * d_.f);
+    x.w2 = add(p + "feed_forward.w2.weight", d_.f * h);
+  }
+
+  void add_gpt2_block(const std::string& p, LayerParams& x) {
+    const std::int64_t h = d_.h;
+    x.n1 = add(p + "ln_1.weight", h);
+    x.n1b = add(p + "ln_1.bias", h);
+    x.qkv = add(p + "attn.c_attn.weight", h * 3 * d_.q);
+    x.qkvb = add(p + "attn.c_attn.bias", 3 * d_.q);
+    x.o = add(p + "attn.c_proj.weight", d_.q * h);
+    x.ob = add(p + "attn.c_proj.bias", h);
+    x.n2 = add(p + "ln_2.weight", h);
+    x.n2b = add(p + "ln_2.bias", h);
+    x.fc = add(p + "mlp.c_fc.weight", h * d_.f);
+    x.fcb = add(p + "mlp.c_fc.bias", d_.f);
+    x.proj = add(p + "mlp.c_proj.weight", d_.f * h);
+    x.projb = add(p + "mlp.c_proj.bias", h);
+  }
+
+  static std::string block_prefix(int l) { return "layers." + std::to_string(l) + "."; }
+
+  // y = x W^T (+ b) over all tokens: the forward op.
+  TensorId linear(const std::string& name, int layer, TensorId x, std::size_t w, std::int64_t in,
+                  std::int64_t outf, TensorClass cls = TensorClass::kActivation,
+                  std::size_t bias = kNone) {
+    const TensorId y = b_.act(name + ".out", outf, cls);
+    std::vector<TensorId> ins{x, W(w)};
+    if (bias != kNone) ins.push_back(W(bias));
+    b_.op(name, Phase::kForward, layer, ins, {y}, 2.0 * tokens() * in * outf);
+    return y;
+  }
+
+  // Backward of a linear: grad of the input (unless need_input_grad is false) and of the weight
+  // (and bias).
+  TensorId linear_bwd(const std::string& name, int layer, TensorId gy, TensorId x, std::size_t w,
+                      std::int64_t in, std::int64_t outf, std::size_t bias = kNone,
+                      bool need_input_grad = true) {
+    TensorId gx = -1;
+    const double flops = 2.0 * tokens() * in * outf;
+    if (need_input_grad) {
+      gx = b_.temp(name + ".grad_in", in);
+      b_.op(name + ".bwd_in", Phase::kBackward, layer, {gy, W(w)}, {gx}, flops);
+    }
+    std::vector<TensorId> ins{x, gy};
+    std::vector<TensorId> outs;
+    b_.grad(w, ins, outs);
+    if (bias != kNone) b_.grad(bias, ins, outs);
+    b_.op(name + ".bwd_w", Phase::kBackward, layer, ins, outs, flops);
+    return gx;
+  }
+
+  // A norm's backward op: the output's gradient, the input, the saved statistics and the weight
+  // in; the input's gradient out, with the weight's (and GPT-2's bias's) gradient made or
+  // accumulated by the same op.
+  void norm_bwd(const std::string& name, int layer, TensorId g_out, TensorId input, TensorId stats,
+                std::size_t weight, std::size_t bias, TensorId g_in) {
+    std::vector<TensorId> in{g_out, input, stats, W(weight)};
+    std::vector<TensorId> out{g_in};
+    b_.grad(weight, in, out);
+    if (!llama_) b_.grad(bias, in, out);
+    b_.op(name, Phase::kBackward, layer, in, out, 0);
+  }
+
+  // Tensor parallelism: the partial sums of a row-parallel output (or of a column-parallel
+  // input's gradient) are added over the group.
+  void tp_all_reduce(const std::string& name, Phase phase, int layer, TensorId t) {
+    if (tp() > 1) b_.all_reduce(name + ".all_reduce", phase, layer, {t}, tp());
+  }
+
+  // Data parallelism: the gradients of params [first, end) plus `also` are averaged over the
+  // group once the last micro-batch's backward has completed them.
+  void dp_all_reduce(const std::string& name, int layer, std::size_t first, std::size_t end,
+                     std::vector<std::size_t> also = {}) {
+    if (opt_.data_parallel <= 1 || !last_micro_batch_) return;
+    for (std::size_t i = first; i < end; ++i) also.push_back(i);
+    std::vector<TensorId> grads;
+    for (std::size_t i : also) grads.push_back(b_.gradient(i));
+    b_.all_reduce(name + ".grads.all_reduce", Phase::kBackward, layer, grads, opt_.data_parallel);
+  }
+
+  std::int64_t tokens() const { return mb_batch_ * seq_; }
+
+  void micro_batch() {
+    const auto T = static_cast<std::uint64_t>(tokens());
+    tokens_ = b_.tensor(b_.prefix() + "tokens", T * 8, TensorClass::kInput);
+    targets_ = b_.tensor(b_.prefix() + "targets", T * 8, TensorClass::kInput);
+    saved_.assign(static_cast<std::size_t>(cfg_.layers), Saved{});
+    TensorId x = embedding_forward();
+    for (int l = 0; l < cfg_.layers; ++l) x = block_forward(l, x);
+    TensorId gx = head_forward_backward(x);
+    for (int l = cfg_.layers - 1; l >= 0; --l) gx = block_backward(l, gx);
+    embedding_backward(gx);
+  }
+
+  TensorId embedding_forward() {
+    const TensorId x = b_.act("embedding.out", d_.h);
+    std::vector<TensorId> in{tokens_, W(wte_)};
+    if (!llama_) in.push_back(W(wpe_));
+    b_.op("embedding", Phase::kForward, -1, in, {x}, 0);
+    tp_all_reduce("embedding", Phase::kForward, -1, x);
+    return x;
+  }
+
+  TensorId block_forward(int l, TensorId x) {
+    const LayerParams& P = lp_[static_cast<std::size_t>(l)];
+    Saved& s = saved_[static_cast<std::size_t>(l)];
+    const std::string p = block_prefix(l);
+    s.x = x;
+    s.n1 = b_.act(p + "norm1.out", d_.h);
+    s.s1 = b_.act(p + "norm1.stats", d_.norm_stats);
+    if (llama_) {
+      llama_attention_forward(l, p, P, s);
+    } else {
+      gpt2_attention_forward(l, p, P, s);
+    }
+    const TensorId po =
+        llama_ ? linear(p + "attention.wo", l, s.o, P.o, d_.q, d_.h, TensorClass::kTemporary)
+               : linear(p + "attn.c_proj", l, s.o, P.o, d_.q, d_.h, TensorClass::kTemporary, P.ob);
+    tp_all_reduce(p + "attention.out_proj", Phase::kForward, l, po);
+    s.h1 = b_.act(p + "residual1", d_.h);
+    b_.op(p + "add1", Phase::kForward, l, {x, po}, {s.h1}, 0);
+    s.n2 = b_.act(p + "norm2.out", d_.h);
+    s.s2 = b_.act(p + "norm2.stats", d_.norm_stats);
+    const TensorId down = llama_ ? llama_mlp_forward(l, p, P, s) : gpt2_mlp_forward(l, p, P, s);
+    tp_all_reduce(p + "mlp.down_proj", Phase::kForward, l, down);
+    const TensorId out = b_.act(p + "out", d_.h);
+    b_.op(p + "add2", Phase::kForward, l, {s.h1, down}, {out}, 0);
+    return out;
+  }
+
+  void llama_attention_forward(int l, const std::string& p, const LayerParams& P, Saved& s) {
+    b_.op(p + "attention_norm", Phase::kForward, l, {s.x, W(P.n1)}, {s.n1, s.s1}, 0);
+    const TensorId q =
+        linear(p + "attention.wq", l, s.n1, P.q, d_.h, d_.q, TensorClass::kTemporary);
+    const TensorId k =
+        linear(p + "attention.wk", l, s.n1, P.k, d_.h, d_.kv, TensorClass::kTemporary);
+    s.v = linear(p + "attention.wv", l, s.n1, P.v, d_.h, d_.kv);
+    s.q = b_.act(p + "rope.q", d_.q);
+    s.k = b_.act(p + "rope.k", d_.kv);
+    b_.op(p + "rope", Phase::kForward, l, {q, k}, {s.q, s.k}, 0);
+    s.o = b_.act(p + "attention.out", d_.q);
+    s.lse = b_.act(p + "attention.lse", d_.heads);
+    b_.op(p + "attention", Phase::kForward, l, {s.q, s.k, s.v}, {s.o, s.lse}, d_.attn_flops,
+          kAttnEfficiency);
+  }
+
+  void gpt2_attention_forward(int l, const std::string& p, const LayerParams& P, Saved& s) {
+    b_.op(p + "ln_1", Phase::kForward, l, {s.x, W(P.n1), W(P.n1b)}, {s.n1, s.s1}, 0);
+    s.qkv =
+        linear(p + "attn.c_attn", l, s.n1, P.qkv, d_.h, 3 * d_.q, TensorClass::kActivation, P.qkvb);
+    s.o = b_.act(p + "attention.out", d_.q);
+    s.lse = b_.act(p + "attention.lse", d_.heads);
+    b_.op(p + "attention", Phase::kForward, l, {s.qkv}, {s.o, s.lse}, d_.attn_flops,
+          kAttnEfficiency);
+  }
+
+  TensorId llama_mlp_forward(int l, const std::string& p, const LayerParams& P, Saved& s) {
+    b_.op(p + "ffn_norm", Phase::kForward, l, {s.h1, W(P.n2)}, {s.n2, s.s2}, 0);
+    s.a = linear(p + "feed_forward.w1", l, s.n2, P.w1, d_.h, d_.f);
+    s.up = linear(p + "feed_forward.w3", l, s.n2, P.w3, d_.h, d_.f);
+    s.act = b_.act(p + "silu.out", d_.f);
+    b_.op(p + "silu", Phase::kForward, l, {s.a}, {s.act}, 0);
+    s.m = b_.act(p + "mul.out", d_.f);
+    b_.op(p + "mul", Phase::kForward, l, {s.act, s.up}, {s.m}, 0);
+    return linear(p + "feed_forward.w2", l, s.m, P.w2, d_.f, d_.h, TensorClass::kTemporary);
+  }
+
+  TensorId gpt2_mlp_forward(int l, const std::string& p, const LayerParams& P, Saved& s) {
+    b_.op(p + "ln_2", Phase::kForward, l, {s.h1, W(P.n2), W(P.n2b)}, {s.n2, s.s2}, 0);
+    s.a = linear(p + "mlp.c_fc", l, s.n2, P.fc, d_.h, d_.f, TensorClass::kActivation, P.fcb);
+    s.act = b_.act(p + "gelu.out", d_.f);
+    b_.op(p + "gelu", Phase::kForward, l, {s.a}, {s.act}, 0);
+    return linear(p + "mlp.c_proj", l, s.act, P.proj, d_.f, d_.h, TensorClass::kTemporary, P.projb);
+  }
+
+  // The final norm, the head, the loss and their backward ops; returns the gradient of the last
+  // block's output.
+  TensorId head_forward_backward(TensorId xl) {
+    const TensorId nf = b_.act("norm.out", d_.h);
+    const TensorId sf = b_.act("norm.stats", d_.norm_stats);
+    std::vector<TensorId> in{xl, W(wf_)};
+    if (!llama_) in.push_back(W(wfb_));
+    b_.op("norm", Phase::kForward, -1, in, {nf, sf}, 0);
+    const TensorId logits =
+        linear("output", -1, nf, head_, d_.h, d_.vocab, TensorClass::kTemporary);
+    const TensorId lsm = b_.act("log_softmax.out", d_.vocab);
+    b_.op("log_softmax", Phase::kForward, -1, {logits}, {lsm}, 0);
+    if (tp() > 1) {
+      // Vocabulary-parallel cross-entropy: each token's max, sum of exponentials and target
+      // logit are reduced over the group.
+      const TensorId partial = b_.temp("loss.partials", 3);
+      b_.op("loss.partials", Phase::kForward, -1, {lsm, targets_}, {partial}, 0);
+      b_.all_reduce("loss.all_reduce", Phase::kForward, -1, {partial}, tp());
+    }
+    const TensorId loss =
+        b_.tensor(b_.prefix() + "loss", b_.activation_bytes(), TensorClass::kActivation);
+    b_.op("nll_loss", Phase::kForward, -1, {lsm, targets_}, {loss}, 0);
+
+    const TensorId g_lsm = b_.temp("nll_loss.grad", d_.vocab);
+    b_.op("nll_loss.bwd", Phase::kBackward, -1, {loss, targets_}, {g_lsm}, 0);
+    const TensorId g_logits = b_.temp("log_softmax.grad", d_.vocab);
+    b_.op("log_softmax.bwd", Phase::kBackward, -1, {g_lsm, lsm}, {g_logits}, 0);
+    const TensorId g_nf = linear_bwd("output", -1, g_logits, nf, head_, d_.h, d_.vocab);
+    tp_all_reduce("output.grad_in", Phase::kBackward, -1, g_nf);
+    const TensorId gx = b_.temp("norm.grad_in", d_.h);
+    norm_bwd("norm.bwd", -1, g_nf, xl, sf, wf_, wfb_, gx);
+    std::vector<std::size_t> head_params{wf_};
+    if (!llama_) head_params.push_back(wfb_);
+    if (head_ != wte_) head_params.push_back(head_);
+    dp_all_reduce("head", -1, 0, 0, head_params);
+    return gx;
+  }
+
+  TensorId block_backward(int l, TensorId gx) {
+    const LayerParams& P = lp_[static_cast<std::size_t>(l)];
+    const Saved& s = saved_[static_cast<std::size_t>(l)];
+    const std::string p = block_prefix(l);
+    const TensorId g_n2 =
+        llama_ ? llama_mlp_backward(l, p, P, s, gx) : gpt2_mlp_backward(l, p, P, s, gx);
+    tp_all_reduce(p + "mlp.grad_in", Phase::kBackward, l, g_n2);
+    const TensorId g_h1p = b_.temp(p + "norm2.grad_in", d_.h);
+    norm_bwd(p + "norm2.bwd", l, g_n2, s.h1, s.s2, P.n2, P.n2b, g_h1p);
+    const TensorId g_h1 = b_.temp(p + "residual1.grad", d_.h);
+    b_.op(p + "add2.bwd", Phase::kBackward, l, {gx, g_h1p}, {g_h1}, 0);
+    const TensorId g_o = llama_
+                             ? linear_bwd(p + "attention.wo", l, g_h1, s.o, P.o, d_.q, d_.h)
+                             : linear_bwd(p + "attn.c_proj", l, g_h1, s.o, P.o, d_.q, d_.h, P.ob);
+    const TensorId g_n1 = llama_ ? llama_attention_backward(l, p, P, s, g_o)
+                                 : gpt2_attention_backward(l, p, P, s, g_o);
+    tp_all_reduce(p + "attention.grad_in", Phase::kBackward, l, g_n1);
+    const TensorId g_xp = b_.temp(p + "norm1.grad_in", d_.h);
+    norm_bwd(p + "norm1.bwd", l, g_n1, s.x, s.s1, P.n1, P.n1b, g_xp);
+    const TensorId g_x = b_.temp(p + "grad_in", d_.h);
+    b_.op(p + "add1.bwd", Phase::kBackward, l, {g_h1, g_xp}, {g_x}, 0);
+    dp_all_reduce(p.substr(0, p.size() - 1), l, P.first, P.end);
+    return g_x;
+  }
+
+  TensorId llama_mlp_backward(int l, const std::string& p, const LayerParams& P, const Saved& s,
+                              TensorId gx) {
+    const TensorId g_m = linear_bwd(p + "feed_forward.w2", l, gx, s.m, P.w2, d_.f, d_.h);
+    const TensorId g_sa = b_.temp(p + "mul.grad_a", d_.f);
+    const TensorId g_b = b_.temp(p + "mul.grad_b", d_.f);
+    b_.op(p + "mul.bwd", Phase::kBackward, l, {g_m, s.act, s.up}, {g_sa, g_b}, 0);
+    const TensorId g_a = b_.temp(p + "silu.grad", d_.f);
+    b_.op(p + "silu.bwd", Phase::kBackward, l, {g_sa, s.a}, {g_a}, 0);
+    const TensorId g3 = linear_bwd(p + "feed_forward.w3", l, g_b, s.n2, P.w3, d_.h, d_.f);
+    const TensorId g1 = linear_bwd(p + "feed_forward.w1", l, g_a, s.n2, P.w1, d_.h, d_.f);
+    const TensorId g_n2 = b_.temp(p + "norm2.grad_out", d_.h);
+    b_.op(p + "ffn_norm.grad_sum", Phase::kBackward, l, {g1, g3}, {g_n2}, 0);
+    return g_n2;
+  }
+
+  TensorId gpt2_mlp_backward(int l, const std::string& p, const LayerParams& P, const Saved& s,
+                             TensorId gx) {
+    const TensorId g_g = linear_bwd(p + "mlp.c_proj", l, gx, s.act, P.proj, d_.f, d_.h, P.projb);
+    const TensorId g_a = b_.temp(p + "gelu.grad", d_.f);
+    b_.op(p + "gelu.bwd", Phase::kBackward, l, {g_g, s.a}, {g_a}, 0);
+    return linear_bwd(p + "mlp.c_fc", l, g_a, s.n2, P.fc, d_.h, d_.f, P.fcb);
+  }
+
+  TensorId llama_attention_backward(int l, const std::string& p, const LayerParams& P,
+                                    const Saved& s, TensorId g_o) {
+    const TensorId g_q = b_.temp(p + "rope.grad_q", d_.q);
+    const TensorId g_k = b_.temp(p + "rope.grad_k", d_.kv);
+    const TensorId g_v = b_.temp(p + "attention.grad_v", d_.kv);
+    b_.op(p + "attention.bwd", Phase::kBackward, l, {g_o, s.q, s.k, s.v, s.o, s.lse},
+          {g_q, g_k, g_v}, 2.5 * d_.attn_flops, kAttnEfficiency);
+    const TensorId g_q0 = b_.temp(p + "wq.grad_out", d_.q);
+    const TensorId g_k0 = b_.temp(p + "wk.grad_out", d_.kv);
+    b_.op(p + "rope.bwd", Phase::kBackward, l, {g_q, g_k}, {g_q0, g_k0}, 0);
+    const TensorId gq = linear_bwd(p + "attention.wq", l, g_q0, s.n1, P.q, d_.h, d_.q);
+    const TensorId gk = linear_bwd(p + "attention.wk", l, g_k0, s.n1, P.k, d_.h, d_.kv);
+    const TensorId gv = linear_bwd(p + "attention.wv", l, g_v, s.n1, P.v, d_.h, d_.kv);
+    const TensorId g_n1 = b_.temp(p + "norm1.grad_out", d_.h);
+    b_.op(p + "attention_norm.grad_sum", Phase::kBackward, l, {gq, gk, gv}, {g_n1}, 0);
+    return g_n1;
+  }
+
+  TensorId gpt2_attention_backward(int l, const std::string& p, const LayerParams& P,
+                                   const Saved& s, TensorId g_o) {
+    const TensorId g_qkv = b_.temp(p + "attn.c_attn.grad_out", 3 * d_.q);
+    b_.op(p + "attention.bwd", Phase::kBackward, l, {g_o, s.qkv, s.o, s.lse}, {g_qkv},
+          2.5 * d_.attn_flops, kAttnEfficiency);
+    return linear_bwd(p + "attn.c_attn", l, g_qkv, s.n1, P.qkv, d_.h, 3 * d_.q, P.qkvb);
+  }
+
+  void embedding_backward(TensorId gx) {
+    std::vector<TensorId> in{gx, tokens_};
+    std::vector<TensorId> out;
+    b_.grad(wte_, in, out);
+    if (!llama_) b_.grad(wpe_, in, out);
+    b_.op("embedding.bwd", Phase::kBackward, -1, in, out, 0);
+    std::vector<std::size_t> params{wte_};
+    if (!llama_) params.push_back(wpe_);
+    dp_all_reduce("embedding", -1, 0, 0, params);
+  }
+
+  const TransformerConfig& cfg_;
+  const AnalyticTraceOptions& opt_;
+  bool llama_;
+  std::int64_t rank_batch_;  ///< this GPU's share of the batch (data parallelism)
+  std::int64_t mb_batch_;    ///< sequences per micro-batch
+  std::int64_t seq_;
+  Dims d_;
+  Builder b_;
+  std::size_t wte_ = kNone, wpe_ = kNone, wf_ = kNone, wfb_ = kNone, head_ = kNone;
+  std::vector<LayerParams> lp_;
+  std::vector<Saved> saved_;
+  TensorId tokens_ = -1;
+  TensorId targets_ = -1;
+  bool last_micro_batch_ = true;
+};
+
+void check_arguments(const TransformerConfig& cfg, std::int64_t batch, std::int64_t seq,
+                     const Hardware& hw, const AnalyticTraceOptions& o) {
+  TIDAL_EXPECT_AS(InvalidArgument, batch > 0 && seq > 0, "batch and seq must be positive, got ",
+                  batch, " and ", seq);
+  TIDAL_EXPECT_AS(InvalidArgument, hw.gpu_flops > 0 && hw.gpu_mem_bw > 0,
+                  "the hardware model needs gpu_flops and gpu_mem_bw for analytic op times");
+  TIDAL_EXPECT_AS(InvalidArgument, cfg.arch != Architecture::kGpt2 || seq <= cfg.max_seq, cfg.name,
+                  " has ", cfg.max_seq, " positions; a sequence of ", seq, " is longer");
+  TIDAL_EXPECT_AS(InvalidArgument, !(o.optimizer_in_backward && o.optimizer_deferred),
+                  "choose one optimizer schedule: in-backward or deferred");
+  const int dp = o.data_parallel;
+  const int tp = o.tensor_parallel;
+  TIDAL_EXPECT_AS(InvalidArgument, dp >= 1 && batch % dp == 0, "the batch (", batch,
+                  ") must split evenly over the data-parallel GPUs (", dp, ")");
+  const int M = o.micro_batches;
+  TIDAL_EXPECT_AS(InvalidArgument, M >= 1 && (batch / dp) % M == 0, "each GPU's batch (",
+                  batch / dp, ") must split into micro_batches (", M, ") of equal size");
+  TIDAL_EXPECT_AS(InvalidArgument,
+                  tp >= 1 && cfg.kv_heads % tp == 0 && cfg.ffn % tp == 0 && cfg.vocab % tp == 0,
+                  "tensor parallelism over ", tp, " GPUs splits the key/value heads (",
+                  cfg.kv_heads, "), the MLP (", cfg.ffn, ") and the vocabulary (", cfg.vocab,
+                  "): each must divide evenly");
+  TIDAL_EXPECT_AS(InvalidArgument, (dp == 1 && tp == 1) || hw.gpu_link_bw > 0,
+                  "more than one GPU needs the bandwidth of the link between them (gpu_link_bw; "
+                  "the ",
+                  hw.name, " model has none)");
+}
+
+}  // namespace
+
+trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch, std::int64_t seq,
+                               const Hardware& hw, const AnalyticTraceOptions& options) {
+  check_arguments(cfg, batch, seq, hw, options);
+  trace::Trace t = TransformerTraceBuilder(cfg, batch, seq, hw, options).build();
+  t.model = cfg.name;
+  t.device = "cuda:0";
+  t.batch = batch / options.data_parallel;
+  if (options.micro_batches > 1) t.meta["micro_batches"] = std::to_string(options.micro_batches);
+  if (options.data_parallel > 1) t.meta["data_parallel"] = std::to_string(options.data_parallel);
+  if (options.tensor_parallel > 1)
+    t.meta["tensor_parallel"] = std::to_string(options.tensor_parallel);
+  t.seq = seq;
+  t.meta["generator"] = "tidal analytic transformer trace";
+  t.meta["precision"] = to_string(options.precision);
+  t.meta["optimizer"] = "AdamW";
+  t.meta["hardware"] = hw.name;
+  t.meta["parameters"] = std::to_string(cfg.parameters());
+  t.meta["optimizer_schedule"] = "after-backward";
+  trace::validate(t);
+  if (options.optimizer_deferred) return optimizer_deferred(t);
+  return options.optimizer_in_backward ? optimizer_in_backward(t) : t;
+}
+
+}  // namespace tidal::plan
