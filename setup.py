@@ -34,9 +34,11 @@ class CMakeBuild(build_ext):
         target = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         shutil.copy2(module, target)
-        cli = os.path.join(os.path.dirname(target), "bin", "tidal")
-        os.makedirs(os.path.dirname(cli), exist_ok=True)
-        shutil.copy2(os.path.join(build, "tidal"), cli)
+        # `tidal` runs plan/simulate/bench-io and hands train/profile to `tidal-torch` beside it.
+        bin_dir = os.path.join(os.path.dirname(target), "bin")
+        os.makedirs(bin_dir, exist_ok=True)
+        for program in ("tidal", "tidal-torch"):
+            shutil.copy2(os.path.join(build, program), os.path.join(bin_dir, program))
 
 
 setup(

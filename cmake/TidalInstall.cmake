@@ -25,6 +25,9 @@ endif()
 if(TARGET tidal_cli)
   install(TARGETS tidal_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 endif()
+if(TARGET tidal_torch_cli)
+  install(TARGETS tidal_torch_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+endif()
 
 # What tidalConfig.cmake needs to know of this build: the optional parts compiled in decide the
 # private dependencies of the static libraries that a consumer's link needs.

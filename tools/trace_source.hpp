@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "hardware_flags.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/text.hpp"
 #include "tidal/common/units.hpp"
@@ -33,7 +34,7 @@ struct TraceSource {
   int tensor_parallel = 1;
   std::string precision = "fp32";
   std::string hardware = "h100-4ssd";
-  plan::HardwareOverrides hw;
+  HardwareFlags hw;
   std::string measure_dirs;     ///< measure these store directories for the SSD figures
   std::string io_compute_cost;  ///< "<write>/<read>/<host>" ns of compute per byte moved
 };
@@ -103,20 +104,7 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
   cmd->add_option("--ffn", s.shape.ffn, "override the MLP width");
   cmd->add_option("--vocab", s.shape.vocab, "override the vocabulary size");
   cmd->add_option("--hardware", s.hardware, "h100-4ssd|a100-2ssd|cpu-here")->capture_default_str();
-  cmd->add_option("--gpu-mem", s.hw.gpu_mem, "device memory, e.g. 80GiB");
-  cmd->add_option("--ssd", s.hw.ssd, "SSD array, e.g. 4x6.5/6.7GB/s (count x write/read)");
-  cmd->add_option("--host-mem", s.hw.host_mem, "host memory for offloaded tensors, e.g. 256GiB");
-  cmd->add_option("--host-link", s.hw.host_link, "device-host link per direction, e.g. 55GB/s");
-  cmd->add_option("--gpu-link", s.hw.gpu_link,
-                  "GPU-GPU link per direction, for --data-parallel/--tensor-parallel, e.g. "
-                  "300GB/s");
-  cmd->add_option("--gpu-flops", s.hw.gpu_flops, "peak matmul FLOP/s, e.g. 60T");
-  cmd->add_option("--gpu-flops-bf16", s.hw.gpu_flops_bf16,
-                  "peak dense bf16 matmul FLOP/s, e.g. 835T (with --precision bf16-mixed|bf16)");
-  cmd->add_option("--gpu-mem-bw", s.hw.gpu_mem_bw, "device memory bandwidth, e.g. 3.9TB/s");
-  cmd->add_option("--cpu-adam", s.hw.cpu_adam, "CPU Adam parameters/s, e.g. 2G");
-  cmd->add_option("--tbw", s.hw.ssd_tbw, "SSD endurance per drive, e.g. 1200TB");
-  cmd->add_option("--margin", s.hw.margin, "share of device memory kept free (0.01)");
+  add_hardware_flags(cmd, s.hw);
   cmd->add_option("--measure-dir", s.measure_dirs,
                   "measure the store on these directories (comma-separated, O_DIRECT, 256 MiB "
                   "each way) and use the figures as --ssd");
@@ -130,7 +118,7 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
 /// to give when the flags are incomplete or contradictory.
 inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSource& s) {
   plan::Hardware hw = plan::hardware_preset(s.hardware);
-  plan::HardwareOverrides overrides = s.hw;
+  plan::HardwareOverrides overrides = parse_hardware_flags(s.hw);
   if (!s.measure_dirs.empty()) {
     TIDAL_EXPECT_AS(InvalidArgument, !s.hw.ssd, "give either --ssd or --measure-dir, not both");
     io::StoreOptions so;
@@ -138,11 +126,15 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
     so.capacity = (320ull << 20) * so.dirs.size();
     io::TensorStore store(so);
     const auto m = io::measure_bandwidth(store);
-    overrides.ssd = io::ssd_spec(m, so.dirs.size());
+    const std::string spec = io::ssd_spec(m, so.dirs.size());
+    overrides.ssd = plan::parse_ssd_spec(spec);
     std::fprintf(stderr, "measured %s: write %s, read %s (O_DIRECT) -> --ssd %s\n",
                  s.measure_dirs.c_str(), format_bandwidth(m.write_bytes_per_second).c_str(),
-                 format_bandwidth(m.read_bytes_per_second).c_str(), overrides.ssd->c_str());
+                 format_bandwidth(m.read_bytes_per_second).c_str(), spec.c_str());
   }
+  TIDAL_EXPECT_AS(InvalidArgument, hw.device_memory > 0 || overrides.device_memory,
+                  "the device memory of hardware '", hw.name,
+                  "' is unknown; give it with --gpu-mem (e.g. --gpu-mem 8GiB)");
   plan::apply_overrides(hw, overrides);
   if (!s.io_compute_cost.empty()) apply_io_compute_cost(hw, s.io_compute_cost);
   if (!s.trace_path.empty()) {

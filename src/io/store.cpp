@@ -259,8 +259,8 @@ TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
     opt.dirs = split_list(*env.dirs);
   }
   TIDAL_EXPECT_AS(InvalidArgument, !opt.dirs.empty(),
-                  "no store directory given: pass one directory per SSD (e.g. --dir "
-                  "/mnt/nvme0,/mnt/nvme1) or set TIDAL_DIRS");
+                  "no store directory given: give one directory per SSD (e.g. /mnt/nvme0 and "
+                  "/mnt/nvme1) or set TIDAL_DIRS");
   if (env.memory_store) opt.allow_memory_fs = *env.memory_store;
   for (const auto& d : opt.dirs) check_store_dir(d, opt.allow_memory_fs);
   if (opt.stripe_unit == 0) opt.stripe_unit = env.stripe_unit.value_or(kMiB);

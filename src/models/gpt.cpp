@@ -234,7 +234,7 @@ ModelConfig model_config(const std::string& name) {
 ModelConfig with_overrides(ModelConfig c, std::int64_t layers, std::int64_t hidden,
                            std::int64_t heads) {
   TIDAL_EXPECT_AS(InvalidArgument, layers >= 0 && hidden >= 0 && heads >= 0,
-                  "--layers, --hidden and --heads must be positive");
+                  "the layers, hidden size and heads must be positive");
   const bool custom = layers > 0 || hidden > 0 || heads > 0;
   if (layers > 0) c.layers = layers;
   if (hidden > 0) {
@@ -249,7 +249,7 @@ ModelConfig with_overrides(ModelConfig c, std::int64_t layers, std::int64_t hidd
   if (heads > 0) c.heads = heads;
   TIDAL_EXPECT_AS(InvalidArgument, c.hidden % c.heads == 0, "hidden size ", c.hidden,
                   " is not a multiple of the number of heads ", c.heads,
-                  "; pick --hidden and --heads so that hidden / heads is whole");
+                  "; pick a hidden size and heads so that hidden / heads is whole");
   TIDAL_EXPECT_AS(InvalidArgument, (c.hidden / c.heads) % 2 == 0 || c.family == Family::kGpt2,
                   "rotary positions need an even head size; hidden / heads = ", c.hidden / c.heads);
   if (c.family == Family::kGpt2 || c.heads % c.kv_heads != 0) c.kv_heads = c.heads;

@@ -77,11 +77,12 @@ TokenSource::TokenSource(std::int64_t vocab, std::uint64_t seed) : vocab_(vocab)
 
 TokenSource::TokenSource(const std::string& path, std::int64_t vocab, std::uint64_t seed)
     : vocab_(vocab), rng_(seed) {
-  TIDAL_EXPECT_AS(InvalidArgument, vocab >= 256, "--data trains on bytes: the model's vocabulary (",
-                  vocab, ") must hold at least 256 tokens");
+  TIDAL_EXPECT_AS(InvalidArgument, vocab >= 256,
+                  "a data file trains on bytes: the model's vocabulary (", vocab,
+                  ") must hold at least 256 tokens");
   std::ifstream in(path, std::ios::binary);
   TIDAL_EXPECT_AS(InvalidArgument, in.good(), "cannot open the data file '", path,
-                  "'; check the path given to --data");
+                  "'; check its path");
   text_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
   TIDAL_EXPECT_AS(InvalidArgument, text_.size() >= 2, "the data file '", path, "' is empty");
 }
@@ -93,7 +94,7 @@ std::pair<torch::Tensor, torch::Tensor> TokenSource::next_batch(std::int64_t bat
   if (!text_.empty()) {
     TIDAL_EXPECT_AS(InvalidArgument, static_cast<std::int64_t>(text_.size()) > seq,
                     "the data file holds ", text_.size(), " bytes, fewer than seq + 1 = ", seq + 1,
-                    "; use a shorter --seq or a longer file");
+                    "; use a shorter sequence or a longer file");
     std::uniform_int_distribution<std::int64_t> offset(
         0, static_cast<std::int64_t>(text_.size()) - seq - 1);
     for (std::int64_t b = 0; b < batch; ++b) {
@@ -138,9 +139,9 @@ void TokenSource::set_position(const std::string& text) {
 namespace {
 
 Transformer seeded_model(const TrainerOptions& o) {
-  TIDAL_EXPECT_AS(InvalidArgument, o.batch >= 1, "--batch must be at least 1");
-  TIDAL_EXPECT_AS(InvalidArgument, o.seq >= 1 && o.seq <= o.config.max_seq, "--seq ", o.seq,
-                  " is outside 1..", o.config.max_seq, " for model ", o.config.name);
+  TIDAL_EXPECT_AS(InvalidArgument, o.batch >= 1, "the batch must be at least 1");
+  TIDAL_EXPECT_AS(InvalidArgument, o.seq >= 1 && o.seq <= o.config.max_seq, "the sequence length ",
+                  o.seq, " is outside 1..", o.config.max_seq, " for model ", o.config.name);
   torch::manual_seed(o.seed);
   return make_model(o.config, o.device);
 }
@@ -159,11 +160,11 @@ Trainer::Trainer(TrainerOptions options)
       data_(make_source(options_)),
       params_(model_->parameters()) {
   TIDAL_EXPECT_AS(InvalidArgument, !(options_.optimizer_in_backward && options_.optimizer_deferred),
-                  "choose one optimizer schedule: --optimizer-in-backward or --optimizer-deferred");
-  TIDAL_EXPECT_AS(InvalidArgument, options_.clip_grad_norm >= 0, "--clip-grad-norm must be >= 0");
+                  "choose one optimizer schedule: in-backward or deferred");
+  TIDAL_EXPECT_AS(InvalidArgument, options_.clip_grad_norm >= 0, "the clipping norm must be >= 0");
   TIDAL_EXPECT_AS(InvalidArgument, options_.clip_grad_norm == 0 || !options_.optimizer_in_backward,
                   "clipping by the global norm needs every gradient before any update, which "
-                  "--optimizer-in-backward does not wait for; use --optimizer-deferred");
+                  "the in-backward schedule does not wait for; use the deferred schedule");
   TIDAL_EXPECT(params_.size() == optimizer_.size(), "optimizer and model disagree on parameters");
   const auto layers = static_cast<std::size_t>(options_.config.layers);
   model_->set_layer_listener([this, layers](std::int64_t layer) {

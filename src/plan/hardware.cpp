@@ -185,33 +185,52 @@ SsdSpec parse_ssd_spec(const std::string& text) {
   return spec;
 }
 
+namespace {
+
+template <class T>
+void set_if(T& field, const std::optional<T>& value, bool& any) {
+  if (!value) return;
+  field = *value;
+  any = true;
+}
+
+void set_rate_if(double& field, const std::optional<double>& value, const char* what, bool& any) {
+  if (!value) return;
+  TIDAL_EXPECT_AS(InvalidArgument, *value > 0, "the ", what, " must be positive, got ", *value);
+  field = *value;
+  any = true;
+}
+
+}  // namespace
+
 void apply_overrides(Hardware& hw, const HardwareOverrides& o) {
-  if (o.gpu_mem) hw.device_memory = parse_bytes(*o.gpu_mem);
+  bool any = false;
+  set_if(hw.device_memory, o.device_memory, any);
   if (o.ssd) {
-    const SsdSpec s = parse_ssd_spec(*o.ssd);
-    hw.ssd_count = s.count;
-    hw.ssd_write_bw = s.write_bw;
-    hw.ssd_read_bw = s.read_bw;
+    TIDAL_EXPECT_AS(InvalidArgument, o.ssd->count > 0 && o.ssd->write_bw > 0 && o.ssd->read_bw > 0,
+                    "the SSD array needs at least one SSD and positive bandwidths");
+    hw.ssd_count = o.ssd->count;
+    hw.ssd_write_bw = o.ssd->write_bw;
+    hw.ssd_read_bw = o.ssd->read_bw;
+    any = true;
   }
-  if (o.host_mem) hw.host_memory = parse_bytes(*o.host_mem);
-  if (o.host_link) hw.host_link_bw = parse_bandwidth(*o.host_link);
-  if (o.gpu_link) hw.gpu_link_bw = parse_bandwidth(*o.gpu_link);
-  if (o.gpu_flops) hw.gpu_flops = parse_rate(*o.gpu_flops);
-  if (o.gpu_flops_bf16) hw.gpu_flops_bf16 = parse_rate(*o.gpu_flops_bf16);
-  if (o.gpu_mem_bw) hw.gpu_mem_bw = parse_bandwidth(*o.gpu_mem_bw);
-  if (o.cpu_adam) hw.cpu_adam_rate = parse_rate(*o.cpu_adam);
-  if (o.ssd_tbw) hw.ssd_tbw = static_cast<double>(parse_bytes(*o.ssd_tbw));
-  if (o.margin) {
-    TIDAL_EXPECT_AS(InvalidArgument, *o.margin >= 0 && *o.margin < 0.5,
-                    "--margin must be in [0, 0.5), got ", *o.margin);
-    hw.memory_margin = *o.margin;
+  set_if(hw.host_memory, o.host_memory, any);
+  set_rate_if(hw.host_link_bw, o.host_link_bw, "host link bandwidth", any);
+  set_rate_if(hw.gpu_link_bw, o.gpu_link_bw, "GPU link bandwidth", any);
+  set_rate_if(hw.gpu_flops, o.gpu_flops, "matmul rate", any);
+  set_rate_if(hw.gpu_flops_bf16, o.gpu_flops_bf16, "bf16 matmul rate", any);
+  set_rate_if(hw.gpu_mem_bw, o.gpu_mem_bw, "device memory bandwidth", any);
+  set_rate_if(hw.cpu_adam_rate, o.cpu_adam_rate, "CPU Adam rate", any);
+  set_rate_if(hw.ssd_tbw, o.ssd_tbw, "SSD endurance", any);
+  if (o.memory_margin) {
+    TIDAL_EXPECT_AS(InvalidArgument, *o.memory_margin >= 0 && *o.memory_margin < 0.5,
+                    "the memory margin must be in [0, 0.5), got ", *o.memory_margin);
+    hw.memory_margin = *o.memory_margin;
+    any = true;
   }
-  const bool any = o.gpu_mem || o.ssd || o.host_mem || o.host_link || o.gpu_link || o.gpu_flops ||
-                   o.gpu_flops_bf16 || o.gpu_mem_bw || o.cpu_adam || o.ssd_tbw || o.margin;
   if (any && hw.name.find('+') == std::string::npos) hw.name += "+overrides";
-  TIDAL_EXPECT_AS(InvalidArgument, hw.device_memory > 0,
-                  "the device memory is unknown for preset '", hw.name,
-                  "'; give it with --gpu-mem (e.g. --gpu-mem 8GiB)");
+  TIDAL_EXPECT_AS(InvalidArgument, hw.device_memory > 0, "the device memory of hardware '", hw.name,
+                  "' is unknown; give it (e.g. 8 GiB)");
 }
 
 }  // namespace tidal::plan

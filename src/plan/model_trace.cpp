@@ -109,8 +109,9 @@ TransformerConfig model_preset(const std::string& name) {
   } else {
     std::string names;
     for (const auto& n : model_preset_names()) names += (names.empty() ? "" : ", ") + n;
-    TIDAL_EXPECT_AS(InvalidArgument, false, "unknown model '", name, "'; choose one of: ", names,
-                    " (and shape it with --layers/--hidden/--heads/--ffn/--vocab)");
+    TIDAL_EXPECT_AS(
+        InvalidArgument, false, "unknown model '", name, "'; choose one of: ", names,
+        " (a preset's shape can be changed: layers, hidden size, heads, MLP width, vocabulary)");
   }
   return c;
 }
@@ -133,10 +134,10 @@ void apply_overrides(TransformerConfig& cfg, const ModelOverrides& o) {
                   cfg.layers > 0 && cfg.hidden > 0 && cfg.heads > 0 && cfg.kv_heads > 0 &&
                       cfg.ffn > 0 && cfg.vocab > 0,
                   "the model shape must be positive (layers, hidden, heads, ffn, vocab)");
-  TIDAL_EXPECT_AS(InvalidArgument, cfg.hidden % cfg.heads == 0, "--hidden ", cfg.hidden,
-                  " is not divisible by --heads ", cfg.heads);
-  TIDAL_EXPECT_AS(InvalidArgument, cfg.heads % cfg.kv_heads == 0, "--heads ", cfg.heads,
-                  " is not divisible by the kv heads ", cfg.kv_heads);
+  TIDAL_EXPECT_AS(InvalidArgument, cfg.hidden % cfg.heads == 0, "the hidden size ", cfg.hidden,
+                  " is not divisible by the heads, ", cfg.heads);
+  TIDAL_EXPECT_AS(InvalidArgument, cfg.heads % cfg.kv_heads == 0, "the heads, ", cfg.heads,
+                  ", are not divisible by the key/value heads, ", cfg.kv_heads);
 }
 
 namespace {

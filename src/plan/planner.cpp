@@ -949,7 +949,7 @@ class Planner {
 
 Plan make_plan(const trace::Trace& trace, const Hardware& hw, const PlannerOptions& options) {
   TIDAL_EXPECT_AS(InvalidArgument, hw.device_memory > 0,
-                  "the hardware model has no device memory capacity; give --gpu-mem");
+                  "the hardware model has no device memory capacity; give it one");
   Planner p(trace, hw, options);
   return p.run();
 }

@@ -83,6 +83,65 @@ void sort_actions(Plan& p) {
   });
 }
 
+// The forward/backward pass of each op: a pass starts at the first forward op after a backward
+// op (with gradient accumulation, one pass per micro-batch). Never empty.
+std::vector<int> pass_of_ops(const trace::Trace& t) {
+  std::vector<int> pass_of(std::max<std::size_t>(1, t.ops.size()), 0);
+  int pass = 0;
+  bool in_backward = false;
+  for (const auto& op : t.ops) {
+    if (op.phase == Phase::kBackward) in_backward = true;
+    if (op.phase == Phase::kForward && in_backward) {
+      ++pass;
+      in_backward = false;
+    }
+    pass_of[static_cast<std::size_t>(op.index)] = pass;
+  }
+  return pass_of;
+}
+
+// ZeRO accumulates gradients over micro-batches in its host buffer (DeepSpeed's offloaded
+// gradient accumulation): each micro-batch's backward makes a fresh gradient on the device and
+// ships it out after its last use there. The first op of a later pass that accumulates into a
+// gradient becomes the maker of a new tensor for that pass, which the pass's later ops use.
+void split_gradients_per_pass(trace::Trace& t) {
+  const std::vector<int> pass = pass_of_ops(t);
+  const std::size_t given = t.tensors.size();
+  std::vector<TensorId> current(given, -1);
+  std::vector<int> current_pass(given, -1);
+  for (auto& op : t.ops) {
+    const int p = pass[static_cast<std::size_t>(op.index)];
+    std::vector<TensorId> made_here;
+    for (TensorId& id : op.outputs) {
+      const auto i = static_cast<std::size_t>(id);
+      if (i >= given || t.tensors[i].cls != TensorClass::kGradient) continue;
+      if (current_pass[i] < 0) {
+        current[i] = id;
+        current_pass[i] = p;
+      } else if (current_pass[i] != p) {
+        trace::Tensor copy = t.tensors[i];
+        copy.id = static_cast<TensorId>(t.tensors.size());
+        copy.name += ".pass" + std::to_string(p);
+        t.tensors.push_back(copy);
+        current[i] = copy.id;
+        current_pass[i] = p;
+        made_here.push_back(id);
+      }
+      id = current[i];
+    }
+    std::vector<TensorId> inputs;
+    for (TensorId id : op.inputs) {
+      const auto i = static_cast<std::size_t>(id);
+      if (i < given && t.tensors[i].cls == TensorClass::kGradient) {
+        if (std::find(made_here.begin(), made_here.end(), id) != made_here.end()) continue;
+        if (current[i] >= 0) id = current[i];
+      }
+      inputs.push_back(id);
+    }
+    op.inputs = std::move(inputs);
+  }
+}
+
 // The ZeRO rewrite: the optimizer step leaves the GPU (one CPU op instead) with the optimizer
 // states; gradients become per-iteration tensors that are shipped out after their last use.
 trace::Trace zero_trace(const trace::Trace& given, double cpu_step_seconds) {
@@ -120,6 +179,7 @@ trace::Trace zero_trace(const trace::Trace& given, double cpu_step_seconds) {
     }
     out.ops.push_back(std::move(o));
   }
+  split_gradients_per_pass(out);
   trace::Op cpu;
   cpu.index = static_cast<OpIndex>(out.ops.size());
   cpu.name = "cpu_adam";
@@ -168,23 +228,6 @@ trace::Trace zero_trace(const trace::Trace& given, double cpu_step_seconds) {
   retime(out);
   trace::validate(out);
   return out;
-}
-
-// The forward/backward pass of each op: a pass starts at the first forward op after a backward
-// op (with gradient accumulation, one pass per micro-batch). Never empty.
-std::vector<int> pass_of_ops(const trace::Trace& t) {
-  std::vector<int> pass_of(std::max<std::size_t>(1, t.ops.size()), 0);
-  int pass = 0;
-  bool in_backward = false;
-  for (const auto& op : t.ops) {
-    if (op.phase == Phase::kBackward) in_backward = true;
-    if (op.phase == Phase::kForward && in_backward) {
-      ++pass;
-      in_backward = false;
-    }
-    pass_of[static_cast<std::size_t>(op.index)] = pass;
-  }
-  return pass_of;
 }
 
 // ZeRO-3 style movement: parameters (above the persistence threshold) come in before each use

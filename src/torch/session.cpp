@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <iostream>
 #include <map>
+#include <optional>
 
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
@@ -122,7 +123,11 @@ struct Session::Impl {
   };
   std::vector<Shape> shapes;  // index = the executor's shape index
   std::map<std::vector<std::string>, std::vector<trace::Trace>> pending;  // seen, not planned
-  std::string measured_ssd;  // cpu-here: the store's measured figures, as an --ssd spec
+  // cpu-here: the store's measured figures (none after a failed measurement: the preset's), and
+  // as text for the plan summary.
+  bool store_measured = false;
+  std::optional<plan::SsdSpec> measured_ssd;
+  std::string measured_ssd_text;
   // cpu-here on the CPU: the compute each byte moved takes (Hardware::compute_seconds_per_byte).
   std::array<double, plan::kNumChannels> io_compute{};
   std::uint64_t profiled_current = 0;  // max meter bytes at the start of the profiled steps
@@ -161,11 +166,11 @@ struct Session::Impl {
     plan::HardwareOverrides overrides = opt.hardware_overrides;
     if (!overrides.ssd && opt.hardware == "cpu-here") {
       // cpu-here describes this machine: measure the store the plan will use, once.
-      if (measured_ssd.empty()) measure_store();
-      if (measured_ssd != "preset") overrides.ssd = measured_ssd;
+      if (!store_measured) measure_store();
+      if (measured_ssd) overrides.ssd = measured_ssd;
     }
     // The capacity is set per planning call; this only satisfies the preset's check.
-    overrides.gpu_mem = std::to_string(std::max<std::uint64_t>(stats.memory_budget, 1));
+    overrides.device_memory = std::max<std::uint64_t>(stats.memory_budget, 1);
     plan::apply_overrides(hw, overrides);
     hw.host_memory = opt.host_memory;
     // The store refuses what it cannot place (the write fails and the tensor stays, over the
@@ -184,13 +189,15 @@ struct Session::Impl {
     io::MeasureOptions mo;
     mo.bytes = 64ull << 20;
     mo.compute_cost = on_cpu;
+    store_measured = true;
     try {
       const io::MeasuredBandwidth m = io::measure_bandwidth(*store, mo);
-      measured_ssd = io::ssd_spec(m, store->options().dirs.size());
+      measured_ssd_text = io::ssd_spec(m, store->options().dirs.size());
+      measured_ssd = plan::parse_ssd_spec(measured_ssd_text);
       io_compute[plan::index_of(plan::Channel::kSsdWrite)] = m.write_compute_seconds_per_byte;
       io_compute[plan::index_of(plan::Channel::kSsdRead)] = m.read_compute_seconds_per_byte;
     } catch (const IoError&) {
-      measured_ssd = "preset";  // a failing store: plan with the preset's figures
+      measured_ssd.reset();  // a failing store: plan with the preset's figures
     }
     if (on_cpu && opt.host_memory > 0) {
       const double copy = io::measure_copy_compute_cost();
@@ -258,7 +265,8 @@ struct Session::Impl {
         shapes.size() - 1, p.actions.size(), bytes_text(p.summary.bytes_to_ssd).c_str(),
         bytes_text(p.summary.bytes_to_host).c_str(), bytes_text(p.summary.peak_after_bytes).c_str(),
         bytes_text(static_cast<std::uint64_t>(s.capacity)).c_str(), p.summary.planned_stall_seconds,
-        p.summary.planning_seconds, measured_ssd.empty() ? "preset" : measured_ssd.c_str(),
+        p.summary.planning_seconds,
+        measured_ssd_text.empty() ? "preset" : measured_ssd_text.c_str(),
         io_compute[plan::index_of(plan::Channel::kSsdWrite)] * 1e9,
         io_compute[plan::index_of(plan::Channel::kSsdRead)] * 1e9,
         io_compute[plan::index_of(plan::Channel::kHostWrite)] * 1e9);

@@ -28,6 +28,12 @@ for f in "$prefix/include/tidal/io/store.hpp" "$config" "${config%/*}/tidalConfi
 done
 with_torch=OFF
 [ -f "${config%/*}/tidalTorchTargets.cmake" ] && with_torch=ON
+if [ $with_torch = ON ]; then
+  # The installed `tidal` hands train and profile to the installed tidal-torch beside it.
+  [ -x "$prefix/bin/tidal-torch" ] || { echo "FAIL: the install has no bin/tidal-torch"; exit 1; }
+  "$prefix/bin/tidal" train --help | grep -q -- "--offload" ||
+    { echo "FAIL: the installed tidal does not hand train to tidal-torch"; exit 1; }
+fi
 
 step "find_package(tidal): core, torch=$with_torch"
 cmake -S "$here/installed" -B "$tmp/installed" -G Ninja -DCMAKE_PREFIX_PATH="$prefix" \

@@ -153,9 +153,9 @@ TEST(Hardware, PresetsAndOverrides) {
   EXPECT_DOUBLE_EQ(h.ssd_write_total(), 26e9);
   EXPECT_DOUBLE_EQ(h.ssd_read_total(), 26.8e9);
   HardwareOverrides o;
-  o.gpu_mem = "80GiB";
-  o.ssd = "2x3.0/3.5GB/s";
-  o.host_mem = "0";
+  o.device_memory = 80ull << 30;
+  o.ssd = parse_ssd_spec("2x3.0/3.5GB/s");
+  o.host_memory = 0;
   apply_overrides(h, o);
   EXPECT_EQ(h.device_memory, 80ull << 30);
   EXPECT_EQ(h.ssd_count, 2);
@@ -164,7 +164,13 @@ TEST(Hardware, PresetsAndOverrides) {
   EXPECT_EQ(h.channels()[Channel::kHostWrite], 0);
   EXPECT_THROW(hardware_preset("tpu"), InvalidArgument);
   Hardware here = hardware_preset("cpu-here");
-  EXPECT_THROW(apply_overrides(here, HardwareOverrides{}), InvalidArgument);  // no --gpu-mem
+  EXPECT_THROW(apply_overrides(here, HardwareOverrides{}), InvalidArgument);  // no memory size
+  HardwareOverrides bad;
+  bad.memory_margin = 0.7;
+  EXPECT_THROW(apply_overrides(h, bad), InvalidArgument);
+  bad = {};
+  bad.gpu_link_bw = 0;
+  EXPECT_THROW(apply_overrides(h, bad), InvalidArgument);
 }
 
 TEST(Hardware, ParseSsdAndRates) {

@@ -332,7 +332,8 @@ TEST_P(FaultMatrix, WritesKeepTheTensorReadsStopTheStepLatencyOnlyCostsTime) {
   static const LoopRun none = train_mlp(options_for(OffloadMode::kNone, dir.path()), 12);
   SessionOptions so = options_for(c.mode, dir.path());
   so.store.faults = fault_plan(c);
-  so.hardware_overrides.ssd = "1x2/1.5GB/s";  // no measurement: the faults hit training's I/O
+  so.hardware_overrides.ssd =
+      plan::parse_ssd_spec("1x2/1.5GB/s");  // no measurement: the faults hit training's I/O
   so.activations.adaptive = false;  // keep offloading even where it does not pay: reads happen
   const bool expect_error = !c.on_write && c.fault != Fault::kLatency;
   if (expect_error) {

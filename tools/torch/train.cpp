@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "commands.hpp"
+#include "hardware_flags.hpp"
 #include "model_options.hpp"
 #include "progress.hpp"
 #include "tidal/common/env.hpp"
@@ -153,7 +154,7 @@ void run_train(const TrainArgs& args) {
   }
   so.budget_option = "--mem-budget";
   so.between_steps_option = "--between-steps offloaded";
-  if (!args.ssd.empty()) so.hardware_overrides.ssd = args.ssd;
+  if (!args.ssd.empty()) so.hardware_overrides.ssd = parse_ssd_flag(args.ssd);
   so.peak_bytes = [&meter] { return meter.peak_bytes(); };
   so.current_bytes = [&meter] { return meter.current_bytes(); };
   so.reset_peak = [&meter] { meter.reset_peak(); };

@@ -67,24 +67,6 @@ std::vector<std::string> hardware_preset_names();
 ///   are given with --ssd (tidal bench-io prints them).
 Hardware hardware_preset(const std::string& name);
 
-/// Field overrides, as given on the command line. Unset fields keep the preset's value.
-struct HardwareOverrides {
-  std::optional<std::string> gpu_mem;         ///< "80GiB"
-  std::optional<std::string> ssd;             ///< "4x6.5/6.7GB/s" (count x write/read), "2x3GB/s"
-  std::optional<std::string> host_mem;        ///< "256GiB", "0"
-  std::optional<std::string> host_link;       ///< "55GB/s"
-  std::optional<std::string> gpu_link;        ///< "300GB/s"
-  std::optional<std::string> gpu_flops;       ///< "60T", "378e12"
-  std::optional<std::string> gpu_flops_bf16;  ///< "835T"
-  std::optional<std::string> gpu_mem_bw;      ///< "3.9TB/s"
-  std::optional<std::string> cpu_adam;        ///< parameters/s, "2e9" or "2G"
-  std::optional<std::string> ssd_tbw;         ///< "1200TB"
-  std::optional<double> margin;               ///< 0.01
-};
-
-/// Applies the set fields. Throws tidal::InvalidArgument naming the flag on a bad value.
-void apply_overrides(Hardware& hw, const HardwareOverrides& o);
-
 /// Parses an SSD array: "<count>x<write>/<read><unit>/s" or "<count>x<bw><unit>/s" (same both
 /// ways); the unit on the last figure applies to both. Returns {count, write, read}.
 struct SsdSpec {
@@ -93,6 +75,26 @@ struct SsdSpec {
   double read_bw = 0;
 };
 SsdSpec parse_ssd_spec(const std::string& text);
+
+/// Field overrides: unset fields keep the preset's value. Numbers in the units of Hardware; the
+/// command line parses its text into them (parse_ssd_spec, parse_rate, parse_bytes).
+struct HardwareOverrides {
+  std::optional<std::uint64_t> device_memory;  ///< bytes
+  std::optional<SsdSpec> ssd;                  ///< count and per-SSD bandwidths
+  std::optional<std::uint64_t> host_memory;    ///< bytes; 0: no host tier
+  std::optional<double> host_link_bw;          ///< bytes/s per direction
+  std::optional<double> gpu_link_bw;           ///< bytes/s per direction
+  std::optional<double> gpu_flops;             ///< FLOP/s
+  std::optional<double> gpu_flops_bf16;        ///< FLOP/s
+  std::optional<double> gpu_mem_bw;            ///< bytes/s
+  std::optional<double> cpu_adam_rate;         ///< parameters/s
+  std::optional<double> ssd_tbw;               ///< bytes written per SSD over its life
+  std::optional<double> memory_margin;         ///< in [0, 0.5)
+};
+
+/// Applies the set fields. Throws tidal::InvalidArgument on a margin outside [0, 0.5), a
+/// non-positive rate, or when the result has no device memory (cpu-here has none until given).
+void apply_overrides(Hardware& hw, const HardwareOverrides& o);
 
 /// Parses a rate with an optional SI prefix (k, M, G, T, P) and an optional "FLOPS", "FLOP/s"
 /// or "/s" suffix: "60T", "60TFLOPS", "2e9". Throws tidal::InvalidArgument on bad input.
