@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "io/op_pool.hpp"
+#include "tidal/common/enum_names.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/io/backend.hpp"
 #ifdef TIDAL_WITH_CUDA
@@ -13,25 +14,21 @@
 
 namespace tidal::io {
 
-const char* to_string(BackendKind kind) {
-  switch (kind) {
-    case BackendKind::kAuto:
-      return "auto";
-    case BackendKind::kIoUring:
-      return "io_uring";
-    case BackendKind::kPosix:
-      return "posix";
-  }
-  return "?";
-}
+namespace {
+
+constexpr EnumName<BackendKind> kBackendNames[] = {
+    {BackendKind::kAuto, "auto"},
+    {BackendKind::kIoUring, "io_uring"},
+    {BackendKind::kPosix, "posix"},
+};
+
+}  // namespace
+
+const char* to_string(BackendKind kind) { return enum_name(kBackendNames, kind); }
 
 BackendKind backend_kind_from_string(const std::string& name) {
-  if (name == "auto") return BackendKind::kAuto;
-  if (name == "io_uring" || name == "uring") return BackendKind::kIoUring;
-  if (name == "posix") return BackendKind::kPosix;
-  TIDAL_EXPECT_AS(InvalidArgument, false, "unknown I/O backend '", name,
-                  "': use auto, io_uring or posix (cuFile is chosen with TIDAL_GDS=on)");
-  return BackendKind::kAuto;
+  if (name == "uring") return BackendKind::kIoUring;
+  return enum_value(kBackendNames, name, "I/O backend (cuFile is chosen with TIDAL_GDS=on)");
 }
 
 #ifndef TIDAL_WITH_IO_URING

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "tidal/common/enum_names.hpp"
 #include "tidal/common/error.hpp"
 
 namespace tidal::plan {
@@ -14,11 +15,7 @@ using trace::TensorId;
 
 namespace {
 
-struct PrecisionName {
-  Precision precision;
-  const char* name;
-};
-constexpr PrecisionName kPrecisionNames[] = {
+constexpr EnumName<Precision> kPrecisionNames[] = {
     {Precision::kFp32, "fp32"},
     {Precision::kBf16Mixed, "bf16-mixed"},
     {Precision::kBf16, "bf16"},
@@ -26,21 +23,10 @@ constexpr PrecisionName kPrecisionNames[] = {
 
 }  // namespace
 
-const char* to_string(Precision p) {
-  for (const auto& n : kPrecisionNames) {
-    if (n.precision == p) return n.name;
-  }
-  return "?";
-}
+const char* to_string(Precision p) { return enum_name(kPrecisionNames, p); }
 
 Precision precision_from_string(const std::string& s) {
-  std::string names;
-  for (const auto& n : kPrecisionNames) {
-    if (s == n.name) return n.precision;
-    names += (names.empty() ? "" : ", ") + std::string(n.name);
-  }
-  TIDAL_EXPECT_AS(InvalidArgument, false, "unknown precision '", s, "'; choose one of: ", names);
-  return Precision::kFp32;
+  return enum_value(kPrecisionNames, s, "precision");
 }
 
 std::int64_t TransformerConfig::parameters() const {

@@ -5,52 +5,47 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "tidal/common/enum_names.hpp"
 #include "tidal/common/error.hpp"
 
 namespace tidal::plan {
 
 using nlohmann::json;
 
-const char* to_string(ActionKind k) { return k == ActionKind::kOffload ? "offload" : "prefetch"; }
-const char* to_string(Tier t) {
-  switch (t) {
-    case Tier::kSsd:
-      return "ssd";
-    case Tier::kHost:
-      return "host";
-    case Tier::kDevice:
-      return "device";
-  }
-  return "?";
-}
+namespace {
 
-const char* to_string(Channel c) {
-  switch (c) {
-    case Channel::kSsdWrite:
-      return "ssd-write";
-    case Channel::kSsdRead:
-      return "ssd-read";
-    case Channel::kHostWrite:
-      return "host-write";
-    case Channel::kHostRead:
-      return "host-read";
-  }
-  return "?";
-}
+constexpr EnumName<ActionKind> kActionKindNames[] = {
+    {ActionKind::kOffload, "offload"},
+    {ActionKind::kPrefetch, "prefetch"},
+};
+constexpr EnumName<Tier> kTierNames[] = {
+    {Tier::kSsd, "ssd"},
+    {Tier::kHost, "host"},
+    {Tier::kDevice, "device"},
+};
+constexpr EnumName<Channel> kChannelNames[] = {
+    {Channel::kSsdWrite, "ssd-write"},
+    {Channel::kSsdRead, "ssd-read"},
+    {Channel::kHostWrite, "host-write"},
+    {Channel::kHostRead, "host-read"},
+};
+constexpr EnumName<Target> kTargetNames[] = {
+    {Target::kSsd, "ssd"},
+    {Target::kHost, "host"},
+};
+
+}  // namespace
+
+const char* to_string(ActionKind k) { return enum_name(kActionKindNames, k); }
+const char* to_string(Tier t) { return enum_name(kTierNames, t); }
+const char* to_string(Channel c) { return enum_name(kChannelNames, c); }
 
 ActionKind action_kind_from_string(const std::string& s) {
-  if (s == "offload") return ActionKind::kOffload;
-  if (s == "prefetch") return ActionKind::kPrefetch;
-  TIDAL_EXPECT_AS(InvalidArgument, false, "unknown plan action '", s,
-                  "' (expected offload or prefetch)");
-  return ActionKind::kOffload;
+  return enum_value(kActionKindNames, s, "plan action");
 }
 
 Target target_from_string(const std::string& s) {
-  if (s == "ssd") return Target::kSsd;
-  if (s == "host") return Target::kHost;
-  TIDAL_EXPECT_AS(InvalidArgument, false, "unknown plan target '", s, "' (expected ssd or host)");
-  return Target::kSsd;
+  return enum_value(kTargetNames, s, "plan target");
 }
 
 std::string plan_to_json(const Plan& plan) {

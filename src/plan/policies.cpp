@@ -5,6 +5,7 @@
 #include <map>
 #include <sstream>
 
+#include "tidal/common/enum_names.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/trace/lifetime.hpp"
@@ -18,11 +19,7 @@ using trace::TensorId;
 
 namespace {
 
-struct PolicyName {
-  Policy policy;
-  const char* name;
-};
-constexpr PolicyName kPolicyNames[] = {
+constexpr EnumName<Policy> kPolicyNames[] = {
     {Policy::kIdeal, "ideal"},
     {Policy::kKeepAll, "keep-all"},
     {Policy::kRecompute, "recompute"},
@@ -345,27 +342,19 @@ PolicyResult run_zero(const trace::Trace& tr, const Hardware& hw, const PolicyOp
 
 }  // namespace
 
-const char* to_string(Policy p) {
-  for (const auto& n : kPolicyNames) {
-    if (n.policy == p) return n.name;
-  }
-  return "?";
-}
+const char* to_string(Policy p) { return enum_name(kPolicyNames, p); }
 
 Policy policy_from_string(const std::string& s) {
-  std::string names;
   for (const auto& n : kPolicyNames) {
-    if (s == n.name) return n.policy;
-    names += (names.empty() ? "" : ", ") + std::string(n.name);
+    if (s == n.name) return n.value;
   }
-  TIDAL_EXPECT_AS(InvalidArgument, false, "unknown policy '", s, "'; choose one of: ", names,
-                  " or all");
-  return Policy::kIdeal;
+  TIDAL_FAIL_AS(InvalidArgument, "unknown policy '", s,
+                "'; choose one of: ", enum_names(kPolicyNames), " or all");
 }
 
 std::vector<Policy> all_policies() {
   std::vector<Policy> v;
-  for (const auto& n : kPolicyNames) v.push_back(n.policy);
+  for (const auto& n : kPolicyNames) v.push_back(n.value);
   return v;
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <tuple>
 
+#include "tidal/common/enum_names.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/trace/lifetime.hpp"
 
@@ -11,21 +12,17 @@ namespace tidal::plan {
 using trace::OpIndex;
 using trace::TensorId;
 
-const char* to_string(Residency r) {
-  switch (r) {
-    case Residency::kAbsent:
-      return "absent";
-    case Residency::kResident:
-      return "resident";
-    case Residency::kLeaving:
-      return "leaving";
-    case Residency::kAway:
-      return "away";
-    case Residency::kArriving:
-      return "arriving";
-  }
-  return "?";
-}
+namespace {
+
+constexpr EnumName<Residency> kResidencyNames[] = {
+    {Residency::kAbsent, "absent"},     {Residency::kResident, "resident"},
+    {Residency::kLeaving, "leaving"},   {Residency::kAway, "away"},
+    {Residency::kArriving, "arriving"},
+};
+
+}  // namespace
+
+const char* to_string(Residency r) { return enum_name(kResidencyNames, r); }
 
 Schedule compile_schedule(const trace::Trace& trace, const Plan* plan, bool strict) {
   const auto n = static_cast<OpIndex>(trace.ops.size());

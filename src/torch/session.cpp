@@ -6,6 +6,7 @@
 #include <map>
 #include <optional>
 
+#include "tidal/common/enum_names.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/io/measure.hpp"
@@ -18,47 +19,25 @@ namespace tidal::torch_layer {
 
 namespace {
 
-// One table gives to_string and offload_mode_from_string (policies.cpp's pattern).
-struct ModeName {
-  OffloadMode mode;
-  const char* name;
-};
-constexpr ModeName kModeNames[] = {
+constexpr EnumName<OffloadMode> kModeNames[] = {
     {OffloadMode::kNone, "none"},
     {OffloadMode::kActivations, "activations"},
     {OffloadMode::kPlan, "plan"},
 };
+constexpr EnumName<SessionState> kStateNames[] = {
+    {SessionState::kOff, "off"},
+    {SessionState::kWarmup, "warmup"},
+    {SessionState::kProfiling, "profiling"},
+    {SessionState::kExecuting, "executing"},
+};
 
 }  // namespace
 
-const char* to_string(OffloadMode m) {
-  for (const auto& n : kModeNames) {
-    if (n.mode == m) return n.name;
-  }
-  return "?";
-}
-
-const char* to_string(SessionState s) {
-  switch (s) {
-    case SessionState::kOff:
-      return "off";
-    case SessionState::kWarmup:
-      return "warmup";
-    case SessionState::kProfiling:
-      return "profiling";
-    case SessionState::kExecuting:
-      return "executing";
-  }
-  return "?";
-}
+const char* to_string(OffloadMode m) { return enum_name(kModeNames, m); }
+const char* to_string(SessionState s) { return enum_name(kStateNames, s); }
 
 OffloadMode offload_mode_from_string(const std::string& s) {
-  for (const auto& n : kModeNames) {
-    if (s == n.name) return n.mode;
-  }
-  TIDAL_EXPECT_AS(InvalidArgument, false, "unknown offload mode '", s,
-                  "': use none, activations or plan");
-  return OffloadMode::kNone;
+  return enum_value(kModeNames, s, "offload mode");
 }
 
 namespace {
@@ -149,8 +128,11 @@ struct Session::Impl {
   void start_profiling() {
     executor.reset();  // brings every moved tensor back
     tracer.reset();
-    Tracer::Options to{opt.model_name, opt.batch, opt.seq,
-                       opt.between_steps == BetweenSteps::kResident};
+    Tracer::Options to;
+    to.model = opt.model_name;
+    to.batch = opt.batch;
+    to.seq = opt.seq;
+    to.step_end_op = opt.between_steps == BetweenSteps::kResident;
     to.current_bytes = opt.current_bytes;
     to.peak_bytes = opt.peak_bytes;
     to.reset_peak = opt.reset_peak;

@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "tidal/common/enum_names.hpp"
+#include "tidal/common/error.hpp"
 #include "tidal/common/stats.hpp"
 #include "tidal/common/text.hpp"
 
@@ -35,6 +38,26 @@ TEST(SplitList, DropsEmptyItemsAndKeepsEverythingElse) {
   EXPECT_EQ(split_list(""), std::vector<std::string>{});
   EXPECT_EQ(split_list(" x y "), std::vector<std::string>{" x y "});
   EXPECT_EQ(split_list("1:2", ':'), (std::vector<std::string>{"1", "2"}));
+}
+
+enum class Colour { kRed, kGreen, kBlue };
+constexpr EnumName<Colour> kColours[] = {
+    {Colour::kRed, "red"}, {Colour::kGreen, "green"}, {Colour::kBlue, "blue"}};
+
+TEST(EnumNames, BothWaysAndTheChoicesOnAnUnknownName) {
+  for (const auto& c : kColours) {
+    EXPECT_EQ(enum_value(kColours, enum_name(kColours, c.value), "colour"), c.value);
+  }
+  EXPECT_STREQ(enum_name(kColours, static_cast<Colour>(7)), "?");
+  EXPECT_EQ(enum_names(kColours), "red, green, blue");
+  try {
+    enum_value(kColours, "mauve", "colour");
+    FAIL() << "accepted an unknown name";
+  } catch (const InvalidArgument& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("unknown colour 'mauve'"), std::string::npos) << what;
+    EXPECT_NE(what.find("red, green, blue"), std::string::npos) << what;
+  }
 }
 
 }  // namespace
