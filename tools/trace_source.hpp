@@ -72,12 +72,14 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
                   "gpt2-xl|llama3.2-1b|llama3-8b|granite-8b|llama3-70b|llama3.1-405b");
   cmd->add_option("--batch", s.batch, "batch size (with --model)");
   cmd->add_option("--seq", s.seq, "sequence length (with --model)");
-  cmd->add_flag("--optimizer-in-backward", s.optimizer_in_backward,
-                "with --model: run each parameter's AdamW update right after its gradient is "
-                "complete in backward (PyTorch's optimizer-in-backward) instead of after backward");
+  auto* in_backward = cmd->add_flag(
+      "--optimizer-in-backward", s.optimizer_in_backward,
+      "with --model: run each parameter's AdamW update right after its gradient is "
+      "complete in backward (PyTorch's optimizer-in-backward) instead of after backward");
   cmd->add_flag("--optimizer-deferred", s.optimizer_deferred,
                 "with --model: run each parameter's AdamW update right before its first use in "
-                "the next forward pass (works with global-norm clipping)");
+                "the next forward pass (works with global-norm clipping)")
+      ->excludes(in_backward);
   cmd->add_option("--micro-batches", s.micro_batches,
                   "with --model: split the batch into this many micro-batches, each with its own "
                   "forward and backward pass, accumulating gradients; one optimizer step after "
@@ -171,8 +173,9 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
   plan::TransformerConfig cfg = plan::model_preset(s.model);
   plan::apply_overrides(cfg, s.shape);
   plan::AnalyticTraceOptions topt;
-  topt.optimizer_in_backward = s.optimizer_in_backward;
-  topt.optimizer_deferred = s.optimizer_deferred;
+  topt.optimizer = s.optimizer_in_backward ? OptimizerSchedule::kInBackward
+                   : s.optimizer_deferred  ? OptimizerSchedule::kDeferred
+                                           : OptimizerSchedule::kAfterBackward;
   topt.micro_batches = s.micro_batches;
   topt.data_parallel = s.data_parallel;
   topt.tensor_parallel = s.tensor_parallel;

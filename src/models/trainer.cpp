@@ -159,27 +159,25 @@ Trainer::Trainer(TrainerOptions options)
       optimizer_(model_->parameters(), options_.adamw),
       data_(make_source(options_)),
       params_(model_->parameters()) {
-  TIDAL_EXPECT_AS(InvalidArgument, !(options_.optimizer_in_backward && options_.optimizer_deferred),
-                  "choose one optimizer schedule: in-backward or deferred");
   TIDAL_EXPECT_AS(InvalidArgument, options_.clip_grad_norm >= 0, "the clipping norm must be >= 0");
-  TIDAL_EXPECT_AS(InvalidArgument, options_.clip_grad_norm == 0 || !options_.optimizer_in_backward,
+  TIDAL_EXPECT_AS(InvalidArgument, options_.clip_grad_norm == 0 || !in_backward(),
                   "clipping by the global norm needs every gradient before any update, which "
                   "the in-backward schedule does not wait for; use the deferred schedule");
   TIDAL_EXPECT(params_.size() == optimizer_.size(), "optimizer and model disagree on parameters");
   const auto layers = static_cast<std::size_t>(options_.config.layers);
   model_->set_layer_listener([this, layers](std::int64_t layer) {
     for (auto* o : observers_) o->begin_layer(layer);
-    if (options_.optimizer_deferred) {
+    if (deferred()) {
       apply_updates(layer >= 0 ? static_cast<std::size_t>(layer) + 1 : layers + 1);
     }
   });
-  if (options_.optimizer_in_backward) {
+  if (in_backward()) {
     on_gradient_ready([this](std::size_t i) {
       optimizer_.update(i);
       params_[i].mutable_grad() = torch::Tensor();  // set to none: a new one next backward
     });
   }
-  if (options_.optimizer_deferred) {
+  if (deferred()) {
     update_groups_.resize(layers + 2);
     std::size_t i = 0;
     for (const auto& p : model_->named_parameters()) {
@@ -301,7 +299,7 @@ StepResult Trainer::step() {
   notify_phase(trace::Phase::kBackward);
   // Optimizer-in-backward: the hooks update each parameter during backward, with this step's
   // bias corrections.
-  if (options_.optimizer_in_backward) optimizer_.begin_step();
+  if (in_backward()) optimizer_.begin_step();
   for (auto& n : grad_norms_) n = torch::Tensor();  // the hooks take this backward's norms
   // torch::autograd::backward rather than Tensor::backward: the latter is itself a dispatched op
   // (aten::_backward) and would hide the backward ops from a tracer as nested calls.
@@ -309,12 +307,12 @@ StepResult Trainer::step() {
 
   notify_phase(trace::Phase::kOptimizer);
   clip_coef_ = clip_coefficient();
-  if (options_.optimizer_deferred) {
+  if (deferred()) {
     // This step's bias corrections and clipping coefficient serve the updates in the next
     // forward pass.
     optimizer_.begin_step();
     std::fill(pending_.begin(), pending_.end(), 1);
-  } else if (!options_.optimizer_in_backward) {
+  } else if (!in_backward()) {
     if (clip_coef_.defined()) {
       torch::NoGradGuard no_grad;
       for (auto& p : params_) {

@@ -207,7 +207,7 @@ trace::Trace optimizer_in_backward(const trace::Trace& in) {
                                new_last[static_cast<std::size_t>(t.id)]);
     }
   }
-  out.meta["optimizer_schedule"] = "in-backward";
+  out.meta["optimizer_schedule"] = to_string(OptimizerSchedule::kInBackward);
   trace::validate(out);
   return out;
 }
@@ -280,7 +280,7 @@ trace::Trace optimizer_deferred(const trace::Trace& in) {
       t.freed_after = std::max(remap[static_cast<std::size_t>(t.freed_after)], new_last[id]);
     }
   }
-  out.meta["optimizer_schedule"] = "deferred";
+  out.meta["optimizer_schedule"] = to_string(OptimizerSchedule::kDeferred);
   trace::validate(out);
   return out;
 }

@@ -612,8 +612,6 @@ void check_arguments(const TransformerConfig& cfg, std::int64_t batch, std::int6
                   "the hardware model needs gpu_flops and gpu_mem_bw for analytic op times");
   TIDAL_EXPECT_AS(InvalidArgument, cfg.arch != Architecture::kGpt2 || seq <= cfg.max_seq, cfg.name,
                   " has ", cfg.max_seq, " positions; a sequence of ", seq, " is longer");
-  TIDAL_EXPECT_AS(InvalidArgument, !(o.optimizer_in_backward && o.optimizer_deferred),
-                  "choose one optimizer schedule: in-backward or deferred");
   const int dp = o.data_parallel;
   const int tp = o.tensor_parallel;
   TIDAL_EXPECT_AS(InvalidArgument, dp >= 1 && batch % dp == 0, "the batch (", batch,
@@ -651,10 +649,17 @@ trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch,
   t.meta["optimizer"] = "AdamW";
   t.meta["hardware"] = hw.name;
   t.meta["parameters"] = std::to_string(cfg.parameters());
-  t.meta["optimizer_schedule"] = "after-backward";
+  t.meta["optimizer_schedule"] = to_string(OptimizerSchedule::kAfterBackward);
   trace::validate(t);
-  if (options.optimizer_deferred) return optimizer_deferred(t);
-  return options.optimizer_in_backward ? optimizer_in_backward(t) : t;
+  switch (options.optimizer) {
+    case OptimizerSchedule::kInBackward:
+      return optimizer_in_backward(t);
+    case OptimizerSchedule::kDeferred:
+      return optimizer_deferred(t);
+    case OptimizerSchedule::kAfterBackward:
+      break;
+  }
+  return t;
 }
 
 }  // namespace tidal::plan

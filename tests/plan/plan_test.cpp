@@ -247,7 +247,7 @@ TEST(ModelTrace, OptimizerInBackwardMovesEachUpdateAfterItsGradient) {
     const TransformerConfig cfg = three_blocks(name);
     const trace::Trace std_t = transformer_trace(cfg, 2, 128, hw);
     AnalyticTraceOptions opt;
-    opt.optimizer_in_backward = true;
+    opt.optimizer = OptimizerSchedule::kInBackward;
     const trace::Trace t = transformer_trace(cfg, 2, 128, hw, opt);
     ASSERT_NO_THROW(trace::validate(t));
     EXPECT_EQ(t.meta.at("optimizer_schedule"), "in-backward");
@@ -318,7 +318,7 @@ TEST(ModelTrace, OptimizerDeferredMovesEachUpdateBeforeItsFirstUse) {
     const TransformerConfig cfg = three_blocks(name);
     const trace::Trace std_t = transformer_trace(cfg, 2, 128, hw);
     AnalyticTraceOptions opt;
-    opt.optimizer_deferred = true;
+    opt.optimizer = OptimizerSchedule::kDeferred;
     const trace::Trace t = transformer_trace(cfg, 2, 128, hw, opt);
     ASSERT_NO_THROW(trace::validate(t));
     EXPECT_EQ(t.meta.at("optimizer_schedule"), "deferred");
@@ -364,9 +364,6 @@ TEST(ModelTrace, OptimizerDeferredMovesEachUpdateBeforeItsFirstUse) {
     // Kept in memory, the simulator counts what the lifetime analysis counts, gaps included.
     const SimResult keep = simulate(t, nullptr, hw);
     EXPECT_EQ(keep.memory_per_op, la.live_bytes) << name;
-    AnalyticTraceOptions both = opt;
-    both.optimizer_in_backward = true;
-    EXPECT_THROW(transformer_trace(cfg, 2, 128, hw, both), InvalidArgument);
     EXPECT_THROW(optimizer_deferred(t), InvalidArgument);
   }
 }
@@ -725,8 +722,7 @@ TEST(ModelTrace, MicroBatchesAccumulateGradientsUntilOneStep) {
     for (int schedule = 0; schedule < 3; ++schedule) {
       AnalyticTraceOptions opt;
       opt.micro_batches = kM;
-      opt.optimizer_in_backward = schedule == 1;
-      opt.optimizer_deferred = schedule == 2;
+      opt.optimizer = static_cast<OptimizerSchedule>(schedule);
       const trace::Trace t = transformer_trace(cfg, 2 * kM, 128, hw, opt);
       ASSERT_NO_THROW(trace::validate(t));
       EXPECT_EQ(t.meta.at("micro_batches"), "3");
@@ -866,8 +862,7 @@ TEST(ModelTrace, DataParallelAllReducesEachGradientOnceAfterTheLastMicroBatch) {
       AnalyticTraceOptions opt;
       opt.data_parallel = 2;
       opt.micro_batches = 2;
-      opt.optimizer_in_backward = schedule == 1;
-      opt.optimizer_deferred = schedule == 2;
+      opt.optimizer = static_cast<OptimizerSchedule>(schedule);
       const trace::Trace t = transformer_trace(cfg, 8, 128, hw, opt);  // 4 a GPU, 2 a pass
       ASSERT_NO_THROW(trace::validate(t));
       EXPECT_EQ(t.batch, 4);

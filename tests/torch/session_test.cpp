@@ -34,8 +34,9 @@ RunResult train(const std::string& model, OffloadMode mode, const std::string& d
   o.batch = 4;
   o.seq = 32;
   o.seed = 77;
-  o.optimizer_in_backward = schedule.in_backward;
-  o.optimizer_deferred = schedule.deferred;
+  o.optimizer = schedule.in_backward ? OptimizerSchedule::kInBackward
+                : schedule.deferred  ? OptimizerSchedule::kDeferred
+                                     : OptimizerSchedule::kAfterBackward;
   o.clip_grad_norm = schedule.clip;
   models::Trainer trainer(o);
   SessionOptions so;
@@ -179,7 +180,7 @@ TEST(Session, BadModeNameSaysWhatToUse) {
     offload_mode_from_string("ssd");
     FAIL();
   } catch (const tidal::InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("none, activations or plan"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("none, activations, plan"), std::string::npos);
   }
 }
 

@@ -282,7 +282,7 @@ TEST(Tracer, DeferredGradientsBecomeTensorsWithAGap) {
   o.batch = 2;
   o.seq = 32;
   o.seed = 3;
-  o.optimizer_deferred = true;
+  o.optimizer = tidal::OptimizerSchedule::kDeferred;
   o.clip_grad_norm = 0.5;
   tidal::models::Trainer trainer(o);
   trainer.step();  // warm-up

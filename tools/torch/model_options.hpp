@@ -47,23 +47,22 @@ inline void add_model_options(CLI::App* cmd, ModelArgs& a) {
   cmd->add_option("--hidden", a.hidden, "override the config's hidden size");
   cmd->add_option("--heads", a.heads, "override the config's attention heads");
   cmd->add_option("--device", a.device, "auto, cpu or cuda[:N]")->capture_default_str();
-  cmd->add_flag("--optimizer-in-backward", a.optimizer_in_backward,
-                "update each parameter as soon as backward completes its gradient (same math; "
-                "lets offloading hide the optimizer step; not with global-norm clipping)");
+  auto* in_backward =
+      cmd->add_flag("--optimizer-in-backward", a.optimizer_in_backward,
+                    "update each parameter as soon as backward completes its gradient (same math; "
+                    "lets offloading hide the optimizer step; not with global-norm clipping)");
   cmd->add_flag("--optimizer-deferred", a.optimizer_deferred,
                 "update each parameter right before its first use in the next forward pass (same "
                 "math; hides the optimizer step like --optimizer-in-backward, and allows "
-                "--clip-grad-norm)");
+                "--clip-grad-norm)")
+      ->excludes(in_backward);
   cmd->add_option("--clip-grad-norm", a.clip_grad_norm,
                   "clip gradients to this global L2 norm (0: off)")
       ->capture_default_str();
 }
 
 /// The optimizer schedule the flags ask for, as traces and reports name it.
-inline const char* schedule_name(const models::TrainerOptions& o) {
-  if (o.optimizer_in_backward) return "in-backward";
-  return o.optimizer_deferred ? "deferred" : "after-backward";
-}
+inline const char* schedule_name(const models::TrainerOptions& o) { return to_string(o.optimizer); }
 
 inline models::TrainerOptions to_trainer_options(const ModelArgs& a) {
   models::TrainerOptions o;
@@ -73,8 +72,9 @@ inline models::TrainerOptions to_trainer_options(const ModelArgs& a) {
   o.seed = a.seed;
   o.data_path = a.data;
   o.adamw.lr = a.lr;
-  o.optimizer_in_backward = a.optimizer_in_backward;
-  o.optimizer_deferred = a.optimizer_deferred;
+  o.optimizer = a.optimizer_in_backward ? OptimizerSchedule::kInBackward
+                : a.optimizer_deferred  ? OptimizerSchedule::kDeferred
+                                        : OptimizerSchedule::kAfterBackward;
   o.clip_grad_norm = a.clip_grad_norm;
   if (a.device == "auto") {
     o.device =

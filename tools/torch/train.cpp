@@ -248,8 +248,7 @@ void run_train(const TrainArgs& args) {
     const auto r = trainer.step();
     // Gradients exist now; they stay (zeroed in place) only on the after-backward schedule.
     if (i == first_step) {
-      trainer.register_persistent(session,
-                                  !options.optimizer_in_backward && !options.optimizer_deferred);
+      trainer.register_persistent(session, options.optimizer == OptimizerSchedule::kAfterBackward);
     }
     const auto s = session.stats();
     losses.push_back(r.loss);

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "tidal/common/optimizer_schedule.hpp"
 #include "tidal/models/gpt.hpp"
 #include "tidal/torch/step.hpp"
 
@@ -109,7 +110,9 @@ struct TrainerOptions {
   AdamW::Options adamw;
   std::string data_path;  ///< empty: synthetic tokens
   torch::Device device = torch::kCPU;
-  /// Optimizer-in-backward schedule: each parameter is updated by a hook on its gradient
+  /// When the optimizer updates each parameter (after backward by default).
+  ///
+  /// kInBackward: each parameter is updated by a hook on its gradient
   /// accumulator as soon as backward has completed its gradient, and the gradient is then
   /// dropped (set to none), instead of all parameters after the backward pass with gradients
   /// kept and zeroed. The same math, bit for bit (AdamW is per parameter and the update runs
@@ -118,18 +121,18 @@ struct TrainerOptions {
   /// whole phase, which is what lets offloading hide the optimizer step (docs/simulator.md).
   /// Not for training that needs all gradients before any update (clipping by the global norm,
   /// accumulation over micro-batches).
-  bool optimizer_in_backward = false;
-  /// Deferred schedule: each parameter is updated right before its first use in the next
+  ///
+  /// kDeferred: each parameter is updated right before its first use in the next
   /// step's forward pass (embeddings before the first block, block L's parameters when the
   /// forward pass enters block L, the final norm and head after the last block), and its
   /// gradient is dropped then. The same math, bit for bit, and it works with clip_grad_norm
   /// (each gradient's norm is taken by a hook when backward completes it). The last step's
   /// updates wait for the next step: call Trainer::flush_optimizer() before reading or saving
-  /// the parameters. Not together with optimizer_in_backward.
-  bool optimizer_deferred = false;
+  /// the parameters.
+  OptimizerSchedule optimizer = OptimizerSchedule::kAfterBackward;
   /// Clip the gradients to this global L2 norm before the update (0: no clipping), as
   /// torch.nn.utils.clip_grad_norm_: coefficient min(1, max_norm / (norm + 1e-6)). Needs every
-  /// gradient before any update, so not with optimizer_in_backward.
+  /// gradient before any update, so not with kInBackward.
   double clip_grad_norm = 0;
 };
 
@@ -199,6 +202,10 @@ class Trainer {
   void load_checkpoint(const std::string& path);
 
  private:
+  [[nodiscard]] bool in_backward() const {
+    return options_.optimizer == OptimizerSchedule::kInBackward;
+  }
+  [[nodiscard]] bool deferred() const { return options_.optimizer == OptimizerSchedule::kDeferred; }
   void notify_phase(trace::Phase phase);
   // Calls fn(i) after backward has completed parameter i's gradient.
   void on_gradient_ready(std::function<void(std::size_t)> fn);

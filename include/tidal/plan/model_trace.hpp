@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "tidal/common/optimizer_schedule.hpp"
 #include "tidal/plan/hardware.hpp"
 #include "tidal/trace/trace.hpp"
 
@@ -70,17 +71,14 @@ Precision precision_from_string(const std::string& s);
 
 /// How the analytic trace is built, beyond the model's shape.
 struct AnalyticTraceOptions {
-  /// Optimizer-in-backward schedule (PyTorch's register_post_accumulate_grad_hook, torchtune's
-  /// optimizer_in_bwd): each parameter's AdamW op runs right after the backward op that
-  /// completes its gradient, instead of all of them after the backward pass. AdamW is per
+  /// When each parameter's AdamW op runs. kInBackward (PyTorch's
+  /// register_post_accumulate_grad_hook, torchtune's optimizer_in_bwd): right after the backward
+  /// op that completes its gradient, instead of all of them after the backward pass (AdamW is per
   /// parameter, so the math and the total compute are the same; only the order differs, and a
-  /// gradient lives for one op instead of until the end of backward.
-  bool optimizer_in_backward = false;
-  /// Deferred schedule: each parameter's AdamW op runs right before the parameter's first use
-  /// in the next iteration's forward pass (optimizer_deferred()). Works with clipping by the
-  /// global norm, whose partial sums can be taken as each gradient is made. Not together with
-  /// optimizer_in_backward.
-  bool optimizer_deferred = false;
+  /// gradient lives for one op instead of until the end of backward). kDeferred: right before
+  /// the parameter's first use in the next iteration's forward pass (optimizer_deferred()); works
+  /// with clipping by the global norm, whose partial sums can be taken as each gradient is made.
+  OptimizerSchedule optimizer = OptimizerSchedule::kAfterBackward;
   /// Gradient accumulation: the batch is split into this many micro-batches of batch /
   /// micro_batches sequences, each with its own forward and backward pass; the gradients
   /// accumulate over them (made by the first, kept until the optimizer step) and the step runs
@@ -113,8 +111,8 @@ struct AnalyticTraceOptions {
 /// Attention is the memory-efficient kind (saves its output and log-sum-exp, not the score
 /// matrix). Op times: max(flops / (gpu_flops x matmul_efficiency), bytes / gpu_mem_bw) plus the
 /// per-op overhead. Op::layer is the transformer block (-1 for embedding, head, loss, optimizer).
-/// With options.optimizer_in_backward the AdamW ops are interleaved with backward
-/// (optimizer_in_backward()); Trace::meta["optimizer_schedule"] says which schedule it is.
+/// options.optimizer reorders the AdamW ops (optimizer_in_backward(), optimizer_deferred());
+/// Trace::meta["optimizer_schedule"] says which schedule it is.
 /// Throws tidal::InvalidArgument when batch or seq is not positive.
 trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch, std::int64_t seq,
                                const Hardware& hw, const AnalyticTraceOptions& options = {});
