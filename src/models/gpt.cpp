@@ -1,10 +1,12 @@
 #include "tidal/models/gpt.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <sstream>
 
 #include "tidal/common/error.hpp"
+#include "tidal/plan/model_trace.hpp"
 
 namespace tidal::models {
 namespace {
@@ -147,18 +149,9 @@ class LlamaBlockImpl : public BlockBaseImpl {
   torch::nn::Linear w1_{nullptr}, w2_{nullptr}, w3_{nullptr};
 };
 
-ModelConfig gpt2(std::string name, std::int64_t layers, std::int64_t hidden, std::int64_t heads) {
-  ModelConfig c;
-  c.name = std::move(name);
-  c.family = Family::kGpt2;
-  c.layers = layers;
-  c.hidden = hidden;
-  c.heads = heads;
-  c.kv_heads = heads;
-  c.ffn_hidden = 4 * hidden;
-  c.vocab = 50257;
-  c.max_seq = 1024;
-  return c;
+// Whether the reference trainer builds this preset: GPT-2 (tied head) and Llama with its own head.
+bool trainable(const plan::TransformerConfig& c) {
+  return c.arch == plan::Architecture::kGpt2 || !c.tied_embeddings;
 }
 
 std::int64_t round_up(std::int64_t n, std::int64_t m) { return (n + m - 1) / m * m; }
@@ -183,51 +176,33 @@ std::int64_t ModelConfig::parameter_count() const {
 }
 
 std::vector<std::string> model_names() {
-  return {"gpt-tiny", "gpt2-small", "gpt2-medium", "gpt2-large",
-          "gpt2-xl",  "llama-tiny", "llama3-8b"};
+  std::vector<std::string> names;
+  for (const auto& n : plan::model_preset_names()) {
+    if (trainable(plan::model_preset(n))) names.push_back(n);
+  }
+  return names;
 }
 
 ModelConfig model_config(const std::string& name) {
-  if (name == "gpt-tiny") {
-    auto c = gpt2(name, 2, 64, 4);
-    c.vocab = 256;
-    c.max_seq = 256;
-    return c;
+  const std::vector<std::string> names = model_names();
+  if (std::find(names.begin(), names.end(), name) == names.end()) {
+    std::ostringstream list;
+    for (const auto& n : names) list << " " << n;
+    TIDAL_FAIL_AS(InvalidArgument, "unknown model '", name, "'; choose one of:", list.str());
   }
-  if (name == "gpt2-small") return gpt2(name, 12, 768, 12);
-  if (name == "gpt2-medium") return gpt2(name, 24, 1024, 16);
-  if (name == "gpt2-large") return gpt2(name, 36, 1280, 20);
-  if (name == "gpt2-xl") return gpt2(name, 48, 1600, 25);
+  const plan::TransformerConfig p = plan::model_preset(name);
   ModelConfig c;
   c.name = name;
-  c.family = Family::kLlama;
-  if (name == "llama-tiny") {
-    c.layers = 2;
-    c.hidden = 64;
-    c.heads = 4;
-    c.kv_heads = 2;
-    c.ffn_hidden = 192;
-    c.vocab = 256;
-    c.max_seq = 256;
-    c.norm_eps = 1e-5;
-    return c;
-  }
-  if (name == "llama3-8b") {
-    c.layers = 32;
-    c.hidden = 4096;
-    c.heads = 32;
-    c.kv_heads = 8;
-    c.ffn_hidden = 14336;
-    c.vocab = 128256;
-    c.max_seq = 8192;
-    c.norm_eps = 1e-5;
-    c.rope_theta = 500000.0;
-    return c;
-  }
-  std::ostringstream names;
-  for (const auto& n : model_names()) names << " " << n;
-  TIDAL_EXPECT_AS(InvalidArgument, false, "unknown model '", name,
-                  "'; choose one of:", names.str());
+  c.family = p.arch == plan::Architecture::kGpt2 ? Family::kGpt2 : Family::kLlama;
+  c.layers = p.layers;
+  c.hidden = p.hidden;
+  c.heads = p.heads;
+  c.kv_heads = p.kv_heads;
+  c.ffn_hidden = p.ffn;
+  c.vocab = p.vocab;
+  c.max_seq = p.max_seq;
+  c.norm_eps = 1e-5;
+  c.rope_theta = p.rope_theta;
   return c;
 }
 

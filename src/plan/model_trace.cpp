@@ -44,62 +44,71 @@ std::int64_t TransformerConfig::parameters() const {
   return per_layer * layers + rest;
 }
 
+namespace {
+
+constexpr Architecture kGpt = Architecture::kGpt2;
+constexpr Architecture kLlama = Architecture::kLlama;
+
+struct ModelPreset {
+  const char* name;
+  Architecture arch;
+  int layers;
+  std::int64_t hidden;
+  int heads;
+  int kv_heads;
+  std::int64_t ffn;
+  std::int64_t vocab;
+  std::int64_t max_seq;
+  bool tied;
+  double rope_theta;
+};
+
+// name, architecture, layers, hidden, heads, kv heads, MLP width, vocabulary, longest sequence,
+// tied embeddings, rotary base.
+constexpr ModelPreset kModelPresets[] = {
+    {"gpt-tiny", kGpt, 2, 64, 4, 4, 256, 256, 256, true, 10000},
+    {"gpt2-small", kGpt, 12, 768, 12, 12, 3072, 50257, 1024, true, 10000},
+    {"gpt2-medium", kGpt, 24, 1024, 16, 16, 4096, 50257, 1024, true, 10000},
+    {"gpt2-large", kGpt, 36, 1280, 20, 20, 5120, 50257, 1024, true, 10000},
+    {"gpt2-xl", kGpt, 48, 1600, 25, 25, 6400, 50257, 1024, true, 10000},
+    {"llama-tiny", kLlama, 2, 64, 4, 2, 192, 256, 256, false, 10000},
+    {"llama3.2-1b", kLlama, 16, 2048, 32, 8, 8192, 128256, 131072, true, 500000},
+    {"llama3-8b", kLlama, 32, 4096, 32, 8, 14336, 128256, 8192, false, 500000},
+    {"granite-8b", kLlama, 36, 4096, 32, 8, 14336, 49152, 4096, true, 10000000},
+    {"llama3-70b", kLlama, 80, 8192, 64, 8, 28672, 128256, 8192, false, 500000},
+    {"llama3.1-405b", kLlama, 126, 16384, 128, 8, 53248, 128256, 131072, false, 500000},
+};
+
+}  // namespace
+
 std::vector<std::string> model_preset_names() {
-  return {"gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl",      "llama3.2-1b",
-          "llama3-8b",  "granite-8b",  "llama3-70b", "llama3.1-405b"};
+  std::vector<std::string> names;
+  for (const auto& m : kModelPresets) names.emplace_back(m.name);
+  return names;
 }
 
 TransformerConfig model_preset(const std::string& name) {
-  TransformerConfig c;
-  c.name = name;
-  auto gpt2 = [&](int layers, std::int64_t hidden, int heads) {
-    c.arch = Architecture::kGpt2;
-    c.layers = layers;
-    c.hidden = hidden;
-    c.heads = c.kv_heads = heads;
-    c.ffn = 4 * hidden;
-    c.vocab = 50257;
-    c.max_seq = 1024;
-    c.tied_embeddings = true;
-  };
-  auto llama = [&](int layers, std::int64_t hidden, int heads, int kv, std::int64_t ffn, bool tied,
-                   std::int64_t vocab = 128256) {
-    c.arch = Architecture::kLlama;
-    c.layers = layers;
-    c.hidden = hidden;
-    c.heads = heads;
-    c.kv_heads = kv;
-    c.ffn = ffn;
-    c.vocab = vocab;
-    c.max_seq = 131072;
-    c.tied_embeddings = tied;
-  };
-  if (name == "gpt2-small") {
-    gpt2(12, 768, 12);
-  } else if (name == "gpt2-medium") {
-    gpt2(24, 1024, 16);
-  } else if (name == "gpt2-large") {
-    gpt2(36, 1280, 20);
-  } else if (name == "gpt2-xl") {
-    gpt2(48, 1600, 25);
-  } else if (name == "llama3.2-1b") {
-    llama(16, 2048, 32, 8, 8192, true);
-  } else if (name == "llama3-8b") {
-    llama(32, 4096, 32, 8, 14336, false);
-  } else if (name == "granite-8b") {
-    llama(36, 4096, 32, 8, 14336, true, 49152);  // ibm-granite/granite-8b-code-base
-  } else if (name == "llama3-70b") {
-    llama(80, 8192, 64, 8, 28672, false);
-  } else if (name == "llama3.1-405b") {
-    llama(126, 16384, 128, 8, 53248, false);
-  } else {
-    std::string names;
-    for (const auto& n : model_preset_names()) names += (names.empty() ? "" : ", ") + n;
-    TIDAL_EXPECT_AS(
-        InvalidArgument, false, "unknown model '", name, "'; choose one of: ", names,
-        " (a preset's shape can be changed: layers, hidden size, heads, MLP width, vocabulary)");
+  for (const auto& m : kModelPresets) {
+    if (name != m.name) continue;
+    TransformerConfig c;
+    c.name = name;
+    c.arch = m.arch;
+    c.layers = m.layers;
+    c.hidden = m.hidden;
+    c.heads = m.heads;
+    c.kv_heads = m.kv_heads;
+    c.ffn = m.ffn;
+    c.vocab = m.vocab;
+    c.max_seq = m.max_seq;
+    c.tied_embeddings = m.tied;
+    c.rope_theta = m.rope_theta;
+    return c;
   }
-  return c;
+  std::string names;
+  for (const auto& n : model_preset_names()) names += (names.empty() ? "" : ", ") + n;
+  TIDAL_FAIL_AS(InvalidArgument, "unknown model '", name, "'; choose one of: ", names,
+                " (a preset's shape can be changed: layers, hidden size, heads, MLP width, "
+                "vocabulary)");
 }
 
 void apply_overrides(TransformerConfig& cfg, const ModelOverrides& o) {

@@ -37,8 +37,10 @@ struct ModelConfig {
 /// Names accepted by model_config(), in a stable order.
 std::vector<std::string> model_names();
 
-/// The named config: gpt-tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, llama-tiny,
-/// llama3-8b. Throws tidal::InvalidArgument listing the valid names on an unknown one.
+/// The named config, from the preset table the analytic traces use (plan::model_preset): the
+/// GPT-2 presets and the Llama ones with an untied head (gpt-tiny, gpt2-small/medium/large/xl,
+/// llama-tiny, llama3-8b, llama3-70b, llama3.1-405b). Throws tidal::InvalidArgument listing the
+/// valid names on an unknown one.
 ModelConfig model_config(const std::string& name);
 
 /// Returns `config` with the non-zero overrides applied (0 keeps the config's value). Derived

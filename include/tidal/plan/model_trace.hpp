@@ -30,16 +30,18 @@ struct TransformerConfig {
   int kv_heads = 0;  ///< grouped-query attention; equal to heads for GPT-2
   std::int64_t ffn = 0;
   std::int64_t vocab = 0;
-  std::int64_t max_seq = 0;  ///< position table size (GPT-2)
+  std::int64_t max_seq = 0;  ///< position table size (GPT-2), longest sequence (reference trainer)
   bool tied_embeddings = false;
+  double rope_theta = 10000.0;  ///< rotary base (Llama)
 
   /// Number of parameters (elements).
   [[nodiscard]] std::int64_t parameters() const;
 };
 
-/// Names of the built-in configs: gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, llama3.2-1b,
-/// llama3-8b, granite-8b (IBM's granite-8b-code-base: Llama's blocks, 36 of them, a 49,152-token
-/// vocabulary, tied embeddings), llama3-70b, llama3.1-405b.
+/// Names of the built-in configs, one table for the analytic traces and the reference trainer
+/// (models::model_config): gpt-tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, llama-tiny,
+/// llama3.2-1b, llama3-8b, granite-8b (IBM's granite-8b-code-base: Llama's blocks, 36 of them, a
+/// 49,152-token vocabulary, tied embeddings), llama3-70b, llama3.1-405b.
 std::vector<std::string> model_preset_names();
 
 /// A built-in config. Throws tidal::InvalidArgument listing the names on an unknown one.
