@@ -16,6 +16,7 @@
 
 #include "commands.hpp"
 #include "progress.hpp"
+#include "tidal/common/aligned_buffer.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/text.hpp"
 #include "tidal/common/units.hpp"
@@ -38,17 +39,8 @@ struct BenchIoArgs {
   bool json = false;
 };
 
-struct FreeDeleter {
-  void operator()(unsigned char* p) const { std::free(p); }
-};
-using AlignedBytes = std::unique_ptr<unsigned char, FreeDeleter>;
-
-AlignedBytes aligned_bytes(std::size_t n) {
-  auto* p =
-      static_cast<unsigned char*>(std::aligned_alloc(io::kBlockSize, align_up(n, io::kBlockSize)));
-  TIDAL_EXPECT(p != nullptr, "out of memory allocating ", format_bytes(static_cast<double>(n)));
-  return AlignedBytes(p);
-}
+// n bytes for O_DIRECT: block-aligned, the allocation rounded up to whole blocks.
+AlignedBuffer aligned_bytes(std::size_t n) { return AlignedBuffer(n, io::kBlockSize); }
 
 // Block i's bytes: the random slice of the slot it is written from, with the block number
 // stamped at the start of every 4 KiB, so a stripe read back from the wrong place, or a read
@@ -60,7 +52,7 @@ class Pattern {
     pool_size_ = align_up(block, io::kBlockSize) * static_cast<std::size_t>(slots);
     pool_ = aligned_bytes(pool_size_);
     std::uint64_t x = seed;
-    auto* w = reinterpret_cast<std::uint64_t*>(pool_.get());
+    auto* w = reinterpret_cast<std::uint64_t*>(pool_.data());
     for (std::size_t i = 0; i < pool_size_ / 8; ++i) {  // splitmix64
       x += 0x9e3779b97f4a7c15ULL;
       std::uint64_t z = x;
@@ -70,7 +62,7 @@ class Pattern {
     }
   }
   [[nodiscard]] const unsigned char* slice(std::uint64_t i) const {
-    return pool_.get() +
+    return pool_.data() +
            (i % static_cast<std::uint64_t>(slots_)) * align_up(block_, io::kBlockSize);
   }
   /// Makes dst (which held block i - slots, or nothing) hold block i.
@@ -109,7 +101,7 @@ class Pattern {
   std::size_t block_;
   int slots_;
   std::size_t pool_size_;
-  AlignedBytes pool_;
+  AlignedBuffer pool_;
 };
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -153,7 +145,7 @@ void run_bench_io(const BenchIoArgs& a) {
   const io::StoreStats s0 = store.stats();
 
   Pattern pattern(block, a.depth, 0x7fda1);
-  std::vector<AlignedBytes> slots;
+  std::vector<AlignedBuffer> slots;
   for (int i = 0; i < a.depth; ++i) slots.push_back(aligned_bytes(block));
   std::vector<io::Ticket> tickets(nblocks);
   std::vector<std::int64_t> slot_block(static_cast<std::size_t>(a.depth), -1);
@@ -177,8 +169,8 @@ void run_bench_io(const BenchIoArgs& a) {
   for (std::uint64_t i = 0; i < nblocks; ++i) {
     const auto slot = static_cast<std::size_t>(i % static_cast<std::uint64_t>(a.depth));
     if (slot_block[slot] >= 0) store.wait(tickets[static_cast<std::size_t>(slot_block[slot])]);
-    pattern.fill(i, slots[slot].get(), slot_block[slot] < 0);
-    tickets[i] = store.write(slots[slot].get(), block);
+    pattern.fill(i, slots[slot].data(), slot_block[slot] < 0);
+    tickets[i] = store.write(slots[slot].data(), block);
     slot_block[slot] = static_cast<std::int64_t>(i);
     pw.update(i + 1);
   }
@@ -201,14 +193,14 @@ void run_bench_io(const BenchIoArgs& a) {
       if (slot_block[slot] < 0) return;
       const auto b = static_cast<std::uint64_t>(slot_block[slot]);
       store.wait(tickets[b]);
-      const unsigned char* got = slots[slot].get();
+      const unsigned char* got = slots[slot].data();
       if (!(every_byte ? pattern.check(b, got) : pattern.check_stamps(b, got))) ++bad;
       slot_block[slot] = -1;
     };
     for (std::uint64_t i = 0; i < nblocks; ++i) {
       const auto slot = static_cast<std::size_t>(i % static_cast<std::uint64_t>(a.depth));
       check_slot(slot);
-      store.read(tickets[i], slots[slot].get());
+      store.read(tickets[i], slots[slot].data());
       slot_block[slot] = static_cast<std::int64_t>(i);
       pr.update(i + 1);
     }

@@ -4,23 +4,18 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <memory>
 #include <random>
 #include <thread>
 #include <vector>
 
+#include "tidal/common/aligned_buffer.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/io/extent_allocator.hpp"
 
 namespace tidal::io {
 namespace {
-
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -108,12 +103,11 @@ class Transfers {
         block_(o.block),
         n_(o.bytes / o.block),
         slots_(std::min<std::uint64_t>(n_, static_cast<std::uint64_t>(o.depth))),
-        buf_(std::aligned_alloc(kBlockSize, slots_ * o.block)),
+        buf_(slots_ * o.block, kBlockSize),
         tickets_(n_) {
-    TIDAL_EXPECT(buf_ != nullptr, "out of memory for the bandwidth measurement");
     // Random bytes, so compression cannot flatter us.
     std::mt19937_64 rng(42);
-    auto* words = static_cast<std::uint64_t*>(buf_.get());
+    auto* words = reinterpret_cast<std::uint64_t*>(buf_.data());
     for (std::uint64_t i = 0; i < slots_ * block_ / 8; ++i) words[i] = rng();
   }
   Transfers(const Transfers&) = delete;
@@ -138,8 +132,8 @@ class Transfers {
   }
 
  private:
-  char* slot(std::uint64_t i) const {
-    return static_cast<char*>(buf_.get()) + (i % slots_) * block_;
+  char* slot(std::uint64_t i) {
+    return reinterpret_cast<char*>(buf_.data()) + (i % slots_) * block_;
   }
   template <class Start>
   void run(const Start& start) {
@@ -152,7 +146,7 @@ class Transfers {
 
   TensorStore& store_;
   std::uint64_t block_, n_, slots_;
-  std::unique_ptr<void, FreeDeleter> buf_;
+  AlignedBuffer buf_;
   std::vector<Ticket> tickets_;
 };
 

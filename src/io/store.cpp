@@ -24,6 +24,7 @@
 #include <unordered_map>
 
 #include "io/host_copy.hpp"
+#include "tidal/common/aligned_buffer.hpp"
 #include "tidal/common/env.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/text.hpp"
@@ -39,10 +40,6 @@ namespace {
 using detail::copy_in;
 using detail::copy_out;
 using detail::is_device_memory;
-
-struct AlignedFree {
-  void operator()(void* p) const { std::free(p); }
-};
 
 // One preallocated file in one directory.
 struct StoreFile {
@@ -125,6 +122,65 @@ void open_store_file(StoreFile& f, std::uint64_t bytes, bool buffered) {
   f.extents = std::make_unique<ExtentAllocator>(bytes);
 }
 
+// The store's options, each from the caller, else its TIDAL_* variable, else the default; the
+// checks run in this order so that a bad setup meets the same message first.
+void resolve_dirs(StoreOptions& opt, const Env& env) {
+  if (opt.dirs.empty() && env.dirs) {
+    opt.dirs = split_list(*env.dirs);
+  }
+  TIDAL_EXPECT_AS(InvalidArgument, !opt.dirs.empty(),
+                  "no store directory given: give one directory per SSD (e.g. /mnt/nvme0 and "
+                  "/mnt/nvme1) or set TIDAL_DIRS");
+  if (env.memory_store) opt.allow_memory_fs = *env.memory_store;
+  for (const auto& d : opt.dirs) check_store_dir(d, opt.allow_memory_fs);
+}
+
+void resolve_io_sizes(StoreOptions& opt, const Env& env) {
+  if (opt.stripe_unit == 0) opt.stripe_unit = env.stripe_unit.value_or(kMiB);
+  TIDAL_EXPECT_AS(InvalidArgument,
+                  opt.stripe_unit >= kBlockSize && opt.stripe_unit <= 256 * kMiB &&
+                      (opt.stripe_unit & (opt.stripe_unit - 1)) == 0,
+                  "stripe unit ", opt.stripe_unit,
+                  " must be a power of two from 4 KiB to 256 MiB (default 1 MiB)");
+  if (opt.queue_depth == 0) opt.queue_depth = env.queue_depth.value_or(32);
+  TIDAL_EXPECT_AS(InvalidArgument, opt.queue_depth > 0 && opt.queue_depth <= 4096, "queue depth ",
+                  opt.queue_depth, " must be from 1 to 4096");
+  if (env.checksum) opt.checksum = *env.checksum;
+  const auto nfiles = static_cast<int>(opt.dirs.size());
+  if (opt.threads <= 0) opt.threads = std::min(32, opt.queue_depth * nfiles);
+  if (opt.staging_buffers <= 0) opt.staging_buffers = std::min(64, opt.queue_depth * nfiles);
+}
+
+void resolve_backend_choice(StoreOptions& opt, const Env& env) {
+  if (opt.backend == BackendKind::kAuto && env.io_backend) {
+    if (*env.io_backend == "cufile") {
+      opt.gds = GdsMode::kOn;
+    } else {
+      opt.backend = backend_kind_from_string(*env.io_backend);
+    }
+  }
+  if (opt.gds == GdsMode::kAuto && env.gds) {
+    TIDAL_EXPECT_AS(InvalidArgument, *env.gds == "on" || *env.gds == "off" || *env.gds == "auto",
+                    "TIDAL_GDS='", *env.gds, "' must be on, off or auto");
+    opt.gds = *env.gds == "on" ? GdsMode::kOn : *env.gds == "off" ? GdsMode::kOff : GdsMode::kAuto;
+  }
+}
+
+// Fills in the default capacity (a quarter of the first directory's free space, at most 64 GiB)
+// and returns the bytes of each directory's file, whole blocks.
+std::uint64_t resolve_capacity_per_file(StoreOptions& opt) {
+  const auto nfiles = static_cast<int>(opt.dirs.size());
+  if (opt.capacity == 0) {
+    opt.capacity = std::min<std::uint64_t>(64 * kGiB, free_space(opt.dirs[0]) / 4);
+  }
+  const std::uint64_t per_file =
+      opt.capacity / static_cast<std::uint64_t>(nfiles) / kBlockSize * kBlockSize;
+  TIDAL_EXPECT_AS(InvalidArgument, per_file >= kBlockSize, "store capacity ",
+                  format_bytes(static_cast<double>(opt.capacity)), " is too small for ", nfiles,
+                  " director", nfiles == 1 ? "y" : "ies", "; give at least 4 KiB per directory");
+  return per_file;
+}
+
 }  // namespace
 
 // One stripe run of a tensor: `length` tensor bytes at `tensor_offset` stored at `file_offset`.
@@ -190,7 +246,7 @@ struct TensorStore::Impl {
   std::string backend_name;
 
   // Staging pool: fixed aligned buffers of stripe_unit bytes, pinned when a GPU exists.
-  std::vector<std::unique_ptr<char, AlignedFree>> staging;
+  std::vector<AlignedBuffer> staging;
   std::vector<int> staging_free;
   bool staging_pinned = false;
 
@@ -217,6 +273,12 @@ struct TensorStore::Impl {
 
   explicit Impl(StoreOptions o);
   ~Impl();
+
+  // The constructor's stages, after the options are resolved.
+  void open_files(std::uint64_t per_file);
+  std::vector<std::pair<void*, std::size_t>> make_staging();
+  void open_host_backend(const std::vector<std::pair<void*, std::size_t>>& regions);
+  void open_device_backend();
 
   Entry& find(Ticket t) const {
     auto it = entries.find(t.id);
@@ -255,48 +317,20 @@ struct TensorStore::Impl {
 
 TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
   const Env& env = tidal::env();
-  if (opt.dirs.empty() && env.dirs) {
-    opt.dirs = split_list(*env.dirs);
-  }
-  TIDAL_EXPECT_AS(InvalidArgument, !opt.dirs.empty(),
-                  "no store directory given: give one directory per SSD (e.g. /mnt/nvme0 and "
-                  "/mnt/nvme1) or set TIDAL_DIRS");
-  if (env.memory_store) opt.allow_memory_fs = *env.memory_store;
-  for (const auto& d : opt.dirs) check_store_dir(d, opt.allow_memory_fs);
-  if (opt.stripe_unit == 0) opt.stripe_unit = env.stripe_unit.value_or(kMiB);
-  TIDAL_EXPECT_AS(InvalidArgument,
-                  opt.stripe_unit >= kBlockSize && opt.stripe_unit <= 256 * kMiB &&
-                      (opt.stripe_unit & (opt.stripe_unit - 1)) == 0,
-                  "stripe unit ", opt.stripe_unit,
-                  " must be a power of two from 4 KiB to 256 MiB (default 1 MiB)");
-  if (opt.queue_depth == 0) opt.queue_depth = env.queue_depth.value_or(32);
-  TIDAL_EXPECT_AS(InvalidArgument, opt.queue_depth > 0 && opt.queue_depth <= 4096, "queue depth ",
-                  opt.queue_depth, " must be from 1 to 4096");
-  if (env.checksum) opt.checksum = *env.checksum;
-  const auto nfiles = static_cast<int>(opt.dirs.size());
-  if (opt.threads <= 0) opt.threads = std::min(32, opt.queue_depth * nfiles);
-  if (opt.staging_buffers <= 0) opt.staging_buffers = std::min(64, opt.queue_depth * nfiles);
-  if (opt.backend == BackendKind::kAuto && env.io_backend) {
-    if (*env.io_backend == "cufile") {
-      opt.gds = GdsMode::kOn;
-    } else {
-      opt.backend = backend_kind_from_string(*env.io_backend);
-    }
-  }
-  if (opt.gds == GdsMode::kAuto && env.gds) {
-    TIDAL_EXPECT_AS(InvalidArgument, *env.gds == "on" || *env.gds == "off" || *env.gds == "auto",
-                    "TIDAL_GDS='", *env.gds, "' must be on, off or auto");
-    opt.gds = *env.gds == "on" ? GdsMode::kOn : *env.gds == "off" ? GdsMode::kOff : GdsMode::kAuto;
-  }
-  if (opt.capacity == 0) {
-    opt.capacity = std::min<std::uint64_t>(64 * kGiB, free_space(opt.dirs[0]) / 4);
-  }
-  const std::uint64_t per_file =
-      opt.capacity / static_cast<std::uint64_t>(nfiles) / kBlockSize * kBlockSize;
-  TIDAL_EXPECT_AS(InvalidArgument, per_file >= kBlockSize, "store capacity ",
-                  format_bytes(static_cast<double>(opt.capacity)), " is too small for ", nfiles,
-                  " director", nfiles == 1 ? "y" : "ies", "; give at least 4 KiB per directory");
+  resolve_dirs(opt, env);
+  resolve_io_sizes(opt, env);
+  resolve_backend_choice(opt, env);
+  open_files(resolve_capacity_per_file(opt));
+  const auto regions = make_staging();
+  open_host_backend(regions);
+  open_device_backend();
+  counters.backend = backend_name;
+  lanes.resize(files.size());
+  in_flight.assign(files.size(), 0);
+  dispatcher = std::thread([this] { dispatch_loop(); });
+}
 
+void TensorStore::Impl::open_files(std::uint64_t per_file) {
   counters.tmpfile = true;
   for (const auto& d : opt.dirs) {
     auto f = std::make_unique<StoreFile>();
@@ -306,17 +340,19 @@ TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
     fds.push_back(f->fd);
     files.push_back(std::move(f));
   }
-  counters.capacity = per_file * static_cast<std::uint64_t>(nfiles);
+  counters.capacity = per_file * static_cast<std::uint64_t>(files.size());
   counters.buffered = opt.buffered;
+}
 
+// Staging pool: opt.staging_buffers buffers of stripe_unit bytes, pinned when a GPU exists.
+// Returns their regions, for the backends to register.
+std::vector<std::pair<void*, std::size_t>> TensorStore::Impl::make_staging() {
   std::vector<std::pair<void*, std::size_t>> regions;
+  staging.reserve(static_cast<std::size_t>(opt.staging_buffers));
   for (int i = 0; i < opt.staging_buffers; ++i) {
-    void* p = std::aligned_alloc(kBlockSize, opt.stripe_unit);
-    TIDAL_EXPECT(p != nullptr, "out of host memory for ", opt.staging_buffers,
-                 " staging buffers of ", format_bytes(static_cast<double>(opt.stripe_unit)));
-    staging.emplace_back(static_cast<char*>(p));
+    staging.emplace_back(opt.stripe_unit, kBlockSize);
     staging_free.push_back(opt.staging_buffers - 1 - i);
-    regions.emplace_back(p, opt.stripe_unit);
+    regions.emplace_back(staging.back().data(), opt.stripe_unit);
   }
 #ifdef TIDAL_WITH_CUDA
   if (detail::cuda::device_available()) {
@@ -325,7 +361,14 @@ TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
         detail::pin_all(regions, &detail::cuda::pin_host_memory, &detail::cuda::unpin_host_memory);
   }
 #endif
+  return regions;
+}
 
+// io_uring unless POSIX was asked for; POSIX when io_uring cannot start (unless it was asked
+// for by name), with the reason kept in the counters.
+void TensorStore::Impl::open_host_backend(
+    const std::vector<std::pair<void*, std::size_t>>& regions) {
+  const auto nfiles = static_cast<int>(files.size());
   if (opt.backend != BackendKind::kPosix) {
     try {
       host_backend =
@@ -339,6 +382,11 @@ TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
   }
   if (!host_backend) host_backend = make_posix();
   backend_name = host_backend->name();
+}
+
+// cuFile for device memory, when a GPU exists and GDS is not off; a failure is fatal only when
+// GDS was asked for.
+void TensorStore::Impl::open_device_backend() {
 #ifdef TIDAL_WITH_CUDA
   if (opt.gds != GdsMode::kOff && detail::cuda::device_available() && !opt.buffered) {
     try {
@@ -349,10 +397,6 @@ TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
     }
   }
 #endif
-  counters.backend = backend_name;
-  lanes.resize(files.size());
-  in_flight.assign(files.size(), 0);
-  dispatcher = std::thread([this] { dispatch_loop(); });
 }
 
 TensorStore::Impl::~Impl() {
@@ -369,7 +413,7 @@ TensorStore::Impl::~Impl() {
   device_backend.reset();
 #ifdef TIDAL_WITH_CUDA
   if (staging_pinned) {
-    for (auto& b : staging) detail::cuda::unpin_host_memory(b.get());
+    for (auto& b : staging) detail::cuda::unpin_host_memory(b.data());
   }
 #endif
 }
@@ -600,7 +644,7 @@ void TensorStore::Impl::prepare_and_submit(OpSlot* s) {
   char* user = e.user + p.tensor_offset;
   const bool staged = s->staging >= 0;
   if (staged) {
-    char* buf = staging[static_cast<std::size_t>(s->staging)].get();
+    char* buf = reinterpret_cast<char*>(staging[static_cast<std::size_t>(s->staging)].data());
     s->io.buffer = buf;
     s->io.length =
         static_cast<std::uint32_t>(opt.buffered ? p.length : align_up(p.length, kBlockSize));

@@ -267,60 +267,86 @@ std::unique_ptr<at::ObserverContext> Tracer::on_op_start(const at::RecordFunctio
 void Tracer::on_op_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   --tl_depth;
   if (ctx == nullptr) {
-    // A nested op of the recorded one: remember storages it creates, in case they outlive the
-    // recorded op (saved for backward) and so belong to it.
-    if (!busy_.load() || busy_thread_.load() != tl_thread_id) return;
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (const auto& v : fn.outputs()) {
-      for_each_tensor(v, [&](const at::Tensor& t) {
-        if (usable(t) && ids_.count(t.storage().unsafeGetStorageImpl()) == 0) {
-          nested_outputs_.push_back(t.storage().getWeakStorageImpl());
-        }
-      });
-    }
+    note_nested_outputs(fn);
     return;
   }
   const double end = now();
-  // The meter's peak during the op, made into a workspace in finish_iteration.
-  std::uint64_t op_peak = 0;
-  if (measuring_workspace()) {
-    op_peak = std::max(options_.peak_bytes(), static_cast<OpContext*>(ctx)->bytes_before);
-    fold_peak();
-  }
+  const std::uint64_t op_peak = op_peak_bytes(*static_cast<OpContext*>(ctx));
   std::unique_lock<std::mutex> lock(mutex_);
   const auto index = static_cast<OpContext*>(ctx)->index;
   auto& op = current_.ops[static_cast<std::size_t>(index)];
   op.end_s = end;
   op.workspace_bytes = op_peak;
+  const std::int32_t slot = record_outputs(fn, index);
+  std::vector<TensorRef> refs = adopt_nested_outputs(index, slot);
+  if (listener_ != nullptr) {
+    append_output_refs(fn, refs);
+    lock.unlock();
+    listener_->after_op(index, refs);
+  }
+  busy_.store(false);
+}
+
+// A nested op of the recorded one: remember storages it creates, in case they outlive the
+// recorded op (saved for backward) and so belong to it.
+void Tracer::note_nested_outputs(const at::RecordFunction& fn) {
+  if (!busy_.load() || busy_thread_.load() != tl_thread_id) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& v : fn.outputs()) {
+    for_each_tensor(v, [&](const at::Tensor& t) {
+      if (usable(t) && ids_.count(t.storage().unsafeGetStorageImpl()) == 0) {
+        nested_outputs_.push_back(t.storage().getWeakStorageImpl());
+      }
+    });
+  }
+}
+
+// The meter's peak during the op, made into a workspace in finish_iteration (0 when the
+// workspace is not measured).
+std::uint64_t Tracer::op_peak_bytes(const OpContext& ctx) {
+  if (!measuring_workspace()) return 0;
+  const std::uint64_t op_peak = std::max(options_.peak_bytes(), ctx.bytes_before);
+  fold_peak();
+  return op_peak;
+}
+
+// With mutex_ held: storage becomes output `slot` of op `index`.
+void Tracer::add_output(OpIndex index, std::int32_t slot, const c10::Storage& storage,
+                        const c10::Device& device) {
+  auto& op = current_.ops[static_cast<std::size_t>(index)];
+  // A carried tensor whose last-iteration storage has died is made anew here: same tensor.
+  if (auto c = carried_by_slot_.find({index, slot}); c != carried_by_slot_.end()) {
+    const auto id = c->second;
+    auto& x = extra_[static_cast<std::size_t>(id)];
+    if (!x.reproduced &&
+        current_.tensors[static_cast<std::size_t>(id)].freed_after != trace::kNoOp) {
+      x.reproduced = true;
+      x.remade = storage.getWeakStorageImpl();
+      x.producer_phase = op.phase;
+      ids_.emplace(storage.unsafeGetStorageImpl(), id);
+      op.outputs.push_back(id);
+      return;
+    }
+  }
+  const auto id =
+      add_tensor(storage, device, "op" + std::to_string(index) + ":" + std::to_string(slot),
+                 TensorClass::kTemporary, false, index, slot);
+  extra_[static_cast<std::size_t>(id)].producer_phase = op.phase;
+  op.outputs.push_back(id);
+}
+
+// With mutex_ held: the tensors op `index` returned are new outputs, tensors it wrote in place,
+// or views of tensors it was given (inputs). Returns the number of output slots seen.
+std::int32_t Tracer::record_outputs(const at::RecordFunction& fn, OpIndex index) {
+  auto& op = current_.ops[static_cast<std::size_t>(index)];
   const bool in_place = writes_in_place(fn, op.name.c_str());
   std::int32_t slot = 0;
-  auto add_output = [&](const c10::Storage& storage, const c10::Device& device) {
-    // A carried tensor whose last-iteration storage has died is made anew here: same tensor.
-    if (auto c = carried_by_slot_.find({index, slot}); c != carried_by_slot_.end()) {
-      const auto id = c->second;
-      auto& x = extra_[static_cast<std::size_t>(id)];
-      if (!x.reproduced &&
-          current_.tensors[static_cast<std::size_t>(id)].freed_after != trace::kNoOp) {
-        x.reproduced = true;
-        x.remade = storage.getWeakStorageImpl();
-        x.producer_phase = op.phase;
-        ids_.emplace(storage.unsafeGetStorageImpl(), id);
-        op.outputs.push_back(id);
-        return;
-      }
-    }
-    const auto id =
-        add_tensor(storage, device, "op" + std::to_string(index) + ":" + std::to_string(slot),
-                   TensorClass::kTemporary, false, index, slot);
-    extra_[static_cast<std::size_t>(id)].producer_phase = op.phase;
-    op.outputs.push_back(id);
-  };
   for (const auto& v : fn.outputs()) {
     for_each_tensor(v, [&](const at::Tensor& t) {
       if (usable(t)) {
         auto it = ids_.find(t.storage().unsafeGetStorageImpl());
         if (it == ids_.end()) {
-          add_output(t.storage(), t.device());
+          add_output(index, slot, t.storage(), t.device());
         } else if (in_place) {
           push_unique(op.outputs, it->second);
         } else {
@@ -330,15 +356,20 @@ void Tracer::on_op_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
       ++slot;
     });
   }
-  // Tensors its nested ops made that outlive it (matmul's reshaped copies saved for backward):
-  // its outputs too, for the trace and for the listener, which may have to move them.
+  return slot;
+}
+
+// With mutex_ held: tensors op `index`'s nested ops made that outlive it (matmul's reshaped
+// copies saved for backward) are its outputs too, from `slot` on, for the trace and for the
+// listener, which may have to move them. Returns the listener's references to them.
+std::vector<TensorRef> Tracer::adopt_nested_outputs(OpIndex index, std::int32_t slot) {
   std::vector<TensorRef> refs;
   for (auto& weak : nested_outputs_) {
     if (weak.expired() || ids_.count(weak._unsafe_get_target()) != 0) continue;
     auto strong = weak.lock();
     if (!strong) continue;
     c10::Storage storage(std::move(strong));
-    add_output(storage, storage.device());
+    add_output(index, slot, storage, storage.device());
     if (listener_ != nullptr) {
       auto it = ids_.find(storage.unsafeGetStorageImpl());
       if (it != ids_.end()) refs.push_back({it->second, storage.unsafeGetStorageImpl()});
@@ -346,18 +377,18 @@ void Tracer::on_op_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
     ++slot;
   }
   nested_outputs_.clear();
-  if (listener_ != nullptr) {
-    for (const auto& v : fn.outputs()) {
-      for_each_tensor(v, [&](const at::Tensor& t) {
-        if (!usable(t)) return;
-        auto it = ids_.find(t.storage().unsafeGetStorageImpl());
-        if (it != ids_.end()) refs.push_back({it->second, t.storage().unsafeGetStorageImpl()});
-      });
-    }
-    lock.unlock();
-    listener_->after_op(index, refs);
+  return refs;
+}
+
+// With mutex_ held: appends the listener's references to the tensors the op returned.
+void Tracer::append_output_refs(const at::RecordFunction& fn, std::vector<TensorRef>& refs) {
+  for (const auto& v : fn.outputs()) {
+    for_each_tensor(v, [&](const at::Tensor& t) {
+      if (!usable(t)) return;
+      auto it = ids_.find(t.storage().unsafeGetStorageImpl());
+      if (it != ids_.end()) refs.push_back({it->second, t.storage().unsafeGetStorageImpl()});
+    });
   }
-  busy_.store(false);
 }
 
 bool Tracer::measuring_workspace() const {

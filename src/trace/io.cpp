@@ -170,8 +170,9 @@ std::string to_json_text(const Trace& trace) {
   return out;
 }
 
-Trace from_json(const json& j) {
-  const std::string top = "the trace";
+// Format and version come first: a file that is not a tidal trace, or one of another version,
+// gets that sentence rather than a complaint about some later field.
+int check_format_and_version(const json& j, const std::string& top) {
   TIDAL_EXPECT_AS(InvalidArgument, j.is_object(), "the trace must be a JSON object, not ",
                   j.type_name());
   const std::string format = get_string(j, "format", top);
@@ -181,72 +182,71 @@ Trace from_json(const json& j) {
   TIDAL_EXPECT_AS(InvalidArgument, version == kTraceVersion, "trace format version ", version,
                   " is not supported: this build of tidal reads version ", kTraceVersion,
                   "; re-profile with this build or use the matching tidal version");
+  return static_cast<int>(version);
+}
 
-  Trace t;
-  t.version = static_cast<int>(version);
-  t.model = get_string(j, "model", top);
-  t.device = get_string(j, "device", top);
-  t.batch = get_int(j, "batch", top);
-  t.seq = get_int(j, "seq", top);
-  if (j.contains("meta")) {
-    const json& meta = j.at("meta");
-    TIDAL_EXPECT_AS(InvalidArgument, meta.is_object(), "field 'meta' must be an object, not ",
-                    meta.type_name());
-    for (const auto& [k, v] : meta.items()) {
-      TIDAL_EXPECT_AS(InvalidArgument, v.is_string(), "field 'meta.", k, "' must be a string, not ",
-                      v.type_name());
-      t.meta[k] = v.get<std::string>();
-    }
+void read_meta(const json& j, Trace& t) {
+  if (!j.contains("meta")) return;
+  const json& meta = j.at("meta");
+  TIDAL_EXPECT_AS(InvalidArgument, meta.is_object(), "field 'meta' must be an object, not ",
+                  meta.type_name());
+  for (const auto& [k, v] : meta.items()) {
+    TIDAL_EXPECT_AS(InvalidArgument, v.is_string(), "field 'meta.", k, "' must be a string, not ",
+                    v.type_name());
+    t.meta[k] = v.get<std::string>();
   }
+}
 
-  const json& ops = get_array(j, "ops", top);
-  t.ops.reserve(ops.size());
-  for (std::size_t k = 0; k < ops.size(); ++k) {
-    const std::string where = detail::concat("ops[", k, "]");
-    const json& o = ops[k];
-    TIDAL_EXPECT_AS(InvalidArgument, o.is_object(), where, " must be an object, not ",
-                    o.type_name());
-    Op op;
-    op.index = get_int32(o, "index", where);
-    op.name = get_string(o, "name", where);
-    try {
-      op.phase = phase_from_string(get_string(o, "phase", where));
-    } catch (const InvalidArgument& e) {
-      throw InvalidArgument(detail::concat("in ", where, ": ", e.what()));
-    }
-    op.start_s = get_double(o, "start_s", where);
-    op.end_s = get_double(o, "end_s", where);
-    op.inputs = get_ids(o, "inputs", where);
-    op.outputs = get_ids(o, "outputs", where);
-    op.layer = get_int32_or(o, "layer", where, -1);
-    op.workspace_bytes = o.contains("workspace_bytes") ? get_uint(o, "workspace_bytes", where) : 0;
-    t.ops.push_back(std::move(op));
+// Reads an enum's name through parse (phase_from_string, ...), naming the element on failure.
+template <typename Parse>
+auto get_enum(const json& o, const char* key, const std::string& where, Parse parse) {
+  try {
+    return parse(get_string(o, key, where));
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(detail::concat("in ", where, ": ", e.what()));
   }
+}
 
-  const json& tensors = get_array(j, "tensors", top);
-  t.tensors.reserve(tensors.size());
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const std::string where = detail::concat("tensors[", i, "]");
-    const json& o = tensors[i];
-    TIDAL_EXPECT_AS(InvalidArgument, o.is_object(), where, " must be an object, not ",
-                    o.type_name());
-    Tensor ten;
-    ten.id = get_int32(o, "id", where);
-    ten.name = get_string(o, "name", where);
-    ten.bytes = get_uint(o, "bytes", where);
-    ten.device = get_string(o, "device", where);
-    try {
-      ten.cls = tensor_class_from_string(get_string(o, "class", where));
-    } catch (const InvalidArgument& e) {
-      throw InvalidArgument(detail::concat("in ", where, ": ", e.what()));
-    }
-    ten.persistent = get_bool(o, "persistent", where);
-    ten.producer = get_int32_or(o, "producer", where, kNoOp);
-    ten.output_slot = get_int32_or(o, "output_slot", where, -1);
-    ten.freed_after = get_int32_or(o, "freed_after", where, kNoOp);
-    t.tensors.push_back(std::move(ten));
-  }
+const json& element_object(const json& arr, std::size_t k, const std::string& where) {
+  const json& o = arr[k];
+  TIDAL_EXPECT_AS(InvalidArgument, o.is_object(), where, " must be an object, not ", o.type_name());
+  return o;
+}
 
+Op op_from_json(const json& ops, std::size_t k) {
+  const std::string where = detail::concat("ops[", k, "]");
+  const json& o = element_object(ops, k, where);
+  Op op;
+  op.index = get_int32(o, "index", where);
+  op.name = get_string(o, "name", where);
+  op.phase = get_enum(o, "phase", where, phase_from_string);
+  op.start_s = get_double(o, "start_s", where);
+  op.end_s = get_double(o, "end_s", where);
+  op.inputs = get_ids(o, "inputs", where);
+  op.outputs = get_ids(o, "outputs", where);
+  op.layer = get_int32_or(o, "layer", where, -1);
+  op.workspace_bytes = o.contains("workspace_bytes") ? get_uint(o, "workspace_bytes", where) : 0;
+  return op;
+}
+
+Tensor tensor_from_json(const json& tensors, std::size_t i) {
+  const std::string where = detail::concat("tensors[", i, "]");
+  const json& o = element_object(tensors, i, where);
+  Tensor ten;
+  ten.id = get_int32(o, "id", where);
+  ten.name = get_string(o, "name", where);
+  ten.bytes = get_uint(o, "bytes", where);
+  ten.device = get_string(o, "device", where);
+  ten.cls = get_enum(o, "class", where, tensor_class_from_string);
+  ten.persistent = get_bool(o, "persistent", where);
+  ten.producer = get_int32_or(o, "producer", where, kNoOp);
+  ten.output_slot = get_int32_or(o, "output_slot", where, -1);
+  ten.freed_after = get_int32_or(o, "freed_after", where, kNoOp);
+  return ten;
+}
+
+// A trace read from a file that breaks an invariant is the user's input being wrong.
+void validate_as_input(const Trace& t) {
   try {
     validate(t);
   } catch (const InvalidArgument&) {
@@ -254,6 +254,29 @@ Trace from_json(const json& j) {
   } catch (const Error& e) {
     throw InvalidArgument(e.what());
   }
+}
+
+Trace from_json(const json& j) {
+  const std::string top = "the trace";
+  Trace t;
+  t.version = check_format_and_version(j, top);
+  t.model = get_string(j, "model", top);
+  t.device = get_string(j, "device", top);
+  t.batch = get_int(j, "batch", top);
+  t.seq = get_int(j, "seq", top);
+  read_meta(j, t);
+
+  const json& ops = get_array(j, "ops", top);
+  t.ops.reserve(ops.size());
+  for (std::size_t k = 0; k < ops.size(); ++k) t.ops.push_back(op_from_json(ops, k));
+
+  const json& tensors = get_array(j, "tensors", top);
+  t.tensors.reserve(tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    t.tensors.push_back(tensor_from_json(tensors, i));
+  }
+
+  validate_as_input(t);
   return t;
 }
 

@@ -63,23 +63,11 @@ LifetimeSummary summarize(const LifetimeAnalysis& a) {
   return s;
 }
 
-}  // namespace
-
-LifetimeAnalysis analyze_lifetimes(const Trace& trace) {
-  validate(trace);
-  const std::size_t n_ops = trace.ops.size();
-  const std::size_t n_tensors = trace.tensors.size();
-  const auto last_op = static_cast<OpIndex>(n_ops) - 1;
-
-  LifetimeAnalysis a;
-  a.tensors.resize(n_tensors);
-  a.live_bytes.assign(n_ops, 0);
-  a.active_bytes.assign(n_ops, 0);
-
-  // Uses, and active bytes per op over the distinct tensors it touches. Ops are visited in
-  // order, so each tensor's uses come out ascending; last_seen drops repeats within an op.
-  std::vector<OpIndex> last_seen(n_tensors, kNoOp);
-  for (std::size_t k = 0; k < n_ops; ++k) {
+// Uses, and active bytes per op over the distinct tensors it touches. Ops are visited in order,
+// so each tensor's uses come out ascending; last_seen drops repeats within an op.
+void record_uses(const Trace& trace, LifetimeAnalysis& a) {
+  std::vector<OpIndex> last_seen(trace.tensors.size(), kNoOp);
+  for (std::size_t k = 0; k < trace.ops.size(); ++k) {
     const Op& op = trace.ops[k];
     const auto kk = static_cast<OpIndex>(k);
     for (const auto* ids : {&op.inputs, &op.outputs}) {
@@ -91,78 +79,122 @@ LifetimeAnalysis analyze_lifetimes(const Trace& trace) {
       }
     }
   }
+}
 
-  // Prefix sums of op durations: the idle time strictly between ops i and j (i < j) is
-  // prefix[j] - prefix[i + 1].
+// Prefix sums of op durations: the idle time strictly between ops i and j (i < j) is
+// prefix[j] - prefix[i + 1].
+std::vector<double> op_seconds_prefix(const Trace& trace) {
+  const std::size_t n_ops = trace.ops.size();
   std::vector<double> prefix(n_ops + 1, 0);
   for (std::size_t k = 0; k < n_ops; ++k) prefix[k + 1] = prefix[k] + trace.op_seconds(k);
-  const double total = prefix[n_ops];
+  return prefix;
+}
 
-  // Live intervals through a difference array over ops.
+// The live interval as TensorLifetime documents it; needs life.uses.
+void set_live_interval(const Tensor& t, std::size_t n_ops, TensorLifetime& life) {
+  const auto last_op = static_cast<OpIndex>(n_ops) - 1;
+  if (n_ops == 0) {
+    life.live_begin = kNoOp;
+    life.live_end = kNoOp;
+  } else if (t.has_gap()) {
+    // Live over [producer, end) and [0, freed_after]: begin after end says it wraps.
+    life.live_begin = t.producer;
+    life.live_end = t.freed_after;
+  } else if (t.persistent) {
+    life.live_begin = 0;
+    life.live_end = last_op;
+  } else if (t.cls == TensorClass::kInput) {
+    life.live_begin = t.producer != kNoOp ? t.producer : 0;
+    life.live_end = t.freed_after != kNoOp ? t.freed_after : last_op;
+  } else if (!life.uses.empty()) {
+    // validate() guarantees producer <= first use and last use <= freed_after.
+    life.live_begin = t.producer != kNoOp ? t.producer : life.uses.front();
+    life.live_end = t.freed_after != kNoOp ? t.freed_after : life.uses.back();
+  } else {
+    // Never used and never produced: it does not occupy memory during the iteration.
+    life.live_begin = kNoOp;
+    life.live_end = kNoOp;
+  }
+}
+
+// Adds the tensor's live interval to a difference array over ops (n_ops + 1 entries).
+void add_live_interval(const Tensor& t, const TensorLifetime& life,
+                       std::vector<std::uint64_t>& diff) {
+  if (life.live_begin != kNoOp && life.live_begin > life.live_end) {
+    diff[0] += t.bytes;  // a tensor with a gap: [0, end] and [begin, last op]
+    diff[static_cast<std::size_t>(life.live_end) + 1] -= t.bytes;
+    diff[static_cast<std::size_t>(life.live_begin)] += t.bytes;
+  } else if (life.live_begin != kNoOp) {
+    // Unsigned wrap-around is well defined, and the running sum below is exact modulo 2^64.
+    diff[static_cast<std::size_t>(life.live_begin)] += t.bytes;
+    diff[static_cast<std::size_t>(life.live_end) + 1] -= t.bytes;
+  }
+}
+
+// The gaps between consecutive uses, and for a persistent tensor the one that wraps around the
+// iteration boundary; needs life.uses.
+void add_inactive_periods(const Tensor& t, const std::vector<double>& prefix,
+                          TensorLifetime& life) {
+  const std::size_t n_ops = prefix.size() - 1;
+  const auto last_op = static_cast<OpIndex>(n_ops) - 1;
+  const double total = prefix[n_ops];
+  // An idle stretch over a tensor's gap is not a period: it is dead there, not idle.
+  auto dead_between = [&](OpIndex a, OpIndex b) {
+    if (!t.has_gap()) return false;
+    return a < b ? a <= t.freed_after && b >= t.producer : a <= t.freed_after || b >= t.producer;
+  };
+  const auto& uses = life.uses;
+  for (std::size_t u = 0; u + 1 < uses.size(); ++u) {
+    if (uses[u + 1] - uses[u] < 2 || dead_between(uses[u], uses[u + 1])) continue;
+    life.periods.push_back(InactivePeriod{t.id, t.bytes, uses[u], uses[u + 1], false,
+                                          prefix[uses[u + 1]] - prefix[uses[u] + 1]});
+  }
+  if (t.persistent && !uses.empty()) {
+    const OpIndex last = uses.back();
+    const OpIndex first = uses.front();
+    if ((last_op - last) + first > 0 && !dead_between(last, first)) {
+      const double idle = (total - prefix[last + 1]) + prefix[first];
+      life.periods.push_back(InactivePeriod{t.id, t.bytes, last, first, true, idle});
+    }
+  }
+}
+
+// Live bytes per op from the difference array; an op's workspace is live and active at it, and
+// goes nowhere.
+void add_up_live_bytes(const Trace& trace, const std::vector<std::uint64_t>& diff,
+                       LifetimeAnalysis& a) {
+  std::uint64_t running = 0;
+  for (std::size_t k = 0; k < trace.ops.size(); ++k) {
+    running += diff[k];
+    a.live_bytes[k] = running + trace.ops[k].workspace_bytes;
+    a.active_bytes[k] += trace.ops[k].workspace_bytes;
+  }
+}
+
+}  // namespace
+
+LifetimeAnalysis analyze_lifetimes(const Trace& trace) {
+  validate(trace);
+  const std::size_t n_ops = trace.ops.size();
+  const std::size_t n_tensors = trace.tensors.size();
+
+  LifetimeAnalysis a;
+  a.tensors.resize(n_tensors);
+  a.live_bytes.assign(n_ops, 0);
+  a.active_bytes.assign(n_ops, 0);
+  record_uses(trace, a);
+
+  const std::vector<double> prefix = op_seconds_prefix(trace);
   std::vector<std::uint64_t> diff(n_ops + 1, 0);
   for (std::size_t i = 0; i < n_tensors; ++i) {
     const Tensor& t = trace.tensors[i];
     TensorLifetime& life = a.tensors[i];
     life.tensor = t.id;
-    if (n_ops == 0) {
-      life.live_begin = kNoOp;
-      life.live_end = kNoOp;
-    } else if (t.has_gap()) {
-      // Live over [producer, end) and [0, freed_after]: begin after end says it wraps.
-      life.live_begin = t.producer;
-      life.live_end = t.freed_after;
-    } else if (t.persistent) {
-      life.live_begin = 0;
-      life.live_end = last_op;
-    } else if (t.cls == TensorClass::kInput) {
-      life.live_begin = t.producer != kNoOp ? t.producer : 0;
-      life.live_end = t.freed_after != kNoOp ? t.freed_after : last_op;
-    } else if (!life.uses.empty()) {
-      // validate() guarantees producer <= first use and last use <= freed_after.
-      life.live_begin = t.producer != kNoOp ? t.producer : life.uses.front();
-      life.live_end = t.freed_after != kNoOp ? t.freed_after : life.uses.back();
-    } else {
-      // Never used and never produced: it does not occupy memory during the iteration.
-      life.live_begin = kNoOp;
-      life.live_end = kNoOp;
-    }
-    if (life.live_begin != kNoOp && life.live_begin > life.live_end) {
-      diff[0] += t.bytes;  // a tensor with a gap: [0, end] and [begin, last op]
-      diff[static_cast<std::size_t>(life.live_end) + 1] -= t.bytes;
-      diff[static_cast<std::size_t>(life.live_begin)] += t.bytes;
-    } else if (life.live_begin != kNoOp) {
-      // Unsigned wrap-around is well defined, and the running sum below is exact modulo 2^64.
-      diff[static_cast<std::size_t>(life.live_begin)] += t.bytes;
-      diff[static_cast<std::size_t>(life.live_end) + 1] -= t.bytes;
-    }
-
-    // An idle stretch over a tensor's gap is not a period: it is dead there, not idle.
-    auto dead_between = [&](OpIndex a, OpIndex b) {
-      if (!t.has_gap()) return false;
-      return a < b ? a <= t.freed_after && b >= t.producer : a <= t.freed_after || b >= t.producer;
-    };
-    const auto& uses = life.uses;
-    for (std::size_t u = 0; u + 1 < uses.size(); ++u) {
-      if (uses[u + 1] - uses[u] < 2 || dead_between(uses[u], uses[u + 1])) continue;
-      life.periods.push_back(InactivePeriod{t.id, t.bytes, uses[u], uses[u + 1], false,
-                                            prefix[uses[u + 1]] - prefix[uses[u] + 1]});
-    }
-    if (t.persistent && !uses.empty()) {
-      const OpIndex last = uses.back();
-      const OpIndex first = uses.front();
-      if ((last_op - last) + first > 0 && !dead_between(last, first)) {
-        const double idle = (total - prefix[last + 1]) + prefix[first];
-        life.periods.push_back(InactivePeriod{t.id, t.bytes, last, first, true, idle});
-      }
-    }
+    set_live_interval(t, n_ops, life);
+    add_live_interval(t, life, diff);
+    add_inactive_periods(t, prefix, life);
   }
-  std::uint64_t running = 0;
-  for (std::size_t k = 0; k < n_ops; ++k) {
-    running += diff[k];
-    // An op's workspace is live and active at it, and goes nowhere.
-    a.live_bytes[k] = running + trace.ops[k].workspace_bytes;
-    a.active_bytes[k] += trace.ops[k].workspace_bytes;
-  }
+  add_up_live_bytes(trace, diff, a);
 
   a.summary = summarize(a);
   return a;

@@ -162,6 +162,14 @@ class Tracer : public StepObserver {
                              trace::OpIndex producer, std::int32_t slot);
   trace::TensorId lookup_or_add_input(const at::Tensor& t);
   void collect_frees();
+  // on_op_end's stages.
+  void note_nested_outputs(const at::RecordFunction& fn);
+  std::uint64_t op_peak_bytes(const OpContext& ctx);
+  void add_output(trace::OpIndex index, std::int32_t slot, const c10::Storage& storage,
+                  const c10::Device& device);
+  std::int32_t record_outputs(const at::RecordFunction& fn, trace::OpIndex index);
+  std::vector<TensorRef> adopt_nested_outputs(trace::OpIndex index, std::int32_t slot);
+  void append_output_refs(const at::RecordFunction& fn, std::vector<TensorRef>& refs);
   void join_carried();
   void finish_iteration();
 

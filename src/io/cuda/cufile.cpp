@@ -33,89 +33,58 @@ namespace {
 std::string g_unavailable_reason;
 
 // Short texts for the cuFile status codes (cufile.h, CUFILEOP_STATUS_ENTRIES), in our words.
+struct OpErrorText {
+  int code;
+  const char* text;
+};
+constexpr OpErrorText kOpErrorTexts[] = {
+    {0, "success"},
+    {5001, "nvidia-fs driver not loaded (allow_compat_mode in cufile.json enables POSIX I/O)"},
+    {5002, "invalid property"},
+    {5003, "property out of range"},
+    {5004, "nvidia-fs driver version mismatch"},
+    {5005, "cannot read the nvidia-fs driver version"},
+    {5006, "driver is shutting down"},
+    {5007, "GPUDirect Storage not supported on this platform"},
+    {5008, "GPUDirect Storage not supported on this file"},
+    {5009, "GPUDirect Storage not supported on this GPU"},
+    {5010, "nvidia-fs ioctl failed"},
+    {5011, "CUDA driver error"},
+    {5012, "invalid device pointer"},
+    {5013, "invalid memory type for the pointer"},
+    {5014, "pointer range exceeds the allocation"},
+    {5015, "CUDA context mismatch"},
+    {5016, "access beyond the maximum pinned size"},
+    {5017, "access beyond the mapped size"},
+    {5018, "unsupported file type"},
+    {5019, "unsupported file open flags"},
+    {5020, "file not opened with O_DIRECT"},
+    {5022, "invalid argument"},
+    {5023, "device memory already registered"},
+    {5024, "device memory not registered"},
+    {5025, "permission denied (driver or file)"},
+    {5026, "driver already open"},
+    {5027, "file not registered"},
+    {5028, "file already registered"},
+    {5029, "GPU not found"},
+    {5030, "cuFile internal error"},
+    {5031, "cannot obtain a new file descriptor"},
+    {5033, "nvidia-fs set-up failed"},
+    {5034, "GPUDirect Storage disabled by configuration for this file"},
+    {5035, "batch submission failed"},
+    {5036, "cannot pin GPU memory"},
+    {5037, "batch queue full"},
+    {5038, "stream operations not supported"},
+    {5043, "cuFile out of memory"},
+    {5044, "cuFile I/O error"},
+};
+
+// The text for a cuFile status code, or null for a code not in the table.
 const char* op_error_text(int code) noexcept {
-  switch (code) {
-    case 0:
-      return "success";
-    case 5001:
-      return "nvidia-fs driver not loaded (allow_compat_mode in cufile.json enables POSIX I/O)";
-    case 5002:
-      return "invalid property";
-    case 5003:
-      return "property out of range";
-    case 5004:
-      return "nvidia-fs driver version mismatch";
-    case 5005:
-      return "cannot read the nvidia-fs driver version";
-    case 5006:
-      return "driver is shutting down";
-    case 5007:
-      return "GPUDirect Storage not supported on this platform";
-    case 5008:
-      return "GPUDirect Storage not supported on this file";
-    case 5009:
-      return "GPUDirect Storage not supported on this GPU";
-    case 5010:
-      return "nvidia-fs ioctl failed";
-    case 5011:
-      return "CUDA driver error";
-    case 5012:
-      return "invalid device pointer";
-    case 5013:
-      return "invalid memory type for the pointer";
-    case 5014:
-      return "pointer range exceeds the allocation";
-    case 5015:
-      return "CUDA context mismatch";
-    case 5016:
-      return "access beyond the maximum pinned size";
-    case 5017:
-      return "access beyond the mapped size";
-    case 5018:
-      return "unsupported file type";
-    case 5019:
-      return "unsupported file open flags";
-    case 5020:
-      return "file not opened with O_DIRECT";
-    case 5022:
-      return "invalid argument";
-    case 5023:
-      return "device memory already registered";
-    case 5024:
-      return "device memory not registered";
-    case 5025:
-      return "permission denied (driver or file)";
-    case 5026:
-      return "driver already open";
-    case 5027:
-      return "file not registered";
-    case 5028:
-      return "file already registered";
-    case 5029:
-      return "GPU not found";
-    case 5030:
-      return "cuFile internal error";
-    case 5031:
-      return "cannot obtain a new file descriptor";
-    case 5033:
-      return "nvidia-fs set-up failed";
-    case 5034:
-      return "GPUDirect Storage disabled by configuration for this file";
-    case 5035:
-      return "batch submission failed";
-    case 5036:
-      return "cannot pin GPU memory";
-    case 5037:
-      return "batch queue full";
-    case 5038:
-      return "stream operations not supported";
-    case 5043:
-      return "cuFile out of memory";
-    case 5044:
-      return "cuFile I/O error";
-    default:
-      return nullptr;
+  for (const OpErrorText& e : kOpErrorTexts) {
+    if (e.code == code) return e.text;
   }
+  return nullptr;
 }
 
 std::string status_text(const CUfileError_t& status) {
