@@ -13,6 +13,7 @@ packages=(
   libcli11-dev          # the CLI
   libgtest-dev libgmock-dev libbenchmark-dev
   clang-format          # CI's format check
+  clang-tidy            # CI's clang-tidy floor (scripts/tidy.sh)
   fio                   # bench/io_vs_fio.sh
   python3-torch         # the Python front-end (python/): PyTorch on the same libtorch
   python3-dev pybind11-dev python3-pybind11  # builds the extension module tidal._C

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command of README.md (and of .ci/run): set-up, build, all tests, then the suite under
-# AddressSanitizer+UBSan, the store's concurrency tests under ThreadSanitizer, and a format check.
+# AddressSanitizer+UBSan, the store's concurrency tests under ThreadSanitizer, a format check and
+# clang-tidy on the torch-free layers.
 # TIDAL_QUICK=1 skips the sanitizer builds.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -37,4 +38,6 @@ fi
 
 stamp "format check"
 bash scripts/format.sh --check
+stamp "clang-tidy (torch-free layers)"
+bash scripts/tidy.sh
 stamp "all tests passed"

@@ -113,7 +113,7 @@ class FaultBackend final : public Backend {
 #ifdef TIDAL_WITH_CUDA
 class CuFileBackend final : public Backend {
  public:
-  CuFileBackend(std::vector<int> fds, int threads) {
+  CuFileBackend(const std::vector<int>& fds, int threads) {
     driver_ = detail::cuda::CuFile::instance();
     TIDAL_EXPECT(driver_ != nullptr,
                  "cuFile is not available: ", detail::cuda::CuFile::unavailable_reason());
@@ -155,9 +155,9 @@ std::unique_ptr<Backend> make_fault_backend(std::unique_ptr<Backend> inner, Faul
   return std::make_unique<FaultBackend>(std::move(inner), plan);
 }
 
-std::unique_ptr<Backend> make_cufile_backend(std::vector<int> fds, int threads) {
+std::unique_ptr<Backend> make_cufile_backend(const std::vector<int>& fds, int threads) {
 #ifdef TIDAL_WITH_CUDA
-  return std::make_unique<CuFileBackend>(std::move(fds), threads);
+  return std::make_unique<CuFileBackend>(fds, threads);
 #else
   (void)fds;
   (void)threads;

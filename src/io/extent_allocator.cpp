@@ -6,7 +6,7 @@
 namespace tidal::io {
 
 ExtentAllocator::ExtentAllocator(std::uint64_t capacity)
-    : capacity_(capacity / kBlockSize * kBlockSize), free_bytes_(0) {
+    : capacity_(capacity / kBlockSize * kBlockSize) {
   if (capacity_ > 0) insert_free(0, capacity_);
 }
 

@@ -288,9 +288,9 @@ PolicyResult run_zero(const trace::Trace& tr, const Hardware& hw, const PolicyOp
                       bool infinity) {
   PolicyResult r;
   r.policy = infinity ? Policy::kZeroInfinity : Policy::kZeroOffload;
-  const double params = static_cast<double>(bytes_of(tr, TensorClass::kParameter));
-  const double grads = static_cast<double>(bytes_of(tr, TensorClass::kGradient));
-  const double states = static_cast<double>(bytes_of(tr, TensorClass::kOptimizerState));
+  const auto params = static_cast<double>(bytes_of(tr, TensorClass::kParameter));
+  const auto grads = static_cast<double>(bytes_of(tr, TensorClass::kGradient));
+  const auto states = static_cast<double>(bytes_of(tr, TensorClass::kOptimizerState));
   const double elems = params / 4;
   double step = hw.cpu_adam_rate > 0 ? elems / hw.cpu_adam_rate : 0;
   ChannelRates rates;
@@ -359,7 +359,7 @@ std::vector<Policy> all_policies() {
 }
 
 trace::Trace recompute_trace(const trace::Trace& given) {
-  const trace::Trace in = gaps_in_durations(given);
+  trace::Trace in = gaps_in_durations(given);
   const auto la = trace::analyze_lifetimes(in);
   const auto n = static_cast<OpIndex>(in.ops.size());
   int max_layers = 0;

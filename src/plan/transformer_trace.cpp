@@ -57,7 +57,7 @@ class Builder {
     flops_ =
         precision != Precision::kFp32 && hw.gpu_flops_bf16 > 0 ? hw.gpu_flops_bf16 : hw.gpu_flops;
   }
-  std::uint64_t activation_bytes() const { return bytes_.activation; }
+  [[nodiscard]] std::uint64_t activation_bytes() const { return bytes_.activation; }
 
   TensorId tensor(const std::string& name, std::uint64_t bytes, TensorClass cls,
                   bool persistent = false) {
@@ -79,7 +79,7 @@ class Builder {
   }
   // Names of the ops and activations that follow: "mb<i>." within micro-batch i of several.
   void set_prefix(std::string prefix) { prefix_ = std::move(prefix); }
-  const std::string& prefix() const { return prefix_; }
+  [[nodiscard]] const std::string& prefix() const { return prefix_; }
   TensorId temp(const std::string& name, std::int64_t per_token) {
     return act(name, per_token, TensorClass::kTemporary);
   }
@@ -95,9 +95,9 @@ class Builder {
     params_.push_back(p);
     return params_.size() - 1;
   }
-  std::size_t param_count() const { return params_.size(); }
-  TensorId weight(std::size_t i) const { return params_[i].w; }
-  TensorId gradient(std::size_t i) const { return params_[i].g; }
+  [[nodiscard]] std::size_t param_count() const { return params_.size(); }
+  [[nodiscard]] TensorId weight(std::size_t i) const { return params_[i].w; }
+  [[nodiscard]] TensorId gradient(std::size_t i) const { return params_[i].g; }
 
   // Adds the gradient of params_[i] to an op: created by the first op that writes it,
   // accumulated (read and written) by later ones.
@@ -235,7 +235,8 @@ class TransformerTraceBuilder {
     d_.heads = cfg.heads / tp;
     d_.norm_stats = llama_ ? 1 : 2;
     // Causal attention computes half of QK^T and PV; the backward pass is about 2.5x the forward.
-    d_.attn_flops = 2.0 * static_cast<double>(mb_batch_) * seq * seq * d_.q;
+    d_.attn_flops = 2.0 * static_cast<double>(mb_batch_) * static_cast<double>(seq) *
+                    static_cast<double>(seq) * static_cast<double>(d_.q);
   }
 
   trace::Trace build() {
@@ -256,8 +257,8 @@ class TransformerTraceBuilder {
   }
 
  private:
-  TensorId W(std::size_t i) const { return b_.weight(i); }
-  int tp() const { return opt_.tensor_parallel; }
+  [[nodiscard]] TensorId W(std::size_t i) const { return b_.weight(i); }
+  [[nodiscard]] int tp() const { return opt_.tensor_parallel; }
 
   std::size_t add(const std::string& name, std::int64_t elems) { return b_.param(name, elems); }
 
@@ -318,7 +319,9 @@ class TransformerTraceBuilder {
     const TensorId y = b_.act(name + ".out", outf, cls);
     std::vector<TensorId> ins{x, W(w)};
     if (bias != kNone) ins.push_back(W(bias));
-    b_.op(name, Phase::kForward, layer, ins, {y}, 2.0 * tokens() * in * outf);
+    b_.op(
+        name, Phase::kForward, layer, ins, {y},
+        2.0 * static_cast<double>(tokens()) * static_cast<double>(in) * static_cast<double>(outf));
     return y;
   }
 
@@ -328,7 +331,8 @@ class TransformerTraceBuilder {
                       std::int64_t in, std::int64_t outf, std::size_t bias = kNone,
                       bool need_input_grad = true) {
     TensorId gx = -1;
-    const double flops = 2.0 * tokens() * in * outf;
+    const double flops =
+        2.0 * static_cast<double>(tokens()) * static_cast<double>(in) * static_cast<double>(outf);
     if (need_input_grad) {
       gx = b_.temp(name + ".grad_in", in);
       b_.op(name + ".bwd_in", Phase::kBackward, layer, {gy, W(w)}, {gx}, flops);
@@ -366,11 +370,12 @@ class TransformerTraceBuilder {
     if (opt_.data_parallel <= 1 || !last_micro_batch_) return;
     for (std::size_t i = first; i < end; ++i) also.push_back(i);
     std::vector<TensorId> grads;
+    grads.reserve(also.size());
     for (std::size_t i : also) grads.push_back(b_.gradient(i));
     b_.all_reduce(name + ".grads.all_reduce", Phase::kBackward, layer, grads, opt_.data_parallel);
   }
 
-  std::int64_t tokens() const { return mb_batch_ * seq_; }
+  [[nodiscard]] std::int64_t tokens() const { return mb_batch_ * seq_; }
 
   void micro_batch() {
     const auto T = static_cast<std::uint64_t>(tokens());

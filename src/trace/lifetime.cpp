@@ -93,7 +93,9 @@ std::vector<double> op_seconds_prefix(const Trace& trace) {
 // The live interval as TensorLifetime documents it; needs life.uses.
 void set_live_interval(const Tensor& t, std::size_t n_ops, TensorLifetime& life) {
   const auto last_op = static_cast<OpIndex>(n_ops) - 1;
-  if (n_ops == 0) {
+  // Not live during the iteration: no ops, or never used and never produced.
+  if (n_ops == 0 ||
+      (!t.has_gap() && !t.persistent && t.cls != TensorClass::kInput && life.uses.empty())) {
     life.live_begin = kNoOp;
     life.live_end = kNoOp;
   } else if (t.has_gap()) {
@@ -106,14 +108,10 @@ void set_live_interval(const Tensor& t, std::size_t n_ops, TensorLifetime& life)
   } else if (t.cls == TensorClass::kInput) {
     life.live_begin = t.producer != kNoOp ? t.producer : 0;
     life.live_end = t.freed_after != kNoOp ? t.freed_after : last_op;
-  } else if (!life.uses.empty()) {
+  } else {
     // validate() guarantees producer <= first use and last use <= freed_after.
     life.live_begin = t.producer != kNoOp ? t.producer : life.uses.front();
     life.live_end = t.freed_after != kNoOp ? t.freed_after : life.uses.back();
-  } else {
-    // Never used and never produced: it does not occupy memory during the iteration.
-    life.live_begin = kNoOp;
-    life.live_end = kNoOp;
   }
 }
 

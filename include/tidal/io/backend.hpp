@@ -64,7 +64,7 @@ bool uring_compiled();
 
 /// cuFile (GDS) for device buffers: `threads` threads calling cuFileRead/cuFileWrite.
 /// Throws tidal::Error saying why when cuFile is not available.
-std::unique_ptr<Backend> make_cufile_backend(std::vector<int> fds, int threads);
+std::unique_ptr<Backend> make_cufile_backend(const std::vector<int>& fds, int threads);
 
 /// Deterministic faults for tests: each counter is 1-based over the ops that reach the backend
 /// (0 = never). The matching op fails, comes back short, or (reads only) comes back with one

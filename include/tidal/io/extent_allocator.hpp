@@ -50,7 +50,7 @@ class ExtentAllocator {
   void erase_free(std::map<std::uint64_t, std::uint64_t>::iterator it);
 
   std::uint64_t capacity_;
-  std::uint64_t free_bytes_;
+  std::uint64_t free_bytes_ = 0;
   std::map<std::uint64_t, std::uint64_t> by_offset_;           // offset -> length
   std::set<std::pair<std::uint64_t, std::uint64_t>> by_size_;  // (length, offset)
 };

@@ -271,7 +271,8 @@ class UringBackend final : public Backend {
         for (unsigned i = 0; i < n; ++i) {
           const std::uint64_t data = io_uring_cqe_get_data64(batch[i]);
           if (data == kStopToken || data == kIgnoreToken) continue;
-          auto* op = reinterpret_cast<IoOp*>(data);
+          // The user data is the IoOp* this backend gave with the request.
+          auto* op = reinterpret_cast<IoOp*>(data);  // NOLINT(performance-no-int-to-ptr)
           // Absent when the op was already failed (the ring broke while it ran).
           if (in_kernel_.erase(op) != 0) done.emplace_back(op, batch[i]->res);
         }
