@@ -206,13 +206,22 @@ TEST(ModelTrace, ParameterCountsMatchTheModels) {
   EXPECT_THROW(model_preset("bert"), InvalidArgument);
 }
 
+// A preset model cut to `layers` blocks.
+TransformerConfig preset_blocks(const char* name, int layers) {
+  TransformerConfig cfg = model_preset(name);
+  ModelOverrides o;
+  o.layers = layers;
+  apply_overrides(cfg, o);
+  return cfg;
+}
+
+// A preset model cut to three blocks, for the schedule tests.
+TransformerConfig three_blocks(const char* name) { return preset_blocks(name, 3); }
+
 TEST(ModelTrace, TensorBytesAreExactFp32) {
   const Hardware hw = hardware_preset("h100-4ssd");
   for (const char* name : {"gpt2-small", "llama3.2-1b"}) {
-    TransformerConfig cfg = model_preset(name);
-    ModelOverrides o;
-    o.layers = 3;
-    apply_overrides(cfg, o);
+    const TransformerConfig cfg = three_blocks(name);
     const trace::Trace t = transformer_trace(cfg, 2, 128, hw);
     std::uint64_t params = 0;
     std::uint64_t grads = 0;
@@ -230,15 +239,6 @@ TEST(ModelTrace, TensorBytesAreExactFp32) {
     EXPECT_GT(layered, 0);
     EXPECT_GT(t.compute_seconds(), 0);
   }
-}
-
-// A preset model cut to three blocks, for the schedule tests.
-TransformerConfig three_blocks(const char* name) {
-  TransformerConfig cfg = model_preset(name);
-  ModelOverrides o;
-  o.layers = 3;
-  apply_overrides(cfg, o);
-  return cfg;
 }
 
 // Each of two presets, cut to three blocks, traced on `schedule` and on the standard one: the
@@ -682,10 +682,7 @@ TEST(Simulator, TheComputeTransfersTakeIsChargedOncePerByteStarted) {
 TEST(Simulator, IdealIsNeverSlower) {
   const Hardware base = hardware_preset("cpu-here");
   for (const char* model : {"gpt2-small", "llama3.2-1b"}) {
-    TransformerConfig cfg = model_preset(model);
-    ModelOverrides o;
-    o.layers = 4;
-    apply_overrides(cfg, o);
+    const TransformerConfig cfg = preset_blocks(model, 4);
     Hardware hw = base;
     hw.host_memory = 1ull << 30;
     const trace::Trace t = transformer_trace(cfg, 2, 256, hw);
@@ -979,11 +976,8 @@ TEST(Policies, RecomputePerMicroBatch) {
 }
 
 TEST(Policies, RecomputeTraceDropsAndRemakesActivations) {
-  TransformerConfig cfg = model_preset("gpt2-small");
-  ModelOverrides o;
-  o.layers = 2;
-  apply_overrides(cfg, o);
-  const trace::Trace t = transformer_trace(cfg, 1, 64, hardware_preset("h100-4ssd"));
+  const trace::Trace t =
+      transformer_trace(preset_blocks("gpt2-small", 2), 1, 64, hardware_preset("h100-4ssd"));
   const trace::Trace r = recompute_trace(t);
   EXPECT_NO_THROW(trace::validate(r));
   int fwd_ops = 0;
@@ -1106,6 +1100,17 @@ auto always(FuzzLink link) {
   return [link](std::uint64_t) { return link; };
 }
 
+// The fuzz cases (as for_each_fuzz_case draws them, one host link for all) that have an unpruned
+// plan, each handed to check(seed, case, plan).
+template <typename Check>
+void for_each_unpruned_plan(std::uint64_t rng_seed, FuzzLink link, bool vary_margin, Check check) {
+  for_each_fuzz_case(rng_seed, always(link), vary_margin,
+                     [&](std::uint64_t seed, const FuzzCase& c) {
+                       const std::optional<Plan> p = try_unpruned_plan(c.trace, c.hw);
+                       if (p) check(seed, c, *p);
+                     });
+}
+
 // A fuzz test's count of the cases that were not vacuous: expected above `floor`, and recorded.
 void expect_count_above(const char* name, int count, int floor) {
   EXPECT_GT(count, floor) << name;
@@ -1187,15 +1192,12 @@ TEST(PlannerFuzz, TheSsdCapacityBoundsWhatIsAwayOnTheSsds) {
 
 TEST(PlannerFuzz, PlannedStallBoundsTheSimulatedStall) {
   int compared = 0;
-  for_each_fuzz_case(
-      777, always(FuzzLink::kPerSsd), false, [&](std::uint64_t seed, const FuzzCase& fc) {
+  // The estimate is judged on the unpruned plan; pruning only gives bandwidth back, and the
+  // planned stall stays an upper bound (the reservations that needed a stall keep their place,
+  // so it can be looser than before).
+  for_each_unpruned_plan(
+      777, FuzzLink::kPerSsd, false, [&](std::uint64_t seed, const FuzzCase& fc, const Plan& p) {
         const auto& [t, la, hw] = fc;
-        // The estimate is judged on the unpruned plan; pruning only gives bandwidth back, and the
-        // planned stall stays an upper bound (the reservations that needed a stall keep their
-        // place, so it can be looser than before).
-        const std::optional<Plan> p_or = try_unpruned_plan(t, hw);
-        if (!p_or) return;
-        const Plan& p = *p_or;
         const SimResult sim = simulate(t, &p, hw);
         const double planned = p.summary.planned_stall_seconds;
         const double slack = 1e-6 * t.compute_seconds() + 1e-9;
@@ -1217,12 +1219,9 @@ TEST(PlannerFuzz, PlannedStallBoundsTheSimulatedStall) {
 TEST(PlannerFuzz, PruningNeverWritesMoreAndKeepsTheInvariants) {
   int planned = 0;
   int pruned = 0;
-  for_each_fuzz_case(
-      4242, always(FuzzLink::kPerArray), true, [&](std::uint64_t seed, const FuzzCase& fc) {
+  for_each_unpruned_plan(
+      4242, FuzzLink::kPerArray, true, [&](std::uint64_t seed, const FuzzCase& fc, const Plan& g) {
         const auto& [t, la, hw] = fc;
-        const std::optional<Plan> g_or = try_unpruned_plan(t, hw);
-        if (!g_or) return;
-        const Plan& g = *g_or;
         const Plan p = make_plan(t, hw);
         ++planned;
         if (p.actions.size() < g.actions.size()) ++pruned;
