@@ -104,9 +104,10 @@ py::dict fields_dict(const std::string& names, const Values&... values) {
   return d;
 }
 
-// The fields of a stats struct as a dict, in declaration order (the Python side makes a
-// dataclass of it). The structured binding names every field, in order: a field added to the
-// struct and not here does not compile.
+// The fields of a stats struct as a dict keyed by their names (the Python side makes a
+// dataclass of it). The structured binding takes the fields by position: list every field under
+// its own name, in declaration order. A field missing or extra does not compile; the order is not
+// checked, so keep the list in the struct's order.
 #define TIDAL_FIELDS_DICT(stats, ...)              \
   [&] {                                            \
     const auto& [__VA_ARGS__] = (stats);           \

@@ -8,6 +8,7 @@
 #include "tidal/common/units.hpp"
 #include "tidal/models/trainer.hpp"
 #include "tidal/torch/memory.hpp"
+#include "torch/test_models.hpp"
 
 namespace tidal::torch_layer {
 namespace {
@@ -29,11 +30,7 @@ struct Schedule {
 RunResult train(const std::string& model, OffloadMode mode, const std::string& dir, int steps,
                 io::FaultPlan faults = {}, Schedule schedule = {}) {
   MemoryMeter meter(torch::kCPU);
-  models::TrainerOptions o;
-  o.config = models::model_config(model);
-  o.batch = 4;
-  o.seq = 32;
-  o.seed = 77;
+  models::TrainerOptions o = testing::tiny_options(model, 4, 32, 77);
   o.optimizer = schedule.in_backward ? OptimizerSchedule::kInBackward
                 : schedule.deferred  ? OptimizerSchedule::kDeferred
                                      : OptimizerSchedule::kAfterBackward;
