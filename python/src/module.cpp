@@ -10,6 +10,7 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <cctype>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -67,98 +68,87 @@ void register_errors(py::module_& m) {
   });
 }
 
-py::dict store_stats_dict(const tidal::io::StoreStats& s) {
+// A field of a stats struct as Python sees it: numbers, strings and lists as they are, enums by
+// name, a degraded path as a dict.
+template <typename T>
+py::object field_to_py(const T& value) {
+  return py::cast(value);
+}
+py::object field_to_py(tt::OffloadMode mode) { return py::str(std::string(tt::to_string(mode))); }
+py::object field_to_py(tt::SessionState state) {
+  return py::str(std::string(tt::to_string(state)));
+}
+py::object field_to_py(const tidal::io::DegradedPath& p) {
+  py::dict x;
+  x["count"] = p.count;
+  x["reason"] = p.reason;
+  return x;
+}
+
+// names: the fields' names as written in the source, separated by commas ("a, b, c").
+template <typename... Values>
+py::dict fields_dict(const std::string& names, const Values&... values) {
+  std::vector<std::string> keys;
+  std::string key;
+  for (const char c : names + ",") {
+    if (c == ',') {
+      keys.push_back(key);
+      key.clear();
+    } else if (std::isspace(static_cast<unsigned char>(c)) == 0) {
+      key += c;
+    }
+  }
   py::dict d;
-  d["capacity"] = s.capacity;
-  d["used_bytes"] = s.used_bytes;
-  d["file_used_bytes"] = s.file_used_bytes;
-  d["bytes_written"] = s.bytes_written;
-  d["bytes_read"] = s.bytes_read;
-  d["writes"] = s.writes;
-  d["reads"] = s.reads;
-  d["failed_requests"] = s.failed_requests;
-  const auto degraded = [](const tidal::io::DegradedPath& p) {
-    py::dict x;
-    x["count"] = p.count;
-    x["reason"] = p.reason;
-    return x;
-  };
-  d["store_full"] = degraded(s.store_full);
-  d["write_failed"] = degraded(s.write_failed);
-  d["read_failed"] = degraded(s.read_failed);
-  d["read_corrupt"] = degraded(s.read_corrupt);
-  d["backend_fallback"] = degraded(s.backend_fallback);
-  d["staged_ops"] = s.staged_ops;
-  d["busy_seconds"] = s.busy_seconds;
-  d["checksum_seconds"] = s.checksum_seconds;
-  d["tickets"] = s.tickets;
-  d["backend"] = s.backend;
-  d["buffered"] = s.buffered;
-  d["tmpfile"] = s.tmpfile;
+  std::size_t i = 0;
+  ((d[py::str(keys.at(i++))] = field_to_py(values)), ...);
   return d;
 }
 
-// The fields of a stats struct as a dict, in declaration order (the Python side makes a
-// dataclass of it).
+// The fields of a stats struct as a dict keyed by their names (the Python side makes a
+// dataclass of it). The structured binding takes the fields by position: list every field under
+// its own name, in declaration order. A field missing or extra does not compile; the order is not
+// checked, so keep the list in the struct's order.
+#define TIDAL_FIELDS_DICT(stats, ...)              \
+  [&] {                                            \
+    const auto& [__VA_ARGS__] = (stats);           \
+    return fields_dict(#__VA_ARGS__, __VA_ARGS__); \
+  }()
+
+py::dict store_stats_dict(const tidal::io::StoreStats& s) {
+  return TIDAL_FIELDS_DICT(s, capacity, used_bytes, file_used_bytes, bytes_written, bytes_read,
+                           writes, reads, failed_requests, store_full, write_failed, read_failed,
+                           read_corrupt, backend_fallback, staged_ops, busy_seconds,
+                           checksum_seconds, tickets, backend, buffered, tmpfile);
+}
+
 py::dict session_stats_dict(const tt::SessionStats& s) {
-  py::dict d;
-  d["mode"] = std::string(tt::to_string(s.mode));
-  d["state"] = std::string(tt::to_string(s.state));
-  d["bytes_written"] = s.bytes_written;
-  d["bytes_read"] = s.bytes_read;
-  d["bytes_to_host"] = s.bytes_to_host;
-  d["bytes_from_host"] = s.bytes_from_host;
-  d["host_stall_seconds"] = s.host_stall_seconds;
-  d["planned_bytes_to_ssd"] = s.planned_bytes_to_ssd;
-  d["planned_bytes_to_host"] = s.planned_bytes_to_host;
-  d["stall_seconds"] = s.stall_seconds;
-  d["write_stall_seconds"] = s.write_stall_seconds;
-  d["misses"] = s.misses;
-  d["write_failures"] = s.write_failures;
-  d["store_full_writes"] = s.store_full_writes;
-  d["write_error"] = s.write_error;
-  d["step_peak"] = s.step_peak;
-  d["memory_budget"] = s.memory_budget;
-  d["untouched_bytes"] = s.untouched_bytes;
-  d["profiled_peak"] = s.profiled_peak;
-  d["within_budget"] = s.within_budget;
-  d["steps_measured"] = s.steps_measured;
-  d["steps_over_budget"] = s.steps_over_budget;
-  d["budget_reason"] = s.budget_reason;
-  d["shapes"] = s.shapes;
-  d["shape"] = s.shape;
-  d["replans"] = s.replans;
-  d["tightenings"] = s.tightenings;
-  d["executed_peak"] = s.executed_peak;
-  d["plan_summary"] = s.plan_summary;
-  d["notice"] = s.notice;
-  return d;
+  return TIDAL_FIELDS_DICT(
+      s, mode, state, bytes_written, bytes_read, bytes_to_host, bytes_from_host, host_stall_seconds,
+      planned_bytes_to_ssd, planned_bytes_to_host, stall_seconds, write_stall_seconds, misses,
+      write_failures, store_full_writes, write_error, step_peak, memory_budget, untouched_bytes,
+      profiled_peak, within_budget, steps_measured, steps_over_budget, budget_reason, shapes, shape,
+      replans, tightenings, executed_peak, plan_summary, notice);
 }
 
 py::dict activation_stats_dict(const tt::ActivationStats& s) {
-  py::dict d;
-  d["packed"] = s.packed;
-  d["offloaded"] = s.offloaded;
-  d["kept_small"] = s.kept_small;
-  d["kept_parameter"] = s.kept_parameter;
-  d["kept_adaptive"] = s.kept_adaptive;
-  d["deduplicated"] = s.deduplicated;
-  d["forwarded"] = s.forwarded;
-  d["prefetched"] = s.prefetched;
-  d["misses"] = s.misses;
-  d["write_failures"] = s.write_failures;
-  d["store_full"] = s.store_full;
-  d["write_error"] = s.write_error;
-  d["cancelled_writes"] = s.cancelled_writes;
-  d["bytes_written"] = s.bytes_written;
-  d["bytes_read"] = s.bytes_read;
-  d["stall_seconds"] = s.stall_seconds;
-  d["forward_seconds"] = s.forward_seconds;
-  d["passes"] = s.passes;
-  d["keep_from"] = s.keep_from;
-  d["lookahead_bytes"] = s.lookahead_bytes;
-  return d;
+  return TIDAL_FIELDS_DICT(s, packed, offloaded, kept_small, kept_parameter, kept_adaptive,
+                           deduplicated, forwarded, prefetched, misses, write_failures, store_full,
+                           write_error, cancelled_writes, bytes_written, bytes_read, stall_seconds,
+                           forward_seconds, passes, keep_from, lookahead_bytes);
 }
+
+// Binds fields of an options struct read-write under their C++ names. fields: a name and its
+// member pointer, again and again, as TIDAL_FIELD writes them.
+template <typename Class>
+Class& def_fields(Class& cls) {
+  return cls;
+}
+template <typename Class, typename Member, typename... Fields>
+Class& def_fields(Class& cls, const char* name, Member member, Fields... fields) {
+  cls.def_readwrite(name, member);
+  return def_fields(cls, fields...);
+}
+#define TIDAL_FIELD(Struct, field) #field, &Struct::field
 
 // An ActivationOffloader with the store it writes to (the offloader holds it too; kept here for
 // the statistics).
@@ -197,13 +187,7 @@ PYBIND11_MODULE(_C, m) {
       "memory_stats",
       [] {
         static tt::MemoryMeter meter(c10::Device(c10::kCPU));
-        const tt::MemoryStats s = meter.stats();
-        py::dict d;
-        d["current_bytes"] = s.current_bytes;
-        d["peak_bytes"] = s.peak_bytes;
-        d["allocations"] = s.allocations;
-        d["frees"] = s.frees;
-        return d;
+        return TIDAL_FIELDS_DICT(meter.stats(), current_bytes, peak_bytes, allocations, frees);
       },
       "CPU tensor memory counted by tidal's tracking allocator (installed at import of tidal).");
   m.def(
@@ -214,73 +198,59 @@ PYBIND11_MODULE(_C, m) {
       },
       "Restarts the CPU peak from the bytes held now.");
 
+  using tidal::io::FaultPlan;
+  using tidal::io::StoreOptions;
+  using tt::ActivationOptions;
+  using tt::SessionOptions;
   // Test hook: deterministic faults between the store and its backend (io/backend.hpp).
-  py::class_<tidal::io::FaultPlan>(m, "FaultPlan")
-      .def(py::init<>())
-      .def_readwrite("fail_op", &tidal::io::FaultPlan::fail_op)
-      .def_readwrite("fail_errno", &tidal::io::FaultPlan::fail_errno)
-      .def_readwrite("fail_every_after", &tidal::io::FaultPlan::fail_every_after)
-      .def_readwrite("only_writes", &tidal::io::FaultPlan::only_writes)
-      .def_readwrite("only_reads", &tidal::io::FaultPlan::only_reads)
-      .def_readwrite("corrupt_read", &tidal::io::FaultPlan::corrupt_read)
-      .def_readwrite("delay_us", &tidal::io::FaultPlan::delay_us);
+  def_fields(py::class_<FaultPlan>(m, "FaultPlan").def(py::init<>()),
+             TIDAL_FIELD(FaultPlan, fail_op), TIDAL_FIELD(FaultPlan, fail_errno),
+             TIDAL_FIELD(FaultPlan, fail_every_after), TIDAL_FIELD(FaultPlan, only_writes),
+             TIDAL_FIELD(FaultPlan, only_reads), TIDAL_FIELD(FaultPlan, corrupt_read),
+             TIDAL_FIELD(FaultPlan, delay_us));
 
-  py::class_<tidal::io::StoreOptions>(m, "StoreOptions")
-      .def(py::init<>())
-      .def_readwrite("dirs", &tidal::io::StoreOptions::dirs)
-      .def_readwrite("capacity", &tidal::io::StoreOptions::capacity)
-      .def_readwrite("stripe_unit", &tidal::io::StoreOptions::stripe_unit)
-      .def_readwrite("queue_depth", &tidal::io::StoreOptions::queue_depth)
-      .def_readwrite("threads", &tidal::io::StoreOptions::threads)
-      .def_readwrite("checksum", &tidal::io::StoreOptions::checksum)
-      .def_readwrite("buffered", &tidal::io::StoreOptions::buffered)
-      .def_readwrite("allow_memory_fs", &tidal::io::StoreOptions::allow_memory_fs)
-      .def_readwrite("faults", &tidal::io::StoreOptions::faults);
+  def_fields(py::class_<StoreOptions>(m, "StoreOptions").def(py::init<>()),
+             TIDAL_FIELD(StoreOptions, dirs), TIDAL_FIELD(StoreOptions, capacity),
+             TIDAL_FIELD(StoreOptions, stripe_unit), TIDAL_FIELD(StoreOptions, queue_depth),
+             TIDAL_FIELD(StoreOptions, threads), TIDAL_FIELD(StoreOptions, checksum),
+             TIDAL_FIELD(StoreOptions, buffered), TIDAL_FIELD(StoreOptions, allow_memory_fs),
+             TIDAL_FIELD(StoreOptions, faults));
 
-  py::class_<tt::ActivationOptions>(m, "ActivationOptions")
-      .def(py::init<>())
-      .def_readwrite("min_bytes", &tt::ActivationOptions::min_bytes)
-      .def_readwrite("lookahead_bytes", &tt::ActivationOptions::lookahead_bytes)
-      .def_readwrite("min_lookahead_bytes", &tt::ActivationOptions::min_lookahead_bytes)
-      .def_readwrite("max_lookahead_bytes", &tt::ActivationOptions::max_lookahead_bytes)
-      .def_readwrite("adaptive", &tt::ActivationOptions::adaptive);
+  def_fields(py::class_<ActivationOptions>(m, "ActivationOptions").def(py::init<>()),
+             TIDAL_FIELD(ActivationOptions, min_bytes),
+             TIDAL_FIELD(ActivationOptions, lookahead_bytes),
+             TIDAL_FIELD(ActivationOptions, min_lookahead_bytes),
+             TIDAL_FIELD(ActivationOptions, max_lookahead_bytes),
+             TIDAL_FIELD(ActivationOptions, adaptive));
 
-  py::class_<tt::SessionOptions>(m, "SessionOptions")
-      .def(py::init<>())
+  py::class_<SessionOptions> session_options(m, "SessionOptions");
+  session_options.def(py::init<>())
       .def_property(
-          "mode", [](const tt::SessionOptions& o) { return std::string(tt::to_string(o.mode)); },
-          [](tt::SessionOptions& o, const std::string& s) {
-            o.mode = tt::offload_mode_from_string(s);
-          })
-      .def_readwrite("store", &tt::SessionOptions::store)
-      .def_readwrite("activations", &tt::SessionOptions::activations)
+          "mode", [](const SessionOptions& o) { return std::string(tt::to_string(o.mode)); },
+          [](SessionOptions& o, const std::string& s) { o.mode = tt::offload_mode_from_string(s); })
       .def_property(
-          "executor_min_bytes", [](const tt::SessionOptions& o) { return o.executor.min_bytes; },
-          [](tt::SessionOptions& o, std::uint64_t b) { o.executor.min_bytes = b; })
-      .def_readwrite("warmup_steps", &tt::SessionOptions::warmup_steps)
-      .def_readwrite("profile_steps", &tt::SessionOptions::profile_steps)
-      .def_readwrite("memory_budget", &tt::SessionOptions::memory_budget)
-      .def_readwrite("budget_fraction", &tt::SessionOptions::budget_fraction)
-      .def_readwrite("strict_budget", &tt::SessionOptions::strict_budget)
-      .def_readwrite("budget_option", &tt::SessionOptions::budget_option)
-      .def_readwrite("between_steps_option", &tt::SessionOptions::between_steps_option)
+          "executor_min_bytes", [](const SessionOptions& o) { return o.executor.min_bytes; },
+          [](SessionOptions& o, std::uint64_t b) { o.executor.min_bytes = b; })
       .def_property(
           "between_steps",
-          [](const tt::SessionOptions& o) {
+          [](const SessionOptions& o) {
             return std::string(o.between_steps == tt::BetweenSteps::kResident ? "resident"
                                                                               : "offloaded");
           },
-          [](tt::SessionOptions& o, const std::string& s) {
+          [](SessionOptions& o, const std::string& s) {
             TIDAL_EXPECT_AS(tidal::InvalidArgument, s == "resident" || s == "offloaded",
                             "between_steps is 'resident' or 'offloaded', not '", s, "'");
             o.between_steps =
                 s == "resident" ? tt::BetweenSteps::kResident : tt::BetweenSteps::kOffloaded;
-          })
-      .def_readwrite("host_memory", &tt::SessionOptions::host_memory)
-      .def_readwrite("hardware", &tt::SessionOptions::hardware)
-      .def_readwrite("model_name", &tt::SessionOptions::model_name)
-      .def_readwrite("batch", &tt::SessionOptions::batch)
-      .def_readwrite("seq", &tt::SessionOptions::seq);
+          });
+  def_fields(
+      session_options, TIDAL_FIELD(SessionOptions, store), TIDAL_FIELD(SessionOptions, activations),
+      TIDAL_FIELD(SessionOptions, warmup_steps), TIDAL_FIELD(SessionOptions, profile_steps),
+      TIDAL_FIELD(SessionOptions, memory_budget), TIDAL_FIELD(SessionOptions, budget_fraction),
+      TIDAL_FIELD(SessionOptions, strict_budget), TIDAL_FIELD(SessionOptions, budget_option),
+      TIDAL_FIELD(SessionOptions, between_steps_option), TIDAL_FIELD(SessionOptions, host_memory),
+      TIDAL_FIELD(SessionOptions, hardware), TIDAL_FIELD(SessionOptions, model_name),
+      TIDAL_FIELD(SessionOptions, batch), TIDAL_FIELD(SessionOptions, seq));
 
   py::class_<tt::Session, Holder<tt::Session>>(m, "Session")
       .def(py::init<tt::SessionOptions>(), py::call_guard<py::gil_scoped_release>())

@@ -9,6 +9,7 @@ import torch
 
 from . import _C
 from ._options import Size, parse_size, store_options
+from ._stats import traffic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,10 +38,8 @@ class ActivationStats:
     lookahead_bytes: int
 
     def __str__(self) -> str:
-        b = _C.format_bytes
         return (f"tidal activations: {self.offloaded} of {self.packed} saved tensors offloaded, "
-                f"wrote {b(self.bytes_written)}, read {b(self.bytes_read)}, "
-                f"stall {self.stall_seconds:.3f} s")
+                f"{traffic(self)}")
 
 
 class offload_activations:

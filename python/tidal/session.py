@@ -11,6 +11,7 @@ import torch
 
 from . import _C
 from ._options import Size, parse_budget, parse_size, store_options
+from ._stats import traffic
 from .distributed import prepare_model
 
 
@@ -54,9 +55,7 @@ class SessionStats:
 
     def __str__(self) -> str:
         b = _C.format_bytes
-        line = (f"tidal {self.mode}/{self.state}: peak {b(self.step_peak)}, "
-                f"wrote {b(self.bytes_written)}, read {b(self.bytes_read)}, "
-                f"stall {self.stall_seconds:.3f} s")
+        line = f"tidal {self.mode}/{self.state}: peak {b(self.step_peak)}, {traffic(self)}"
         if self.mode == "plan" and self.memory_budget:
             line += (f", budget {b(self.memory_budget)} "
                      f"({'met' if self.within_budget else 'not met yet'})")

@@ -206,13 +206,22 @@ TEST(ModelTrace, ParameterCountsMatchTheModels) {
   EXPECT_THROW(model_preset("bert"), InvalidArgument);
 }
 
+// A preset model cut to `layers` blocks.
+TransformerConfig preset_blocks(const char* name, int layers) {
+  TransformerConfig cfg = model_preset(name);
+  ModelOverrides o;
+  o.layers = layers;
+  apply_overrides(cfg, o);
+  return cfg;
+}
+
+// A preset model cut to three blocks, for the schedule tests.
+TransformerConfig three_blocks(const char* name) { return preset_blocks(name, 3); }
+
 TEST(ModelTrace, TensorBytesAreExactFp32) {
   const Hardware hw = hardware_preset("h100-4ssd");
   for (const char* name : {"gpt2-small", "llama3.2-1b"}) {
-    TransformerConfig cfg = model_preset(name);
-    ModelOverrides o;
-    o.layers = 3;
-    apply_overrides(cfg, o);
+    const TransformerConfig cfg = three_blocks(name);
     const trace::Trace t = transformer_trace(cfg, 2, 128, hw);
     std::uint64_t params = 0;
     std::uint64_t grads = 0;
@@ -232,156 +241,90 @@ TEST(ModelTrace, TensorBytesAreExactFp32) {
   }
 }
 
-// A preset model cut to three blocks, for the schedule tests.
-TransformerConfig three_blocks(const char* name) {
-  TransformerConfig cfg = model_preset(name);
-  ModelOverrides o;
-  o.layers = 3;
-  apply_overrides(cfg, o);
-  return cfg;
+// Each of two presets, cut to three blocks, traced on `schedule` and on the standard one: the
+// scheduled trace is valid and says its schedule, with the same ops and compute (only the order
+// differs). check(name, t, std_t, hw) then checks what the schedule moved.
+template <typename Check>
+void check_scheduled_presets(OptimizerSchedule schedule, const std::string& schedule_name,
+                             Check check) {
+  const Hardware hw = hardware_preset("h100-4ssd");
+  for (const char* name : {"gpt2-small", "llama3.2-1b"}) {
+    const TransformerConfig cfg = three_blocks(name);
+    const trace::Trace std_t = transformer_trace(cfg, 2, 128, hw);
+    AnalyticTraceOptions opt;
+    opt.optimizer = schedule;
+    const trace::Trace t = transformer_trace(cfg, 2, 128, hw, opt);
+    ASSERT_NO_THROW(trace::validate(t)) << name;
+    EXPECT_EQ(t.meta.at("optimizer_schedule"), schedule_name);
+    EXPECT_EQ(std_t.meta.at("optimizer_schedule"), "after-backward");
+    ASSERT_EQ(t.ops.size(), std_t.ops.size());
+    EXPECT_NEAR(t.compute_seconds(), std_t.compute_seconds(), 1e-12);
+    check(name, t, std_t, hw);
+  }
 }
 
 TEST(ModelTrace, OptimizerInBackwardMovesEachUpdateAfterItsGradient) {
-  const Hardware hw = hardware_preset("h100-4ssd");
-  for (const char* name : {"gpt2-small", "llama3.2-1b"}) {
-    const TransformerConfig cfg = three_blocks(name);
-    const trace::Trace std_t = transformer_trace(cfg, 2, 128, hw);
-    AnalyticTraceOptions opt;
-    opt.optimizer = OptimizerSchedule::kInBackward;
-    const trace::Trace t = transformer_trace(cfg, 2, 128, hw, opt);
-    ASSERT_NO_THROW(trace::validate(t));
-    EXPECT_EQ(t.meta.at("optimizer_schedule"), "in-backward");
-    EXPECT_EQ(std_t.meta.at("optimizer_schedule"), "after-backward");
-    // Same ops, same compute: only the order differs.
-    ASSERT_EQ(t.ops.size(), std_t.ops.size());
-    EXPECT_NEAR(t.compute_seconds(), std_t.compute_seconds(), 1e-12);
-    std::vector<std::string> a;
-    std::vector<std::string> b;
-    for (const auto& op : t.ops) a.push_back(op.name);
-    for (const auto& op : std_t.ops) b.push_back(op.name);
-    std::sort(a.begin(), a.end());
-    std::sort(b.begin(), b.end());
-    EXPECT_EQ(a, b) << name;
-    // Every update follows (past other updates only) the last op that touches its tensors,
-    // and no optimizer op is left after the last backward op.
-    const auto la = trace::analyze_lifetimes(t);
-    int last_backward = -1;
-    for (const auto& op : t.ops)
-      if (op.phase == Phase::kBackward) last_backward = op.index;
-    for (const auto& op : t.ops) {
-      if (op.phase != Phase::kOptimizer) continue;
-      int prev = op.index - 1;
-      while (prev >= 0 && t.ops[static_cast<std::size_t>(prev)].phase == Phase::kOptimizer) --prev;
-      ASSERT_GE(prev, 0);
-      bool touches = false;
-      for (const auto* ids : {&op.inputs, &op.outputs}) {
-        for (trace::TensorId id : *ids) {
-          for (trace::OpIndex u : la.tensors[static_cast<std::size_t>(id)].uses) {
-            if (t.ops[static_cast<std::size_t>(u)].phase == Phase::kOptimizer) continue;
-            EXPECT_LE(u, prev) << op.name;
-            touches = touches || u == prev;
+  check_scheduled_presets(
+      OptimizerSchedule::kInBackward, "in-backward",
+      [](const char* name, const trace::Trace& t, const trace::Trace& std_t, const Hardware&) {
+        std::vector<std::string> a;
+        std::vector<std::string> b;
+        for (const auto& op : t.ops) a.push_back(op.name);
+        for (const auto& op : std_t.ops) b.push_back(op.name);
+        std::sort(a.begin(), a.end());
+        std::sort(b.begin(), b.end());
+        EXPECT_EQ(a, b) << name;
+        // Every update follows (past other updates only) the last op that touches its tensors,
+        // and no optimizer op is left after the last backward op.
+        const auto la = trace::analyze_lifetimes(t);
+        int last_backward = -1;
+        for (const auto& op : t.ops)
+          if (op.phase == Phase::kBackward) last_backward = op.index;
+        for (const auto& op : t.ops) {
+          if (op.phase != Phase::kOptimizer) continue;
+          int prev = op.index - 1;
+          while (prev >= 0 && t.ops[static_cast<std::size_t>(prev)].phase == Phase::kOptimizer)
+            --prev;
+          ASSERT_GE(prev, 0);
+          bool touches = false;
+          for (const auto* ids : {&op.inputs, &op.outputs}) {
+            for (trace::TensorId id : *ids) {
+              for (trace::OpIndex u : la.tensors[static_cast<std::size_t>(id)].uses) {
+                if (t.ops[static_cast<std::size_t>(u)].phase == Phase::kOptimizer) continue;
+                EXPECT_LE(u, prev) << op.name;
+                touches = touches || u == prev;
+              }
+            }
           }
+          EXPECT_TRUE(touches) << op.name << " does not follow the op that completes its gradient";
+          EXPECT_LT(op.index, last_backward + 1 + 3) << op.name;  // only the embedding's own
         }
-      }
-      EXPECT_TRUE(touches) << op.name << " does not follow the op that completes its gradient";
-      EXPECT_LT(op.index, last_backward + 1 + 3) << op.name;  // only the embedding's own
-    }
-    // Gradients live for one op, so the peak cannot grow.
-    EXPECT_LE(la.summary.peak_live_bytes, trace::analyze_lifetimes(std_t).summary.peak_live_bytes);
-  }
+        // Gradients live for one op, so the peak cannot grow.
+        EXPECT_LE(la.summary.peak_live_bytes,
+                  trace::analyze_lifetimes(std_t).summary.peak_live_bytes);
+      });
 }
 
-TEST(ModelTrace, OptimizerInBackwardOnRandomTracesPlansAndFits) {
-  for (std::uint64_t seed = 0; seed < 60; ++seed) {
+// Random traces of one to four layers (`seeds` of them) moved to an optimizer schedule by
+// `schedule`: each valid, with the compute of its base, kept in memory as the lifetime analysis
+// counts it; planned for 80% of its peak where a plan exists, the plan valid, every offload
+// paired, under the device's memory with no miss and no less stall than the lower bound.
+// `set_to_none`: every other seed's gradients are set to none. on_trace sees each trace.
+template <typename Schedule, typename OnTrace>
+void check_random_schedules(std::uint64_t seeds, bool set_to_none, Schedule schedule,
+                            OnTrace on_trace) {
+  for (std::uint64_t seed = 0; seed < seeds; ++seed) {
     trace::testutil::RandomTraceOptions ro;
     ro.layers = 1 + static_cast<int>(seed % 4);
     ro.max_bytes = 1ull << 30;
+    if (set_to_none) ro.gradients_set_to_none = seed % 2 == 0;
     const trace::Trace base = trace::testutil::random_trace(seed, ro);
-    const trace::Trace t = optimizer_in_backward(base);
+    const trace::Trace t = schedule(base);
     ASSERT_NO_THROW(trace::validate(t)) << "seed " << seed;
     EXPECT_NEAR(t.compute_seconds(), base.compute_seconds(), 1e-9);
+    on_trace(t);
     const auto la = trace::analyze_lifetimes(t);
     const Hardware hw = simple_hw(la.summary.peak_live_bytes * 8 / 10, 1e10);
-    const std::optional<Plan> p_or = try_plan(t, hw);
-    if (!p_or) continue;
-    const Plan& p = *p_or;
-    expect_paired(p, t);
-    const SimResult sim = simulate(t, &p, hw);
-    EXPECT_LE(sim.peak_bytes, hw.device_memory) << "seed " << seed;
-    EXPECT_EQ(sim.misses, 0) << "seed " << seed;
-  }
-}
-
-TEST(ModelTrace, OptimizerDeferredMovesEachUpdateBeforeItsFirstUse) {
-  const Hardware hw = hardware_preset("h100-4ssd");
-  for (const char* name : {"gpt2-small", "llama3.2-1b"}) {
-    const TransformerConfig cfg = three_blocks(name);
-    const trace::Trace std_t = transformer_trace(cfg, 2, 128, hw);
-    AnalyticTraceOptions opt;
-    opt.optimizer = OptimizerSchedule::kDeferred;
-    const trace::Trace t = transformer_trace(cfg, 2, 128, hw, opt);
-    ASSERT_NO_THROW(trace::validate(t));
-    EXPECT_EQ(t.meta.at("optimizer_schedule"), "deferred");
-    ASSERT_EQ(t.ops.size(), std_t.ops.size());
-    EXPECT_NEAR(t.compute_seconds(), std_t.compute_seconds(), 1e-12);
-    // Every update comes right before (past other updates only) the first op that uses what it
-    // writes; every gradient it reads has a gap from its update to the backward op making it.
-    const auto la = trace::analyze_lifetimes(t);
-    int updates = 0;
-    for (const auto& op : t.ops) {
-      if (op.phase != Phase::kOptimizer) continue;
-      ++updates;
-      int next = op.index + 1;
-      while (next < static_cast<int>(t.ops.size()) &&
-             t.ops[static_cast<std::size_t>(next)].phase == Phase::kOptimizer) {
-        ++next;
-      }
-      ASSERT_LT(next, static_cast<int>(t.ops.size())) << op.name;
-      bool first = false;
-      for (trace::TensorId id : op.outputs) {
-        for (trace::OpIndex u : la.tensors[static_cast<std::size_t>(id)].uses) {
-          if (t.ops[static_cast<std::size_t>(u)].phase == Phase::kOptimizer) continue;
-          EXPECT_GE(u, next) << op.name;
-          first = first || u == next;
-        }
-      }
-      EXPECT_TRUE(first) << op.name << " is not right before its parameter's first use";
-      for (trace::TensorId id : op.inputs) {
-        const auto& g = t.tensors[static_cast<std::size_t>(id)];
-        if (g.cls != TensorClass::kGradient) continue;
-        EXPECT_TRUE(g.has_gap()) << g.name;
-        EXPECT_EQ(g.freed_after, op.index) << g.name;
-        EXPECT_EQ(t.ops[static_cast<std::size_t>(g.producer)].phase, Phase::kBackward) << g.name;
-      }
-    }
-    EXPECT_GT(updates, 0);
-    EXPECT_EQ(trace::trace_from_json(trace::trace_to_json(t)).tensors.size(), t.tensors.size());
-    const trace::Trace back = trace::trace_from_json(trace::trace_to_json(t));
-    for (std::size_t i = 0; i < t.tensors.size(); ++i) {
-      EXPECT_EQ(back.tensors[i].has_gap(), t.tensors[i].has_gap());
-      EXPECT_EQ(back.tensors[i].freed_after, t.tensors[i].freed_after);
-    }
-    // Kept in memory, the simulator counts what the lifetime analysis counts, gaps included.
-    const SimResult keep = simulate(t, nullptr, hw);
-    EXPECT_EQ(keep.memory_per_op, la.live_bytes) << name;
-    EXPECT_THROW(optimizer_deferred(t), InvalidArgument);
-  }
-}
-
-TEST(ModelTrace, OptimizerDeferredOnRandomTracesPlansAndFits) {
-  int gaps = 0;
-  for (std::uint64_t seed = 0; seed < 80; ++seed) {
-    trace::testutil::RandomTraceOptions ro;
-    ro.layers = 1 + static_cast<int>(seed % 4);
-    ro.max_bytes = 1ull << 30;
-    ro.gradients_set_to_none = seed % 2 == 0;
-    const trace::Trace base = trace::testutil::random_trace(seed, ro);
-    const trace::Trace t = optimizer_deferred(base);
-    ASSERT_NO_THROW(trace::validate(t)) << "seed " << seed;
-    EXPECT_NEAR(t.compute_seconds(), base.compute_seconds(), 1e-9);
-    for (const auto& x : t.tensors) gaps += x.has_gap() ? 1 : 0;
-    const auto la = trace::analyze_lifetimes(t);
-    Hardware hw = simple_hw(la.summary.peak_live_bytes * 8 / 10, 1e10);
     const SimResult keep = simulate(t, nullptr, hw);
     EXPECT_EQ(keep.memory_per_op, la.live_bytes) << "seed " << seed;
     const std::optional<Plan> p_or = try_plan(t, hw);
@@ -397,6 +340,70 @@ TEST(ModelTrace, OptimizerDeferredOnRandomTracesPlansAndFits) {
           << "seed " << seed;
     }
   }
+}
+
+TEST(ModelTrace, OptimizerInBackwardOnRandomTracesPlansAndFits) {
+  check_random_schedules(
+      60, false, [](const trace::Trace& base) { return optimizer_in_backward(base); },
+      [](const trace::Trace&) {});
+}
+
+TEST(ModelTrace, OptimizerDeferredMovesEachUpdateBeforeItsFirstUse) {
+  check_scheduled_presets(
+      OptimizerSchedule::kDeferred, "deferred",
+      [](const char* name, const trace::Trace& t, const trace::Trace&, const Hardware& hw) {
+        // Every update comes right before (past other updates only) the first op that uses what it
+        // writes; every gradient it reads has a gap from its update to the backward op making it.
+        const auto la = trace::analyze_lifetimes(t);
+        int updates = 0;
+        for (const auto& op : t.ops) {
+          if (op.phase != Phase::kOptimizer) continue;
+          ++updates;
+          int next = op.index + 1;
+          while (next < static_cast<int>(t.ops.size()) &&
+                 t.ops[static_cast<std::size_t>(next)].phase == Phase::kOptimizer) {
+            ++next;
+          }
+          ASSERT_LT(next, static_cast<int>(t.ops.size())) << op.name;
+          bool first = false;
+          for (trace::TensorId id : op.outputs) {
+            for (trace::OpIndex u : la.tensors[static_cast<std::size_t>(id)].uses) {
+              if (t.ops[static_cast<std::size_t>(u)].phase == Phase::kOptimizer) continue;
+              EXPECT_GE(u, next) << op.name;
+              first = first || u == next;
+            }
+          }
+          EXPECT_TRUE(first) << op.name << " is not right before its parameter's first use";
+          for (trace::TensorId id : op.inputs) {
+            const auto& g = t.tensors[static_cast<std::size_t>(id)];
+            if (g.cls != TensorClass::kGradient) continue;
+            EXPECT_TRUE(g.has_gap()) << g.name;
+            EXPECT_EQ(g.freed_after, op.index) << g.name;
+            EXPECT_EQ(t.ops[static_cast<std::size_t>(g.producer)].phase, Phase::kBackward)
+                << g.name;
+          }
+        }
+        EXPECT_GT(updates, 0);
+        EXPECT_EQ(trace::trace_from_json(trace::trace_to_json(t)).tensors.size(), t.tensors.size());
+        const trace::Trace back = trace::trace_from_json(trace::trace_to_json(t));
+        for (std::size_t i = 0; i < t.tensors.size(); ++i) {
+          EXPECT_EQ(back.tensors[i].has_gap(), t.tensors[i].has_gap());
+          EXPECT_EQ(back.tensors[i].freed_after, t.tensors[i].freed_after);
+        }
+        // Kept in memory, the simulator counts what the lifetime analysis counts, gaps included.
+        const SimResult keep = simulate(t, nullptr, hw);
+        EXPECT_EQ(keep.memory_per_op, la.live_bytes) << name;
+        EXPECT_THROW(optimizer_deferred(t), InvalidArgument);
+      });
+}
+
+TEST(ModelTrace, OptimizerDeferredOnRandomTracesPlansAndFits) {
+  int gaps = 0;
+  check_random_schedules(
+      80, true, [](const trace::Trace& base) { return optimizer_deferred(base); },
+      [&gaps](const trace::Trace& t) {
+        for (const auto& x : t.tensors) gaps += x.has_gap() ? 1 : 0;
+      });
   EXPECT_GT(gaps, 100);
 }
 
@@ -675,10 +682,7 @@ TEST(Simulator, TheComputeTransfersTakeIsChargedOncePerByteStarted) {
 TEST(Simulator, IdealIsNeverSlower) {
   const Hardware base = hardware_preset("cpu-here");
   for (const char* model : {"gpt2-small", "llama3.2-1b"}) {
-    TransformerConfig cfg = model_preset(model);
-    ModelOverrides o;
-    o.layers = 4;
-    apply_overrides(cfg, o);
+    const TransformerConfig cfg = preset_blocks(model, 4);
     Hardware hw = base;
     hw.host_memory = 1ull << 30;
     const trace::Trace t = transformer_trace(cfg, 2, 256, hw);
@@ -972,11 +976,8 @@ TEST(Policies, RecomputePerMicroBatch) {
 }
 
 TEST(Policies, RecomputeTraceDropsAndRemakesActivations) {
-  TransformerConfig cfg = model_preset("gpt2-small");
-  ModelOverrides o;
-  o.layers = 2;
-  apply_overrides(cfg, o);
-  const trace::Trace t = transformer_trace(cfg, 1, 64, hardware_preset("h100-4ssd"));
+  const trace::Trace t =
+      transformer_trace(preset_blocks("gpt2-small", 2), 1, 64, hardware_preset("h100-4ssd"));
   const trace::Trace r = recompute_trace(t);
   EXPECT_NO_THROW(trace::validate(r));
   int fwd_ops = 0;
@@ -1083,39 +1084,71 @@ FuzzCase fuzz_case(std::uint64_t seed, std::mt19937_64& rng, FuzzLink link, bool
   return c;
 }
 
+// The fuzz tests' loop: the cases of seeds 0 to 399, drawn by fuzz_case from one generator
+// seeded with `rng_seed`, each handed to check(seed, case); link(seed) gives each its host link.
+template <typename Link, typename Check>
+void for_each_fuzz_case(std::uint64_t rng_seed, Link link, bool vary_margin, Check check) {
+  std::mt19937_64 rng(rng_seed);
+  for (std::uint64_t seed = 0; seed < 400; ++seed) {
+    const FuzzCase c = fuzz_case(seed, rng, link(seed), vary_margin);
+    check(seed, c);
+  }
+}
+
+// The same host link for every seed.
+auto always(FuzzLink link) {
+  return [link](std::uint64_t) { return link; };
+}
+
+// The fuzz cases (as for_each_fuzz_case draws them, one host link for all) that have an unpruned
+// plan, each handed to check(seed, case, plan).
+template <typename Check>
+void for_each_unpruned_plan(std::uint64_t rng_seed, FuzzLink link, bool vary_margin, Check check) {
+  for_each_fuzz_case(rng_seed, always(link), vary_margin,
+                     [&](std::uint64_t seed, const FuzzCase& c) {
+                       const std::optional<Plan> p = try_unpruned_plan(c.trace, c.hw);
+                       if (p) check(seed, c, *p);
+                     });
+}
+
+// A fuzz test's count of the cases that were not vacuous: expected above `floor`, and recorded.
+void expect_count_above(const char* name, int count, int floor) {
+  EXPECT_GT(count, floor) << name;
+  ::testing::Test::RecordProperty(name, count);
+}
+
 TEST(PlannerFuzz, RandomTracesFitAndPair) {
-  std::mt19937_64 rng(12345);
   int planned = 0;
   int infeasible = 0;
-  for (std::uint64_t seed = 0; seed < 400; ++seed) {
-    auto [t, la, hw] = fuzz_case(seed, rng, FuzzLink::kPerArray, true);
-    PlannerOptions po;
-    po.prefer_host = seed % 4 == 3;
-    Plan p;
-    try {
-      p = make_plan(t, hw, po);
-    } catch (const InvalidArgument& e) {
-      // The claim must be true: some op's own tensors plus what cannot move exceed capacity,
-      // so at least the op's active bytes are positive and the trace does not fit as is.
-      EXPECT_GT(la.summary.peak_live_bytes, hw.device_memory * (1 - hw.memory_margin));
-      EXPECT_NE(std::string(e.what()).find("short"), std::string::npos);
-      ++infeasible;
-      continue;
-    }
-    ++planned;
-    ASSERT_NO_THROW(validate_plan(p, t)) << "seed " << seed;
-    expect_paired(p, t);
-    const SimResult sim = simulate(t, &p, hw);
-    EXPECT_LE(sim.peak_bytes, hw.device_memory) << "seed " << seed;
-    EXPECT_TRUE(p.summary.fits) << "seed " << seed;
-    EXPECT_LE(p.summary.peak_after_bytes, hw.device_memory) << "seed " << seed;
-    EXPECT_EQ(sim.misses, 0) << "seed " << seed;
-    EXPECT_GE(sim.iteration_seconds, t.compute_seconds() * (1 - 1e-12));
-    if (hw.host_memory == 0) EXPECT_EQ(p.summary.offloads_host, 0);
-    EXPECT_LE(sim.peak_host_bytes, std::max<std::uint64_t>(hw.host_memory, 0));
-  }
-  EXPECT_GT(planned, 150);
-  RecordProperty("planned", planned);
+  for_each_fuzz_case(
+      12345, always(FuzzLink::kPerArray), true, [&](std::uint64_t seed, const FuzzCase& fc) {
+        const auto& [t, la, hw] = fc;
+        PlannerOptions po;
+        po.prefer_host = seed % 4 == 3;
+        Plan p;
+        try {
+          p = make_plan(t, hw, po);
+        } catch (const InvalidArgument& e) {
+          // The claim must be true: some op's own tensors plus what cannot move exceed capacity,
+          // so at least the op's active bytes are positive and the trace does not fit as is.
+          EXPECT_GT(la.summary.peak_live_bytes, hw.device_memory * (1 - hw.memory_margin));
+          EXPECT_NE(std::string(e.what()).find("short"), std::string::npos);
+          ++infeasible;
+          return;
+        }
+        ++planned;
+        ASSERT_NO_THROW(validate_plan(p, t)) << "seed " << seed;
+        expect_paired(p, t);
+        const SimResult sim = simulate(t, &p, hw);
+        EXPECT_LE(sim.peak_bytes, hw.device_memory) << "seed " << seed;
+        EXPECT_TRUE(p.summary.fits) << "seed " << seed;
+        EXPECT_LE(p.summary.peak_after_bytes, hw.device_memory) << "seed " << seed;
+        EXPECT_EQ(sim.misses, 0) << "seed " << seed;
+        EXPECT_GE(sim.iteration_seconds, t.compute_seconds() * (1 - 1e-12));
+        if (hw.host_memory == 0) EXPECT_EQ(p.summary.offloads_host, 0);
+        EXPECT_LE(sim.peak_host_bytes, std::max<std::uint64_t>(hw.host_memory, 0));
+      });
+  expect_count_above("planned", planned, 150);
   RecordProperty("infeasible", infeasible);
 }
 
@@ -1126,118 +1159,108 @@ TEST(PlannerFuzz, RandomTracesFitAndPair) {
 // SSDs at once (as the simulator counts them) stay within it, on random traces where the plan
 // made without the bound would have gone over it.
 TEST(PlannerFuzz, TheSsdCapacityBoundsWhatIsAwayOnTheSsds) {
-  std::mt19937_64 rng(777);
   int bounded = 0;  // cases where the bound changed the plan (the unbounded plan was over it)
   int refused = 0;
-  for (std::uint64_t seed = 0; seed < 400; ++seed) {
-    FuzzCase fc = fuzz_case(seed, rng, FuzzLink::kPerArray, false);
-    Hardware hw = fc.hw;
-    const std::optional<Plan> free_plan_or = try_plan(fc.trace, hw, PlannerOptions{});
-    if (!free_plan_or) continue;
-    const Plan& free_plan = *free_plan_or;
-    const SimResult free_sim = simulate(fc.trace, &free_plan, hw);
-    if (free_sim.peak_ssd_bytes < 2) continue;
-    hw.ssd_capacity = free_sim.peak_ssd_bytes * (5 + seed % 4) / 10;  // 50-80% of it
-    Plan p;
-    try {
-      p = make_plan(fc.trace, hw, PlannerOptions{});
-    } catch (const InvalidArgument& e) {
-      ++refused;  // no plan fits both device memory and the store: said, with what to do
-      const std::string what = e.what();
-      EXPECT_TRUE(what.find("give the store more capacity") != std::string::npos ||
-                  what.find("short") != std::string::npos)
-          << what;
-      continue;
-    }
-    ASSERT_NO_THROW(validate_plan(p, fc.trace)) << "seed " << seed;
-    const SimResult sim = simulate(fc.trace, &p, hw);
-    EXPECT_LE(sim.peak_ssd_bytes, hw.ssd_capacity) << "seed " << seed;
-    EXPECT_LE(sim.peak_host_bytes, hw.host_memory) << "seed " << seed;
-    ++bounded;
-  }
+  for_each_fuzz_case(
+      777, always(FuzzLink::kPerArray), false, [&](std::uint64_t seed, const FuzzCase& fc) {
+        Hardware hw = fc.hw;
+        const std::optional<Plan> free_plan_or = try_plan(fc.trace, hw, PlannerOptions{});
+        if (!free_plan_or) return;
+        const Plan& free_plan = *free_plan_or;
+        const SimResult free_sim = simulate(fc.trace, &free_plan, hw);
+        if (free_sim.peak_ssd_bytes < 2) return;
+        hw.ssd_capacity = free_sim.peak_ssd_bytes * (5 + seed % 4) / 10;  // 50-80% of it
+        Plan p;
+        try {
+          p = make_plan(fc.trace, hw, PlannerOptions{});
+        } catch (const InvalidArgument& e) {
+          ++refused;  // no plan fits both device memory and the store: said, with what to do
+          const std::string what = e.what();
+          EXPECT_TRUE(what.find("give the store more capacity") != std::string::npos ||
+                      what.find("short") != std::string::npos)
+              << what;
+          return;
+        }
+        ASSERT_NO_THROW(validate_plan(p, fc.trace)) << "seed " << seed;
+        const SimResult sim = simulate(fc.trace, &p, hw);
+        EXPECT_LE(sim.peak_ssd_bytes, hw.ssd_capacity) << "seed " << seed;
+        EXPECT_LE(sim.peak_host_bytes, hw.host_memory) << "seed " << seed;
+        ++bounded;
+      });
   EXPECT_GT(bounded, 40) << refused << " refused";
 }
 
 TEST(PlannerFuzz, PlannedStallBoundsTheSimulatedStall) {
-  std::mt19937_64 rng(777);
   int compared = 0;
-  for (std::uint64_t seed = 0; seed < 400; ++seed) {
-    auto [t, la, hw] = fuzz_case(seed, rng, FuzzLink::kPerSsd, false);
-    // The estimate is judged on the unpruned plan; pruning only gives bandwidth back, and the
-    // planned stall stays an upper bound (the reservations that needed a stall keep their
-    // place, so it can be looser than before).
-    const std::optional<Plan> p_or = try_unpruned_plan(t, hw);
-    if (!p_or) continue;
-    const Plan& p = *p_or;
-    const SimResult sim = simulate(t, &p, hw);
-    const double planned = p.summary.planned_stall_seconds;
-    const double slack = 1e-6 * t.compute_seconds() + 1e-9;
-    EXPECT_LE(sim.stall_seconds, planned * (1 + 1e-6) + slack) << "seed " << seed;
-    EXPECT_LE(planned, 2.5 * sim.stall_seconds + 0.01 * t.compute_seconds() + slack)
-        << "seed " << seed;
-    if (planned > 0.01 * t.compute_seconds()) ++compared;
-    const Plan q = make_plan(t, hw);
-    const SimResult qsim = simulate(t, &q, hw);
-    EXPECT_LE(q.summary.planned_stall_seconds, planned + slack) << "seed " << seed;
-    EXPECT_LE(qsim.stall_seconds, q.summary.planned_stall_seconds * (1 + 1e-6) + slack)
-        << "seed " << seed;
-  }
-  EXPECT_GT(compared, 20);
-  RecordProperty("compared", compared);
+  // The estimate is judged on the unpruned plan; pruning only gives bandwidth back, and the
+  // planned stall stays an upper bound (the reservations that needed a stall keep their place,
+  // so it can be looser than before).
+  for_each_unpruned_plan(
+      777, FuzzLink::kPerSsd, false, [&](std::uint64_t seed, const FuzzCase& fc, const Plan& p) {
+        const auto& [t, la, hw] = fc;
+        const SimResult sim = simulate(t, &p, hw);
+        const double planned = p.summary.planned_stall_seconds;
+        const double slack = 1e-6 * t.compute_seconds() + 1e-9;
+        EXPECT_LE(sim.stall_seconds, planned * (1 + 1e-6) + slack) << "seed " << seed;
+        EXPECT_LE(planned, 2.5 * sim.stall_seconds + 0.01 * t.compute_seconds() + slack)
+            << "seed " << seed;
+        if (planned > 0.01 * t.compute_seconds()) ++compared;
+        const Plan q = make_plan(t, hw);
+        const SimResult qsim = simulate(t, &q, hw);
+        EXPECT_LE(q.summary.planned_stall_seconds, planned + slack) << "seed " << seed;
+        EXPECT_LE(qsim.stall_seconds, q.summary.planned_stall_seconds * (1 + 1e-6) + slack)
+            << "seed " << seed;
+      });
+  expect_count_above("compared", compared, 20);
 }
 
 // Pruning only drops migrations: on random traces it never writes more (planned or simulated,
 // SSD or host memory), never raises the stall, and keeps every invariant of the plan.
 TEST(PlannerFuzz, PruningNeverWritesMoreAndKeepsTheInvariants) {
-  std::mt19937_64 rng(4242);
   int planned = 0;
   int pruned = 0;
-  for (std::uint64_t seed = 0; seed < 400; ++seed) {
-    auto [t, la, hw] = fuzz_case(seed, rng, FuzzLink::kPerArray, true);
-    const std::optional<Plan> g_or = try_unpruned_plan(t, hw);
-    if (!g_or) continue;
-    const Plan& g = *g_or;
-    const Plan p = make_plan(t, hw);
-    ++planned;
-    if (p.actions.size() < g.actions.size()) ++pruned;
-    ASSERT_NO_THROW(validate_plan(p, t)) << "seed " << seed;
-    expect_paired(p, t);
-    EXPECT_LE(p.actions.size(), g.actions.size()) << "seed " << seed;
-    EXPECT_LE(p.summary.bytes_to_ssd, g.summary.bytes_to_ssd) << "seed " << seed;
-    EXPECT_LE(p.summary.bytes_to_host, g.summary.bytes_to_host) << "seed " << seed;
-    EXPECT_EQ(p.summary.fits, g.summary.fits) << "seed " << seed;
-    EXPECT_LE(p.summary.peak_after_bytes,
-              std::max(p.summary.target_bytes, g.summary.peak_after_bytes))
-        << "seed " << seed;
-    EXPECT_LE(p.summary.peak_host_bytes, g.summary.peak_host_bytes) << "seed " << seed;
-    const double slack = 1e-6 * t.compute_seconds() + 1e-9;
-    EXPECT_LE(p.summary.planned_stall_seconds, g.summary.planned_stall_seconds + slack)
-        << "seed " << seed;
-    const SimResult gs = simulate(t, &g, hw);
-    const SimResult ps = simulate(t, &p, hw);
-    EXPECT_LE(ps.ssd_bytes_written, gs.ssd_bytes_written) << "seed " << seed;
-    EXPECT_LE(ps.host_bytes_written, gs.host_bytes_written) << "seed " << seed;
-    EXPECT_LE(ps.stall_seconds, gs.stall_seconds + slack) << "seed " << seed;
-    EXPECT_EQ(ps.misses, 0) << "seed " << seed;
-    if (g.summary.fits) {
-      EXPECT_LE(ps.peak_bytes, hw.device_memory) << "seed " << seed;
-    }
-  }
-  EXPECT_GT(planned, 150);
-  EXPECT_GT(pruned, 20);
-  RecordProperty("planned", planned);
-  RecordProperty("pruned", pruned);
+  for_each_unpruned_plan(
+      4242, FuzzLink::kPerArray, true, [&](std::uint64_t seed, const FuzzCase& fc, const Plan& g) {
+        const auto& [t, la, hw] = fc;
+        const Plan p = make_plan(t, hw);
+        ++planned;
+        if (p.actions.size() < g.actions.size()) ++pruned;
+        ASSERT_NO_THROW(validate_plan(p, t)) << "seed " << seed;
+        expect_paired(p, t);
+        EXPECT_LE(p.actions.size(), g.actions.size()) << "seed " << seed;
+        EXPECT_LE(p.summary.bytes_to_ssd, g.summary.bytes_to_ssd) << "seed " << seed;
+        EXPECT_LE(p.summary.bytes_to_host, g.summary.bytes_to_host) << "seed " << seed;
+        EXPECT_EQ(p.summary.fits, g.summary.fits) << "seed " << seed;
+        EXPECT_LE(p.summary.peak_after_bytes,
+                  std::max(p.summary.target_bytes, g.summary.peak_after_bytes))
+            << "seed " << seed;
+        EXPECT_LE(p.summary.peak_host_bytes, g.summary.peak_host_bytes) << "seed " << seed;
+        const double slack = 1e-6 * t.compute_seconds() + 1e-9;
+        EXPECT_LE(p.summary.planned_stall_seconds, g.summary.planned_stall_seconds + slack)
+            << "seed " << seed;
+        const SimResult gs = simulate(t, &g, hw);
+        const SimResult ps = simulate(t, &p, hw);
+        EXPECT_LE(ps.ssd_bytes_written, gs.ssd_bytes_written) << "seed " << seed;
+        EXPECT_LE(ps.host_bytes_written, gs.host_bytes_written) << "seed " << seed;
+        EXPECT_LE(ps.stall_seconds, gs.stall_seconds + slack) << "seed " << seed;
+        EXPECT_EQ(ps.misses, 0) << "seed " << seed;
+        if (g.summary.fits) {
+          EXPECT_LE(ps.peak_bytes, hw.device_memory) << "seed " << seed;
+        }
+      });
+  expect_count_above("planned", planned, 150);
+  expect_count_above("pruned", pruned, 20);
 }
 
 // The bound holds for every plan that fits: tidal's (pruned or not) and the SSDTrain-like one;
 // it is zero when the trace fits as it is, and its windows are disjoint and add up.
 TEST(PlannerFuzz, NoPlanThatFitsBeatsTheStallBound) {
-  std::mt19937_64 rng(99);
   int checked = 0;
   int positive = 0;
-  for (std::uint64_t seed = 0; seed < 400; ++seed) {
-    const FuzzCase fc =
-        fuzz_case(seed, rng, seed % 4 < 2 ? FuzzLink::kPerSsd : FuzzLink::kPerArray, true);
+  const auto link = [](std::uint64_t seed) {
+    return seed % 4 < 2 ? FuzzLink::kPerSsd : FuzzLink::kPerArray;
+  };
+  for_each_fuzz_case(99, link, true, [&](std::uint64_t seed, const FuzzCase& fc) {
     const trace::Trace& t = fc.trace;
     const Hardware& hw = fc.hw;
     const StallBound b = stall_lower_bound(t, hw);
@@ -1275,11 +1298,9 @@ TEST(PlannerFuzz, NoPlanThatFitsBeatsTheStallBound) {
       ++checked;
       EXPECT_GE(sim.stall_seconds, b.stall_seconds - slack) << "seed " << seed;
     }
-  }
-  EXPECT_GT(checked, 300);
-  EXPECT_GT(positive, 40);
-  RecordProperty("checked", checked);
-  RecordProperty("positive", positive);
+  });
+  expect_count_above("checked", checked, 300);
+  expect_count_above("positive", positive, 40);
 }
 
 }  // namespace

@@ -4,18 +4,14 @@
 
 #include "tidal/models/trainer.hpp"
 #include "tidal/torch/memory.hpp"
+#include "torch/test_models.hpp"
 
 namespace tidal::torch_layer {
 namespace {
 
 std::vector<double> run(bool recompute, std::uint64_t* peak) {
   MemoryMeter meter(torch::kCPU);
-  models::TrainerOptions o;
-  o.config = models::model_config("gpt-tiny");
-  o.batch = 8;
-  o.seq = 128;
-  o.seed = 5;
-  models::Trainer trainer(o);
+  models::Trainer trainer(testing::tiny_options("gpt-tiny", 8, 128, 5));
   if (recompute) {
     trainer.model()->set_block_wrapper([](std::int64_t, const models::BlockFn& block,
                                           const torch::Tensor& x) { return checkpoint(block, x); });

@@ -11,18 +11,12 @@
 #include "tidal/common/units.hpp"
 #include "tidal/models/trainer.hpp"
 #include "tidal/torch/tracer.hpp"
+#include "torch/test_models.hpp"
 
 namespace tidal::torch_layer {
 namespace {
 
-models::TrainerOptions options() {
-  models::TrainerOptions o;
-  o.config = models::model_config("gpt-tiny");
-  o.batch = 4;
-  o.seq = 32;
-  o.seed = 99;
-  return o;
-}
+models::TrainerOptions options() { return testing::tiny_options("gpt-tiny", 4, 32, 99); }
 
 std::vector<double> plain_losses(int steps) {
   models::Trainer t(options());

@@ -14,6 +14,7 @@
 #include "tidal/models/gpt.hpp"
 #include "tidal/models/trainer.hpp"
 #include "tidal/torch/memory.hpp"
+#include "torch/test_models.hpp"
 
 namespace {
 
@@ -21,15 +22,7 @@ using tidal::models::Trainer;
 using tidal::models::TrainerOptions;
 using tidal::torch_layer::MemoryMeter;
 
-TrainerOptions tiny(const std::string& model, std::int64_t batch, std::int64_t seq,
-                    std::uint64_t seed) {
-  TrainerOptions o;
-  o.config = tidal::models::model_config(model);
-  o.batch = batch;
-  o.seq = seq;
-  o.seed = seed;
-  return o;
-}
+using tidal::testing::tiny_options;
 
 std::vector<double> losses(TrainerOptions o, int steps) {
   Trainer t(std::move(o));
@@ -39,19 +32,19 @@ std::vector<double> losses(TrainerOptions o, int steps) {
 }
 
 TEST(Models, SameSeedSameLossesDifferentSeedDifferent) {
-  const auto a = losses(tiny("gpt-tiny", 2, 32, 7), 3);
-  const auto b = losses(tiny("gpt-tiny", 2, 32, 7), 3);
-  const auto c = losses(tiny("gpt-tiny", 2, 32, 8), 3);
+  const auto a = losses(tiny_options("gpt-tiny", 2, 32, 7), 3);
+  const auto b = losses(tiny_options("gpt-tiny", 2, 32, 7), 3);
+  const auto c = losses(tiny_options("gpt-tiny", 2, 32, 8), 3);
   EXPECT_EQ(a, b);
   EXPECT_NE(a, c);
-  const auto la = losses(tiny("llama-tiny", 2, 32, 7), 3);
-  const auto lb = losses(tiny("llama-tiny", 2, 32, 7), 3);
+  const auto la = losses(tiny_options("llama-tiny", 2, 32, 7), 3);
+  const auto lb = losses(tiny_options("llama-tiny", 2, 32, 7), 3);
   EXPECT_EQ(la, lb);
 }
 
 TEST(Models, LossFallsOnTheSyntheticStream) {
   for (const char* name : {"gpt-tiny", "llama-tiny"}) {
-    auto o = tiny(name, 4, 32, 1);
+    auto o = tiny_options(name, 4, 32, 1);
     o.adamw.lr = 3e-3;
     const auto l = losses(o, 30);
     EXPECT_NEAR(l.front(), std::log(256.0), 0.3) << name;  // starts near uniform
@@ -79,7 +72,7 @@ TEST(Models, OverridesAndErrors) {
   EXPECT_EQ(c.ffn_hidden, 512);
   EXPECT_THROW(tidal::models::model_config("gpt5"), tidal::InvalidArgument);
   EXPECT_THROW(tidal::models::with_overrides(c, 0, 100, 3), tidal::InvalidArgument);
-  auto o = tiny("gpt-tiny", 1, 10000, 1);
+  auto o = tiny_options("gpt-tiny", 1, 10000, 1);
   EXPECT_THROW(Trainer{o}, tidal::InvalidArgument);
 }
 
@@ -98,7 +91,7 @@ TEST(Models, ByteLevelDataFile) {
     EXPECT_NE(text.find(row), std::string::npos);
     EXPECT_TRUE(torch::equal(x[b].narrow(0, 1, 16), y[b].narrow(0, 0, 16)));
   }
-  auto o = tiny("gpt-tiny", 2, 16, 1);
+  auto o = tiny_options("gpt-tiny", 2, 16, 1);
   o.data_path = path;
   EXPECT_GT(losses(o, 1).front(), 0);
   EXPECT_THROW(tidal::models::TokenSource("/nonexistent/file", 256, 1), tidal::InvalidArgument);
@@ -141,7 +134,7 @@ TEST(Models, OptimizerInBackwardDropsEachGradientAfterItsUpdate) {
   std::uint64_t grad_bytes = 0;
   std::vector<double> loss[2];
   for (const bool in_backward : {false, true}) {
-    auto o = tiny("gpt-tiny", 4, 64, 3);
+    auto o = tiny_options("gpt-tiny", 4, 64, 3);
     o.optimizer = in_backward ? tidal::OptimizerSchedule::kInBackward
                               : tidal::OptimizerSchedule::kAfterBackward;
     const std::uint64_t before = meter.current_bytes();
@@ -171,7 +164,7 @@ TEST(Models, OptimizerInBackwardDropsEachGradientAfterItsUpdate) {
 // parameters are still the old ones and the gradients are kept; flush_optimizer() applies the
 // updates, which are then exactly those of the step after backward.
 TEST(Models, OptimizerDeferredUpdatesInTheNextForward) {
-  auto o = tiny("llama-tiny", 2, 32, 5);
+  auto o = tiny_options("llama-tiny", 2, 32, 5);
   Trainer after(o);
   o.optimizer = tidal::OptimizerSchedule::kDeferred;
   Trainer deferred(o);
@@ -192,7 +185,7 @@ TEST(Models, OptimizerDeferredUpdatesInTheNextForward) {
     EXPECT_FALSE(pd[i].grad().defined()) << i;
   }
   // Clipping needs every gradient before any update: not with optimizer-in-backward.
-  auto bad = tiny("gpt-tiny", 2, 32, 5);
+  auto bad = tiny_options("gpt-tiny", 2, 32, 5);
   bad.optimizer = tidal::OptimizerSchedule::kInBackward;
   bad.clip_grad_norm = 1.0;
   try {
@@ -207,7 +200,7 @@ TEST(MemoryMeter, PeakGrowsWithBatchSize) {
   MemoryMeter meter;
   std::vector<std::uint64_t> peaks;
   for (std::int64_t batch : {1, 4, 16}) {
-    Trainer t(tiny("gpt-tiny", batch, 64, 1));
+    Trainer t(tiny_options("gpt-tiny", batch, 64, 1));
     t.step();
     meter.reset_peak();
     t.step();

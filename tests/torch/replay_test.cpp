@@ -18,20 +18,14 @@
 #include "tidal/torch/memory.hpp"
 #include "tidal/torch/tracer.hpp"
 #include "tidal/trace/lifetime.hpp"
+#include "torch/test_models.hpp"
 
 namespace tidal::torch_layer {
 namespace {
 
 constexpr std::uint64_t kMinBytes = 16 * kKiB;
 
-models::TrainerOptions trainer_options() {
-  models::TrainerOptions o;
-  o.config = models::model_config("gpt-tiny");
-  o.batch = 4;
-  o.seq = 64;
-  o.seed = 7;
-  return o;
-}
+models::TrainerOptions trainer_options() { return testing::tiny_options("gpt-tiny", 4, 64, 7); }
 
 struct Profile {
   trace::Trace trace;

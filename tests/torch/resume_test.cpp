@@ -13,6 +13,7 @@
 #include "tidal/models/trainer.hpp"
 #include "tidal/torch/session.hpp"
 #include "tidal/torch/training_checkpoint.hpp"
+#include "torch/test_models.hpp"
 
 namespace tidal::torch_layer {
 namespace {
@@ -33,12 +34,7 @@ SessionOptions plan_offloaded(const std::string& dir) {
 }
 
 models::TrainerOptions tiny(std::uint64_t seed) {
-  models::TrainerOptions o;
-  o.config = models::model_config("gpt-tiny");
-  o.batch = 4;
-  o.seq = 32;
-  o.seed = seed;
-  return o;
+  return testing::tiny_options("gpt-tiny", 4, 32, seed);
 }
 
 TEST(Resume, TrainerCheckpointWrittenWhileOffloadedContinuesBitForBit) {

@@ -8,6 +8,7 @@
 #include "tidal/common/units.hpp"
 #include "tidal/models/trainer.hpp"
 #include "tidal/torch/memory.hpp"
+#include "torch/test_models.hpp"
 
 namespace tidal::torch_layer {
 namespace {
@@ -29,11 +30,7 @@ struct Schedule {
 RunResult train(const std::string& model, OffloadMode mode, const std::string& dir, int steps,
                 io::FaultPlan faults = {}, Schedule schedule = {}) {
   MemoryMeter meter(torch::kCPU);
-  models::TrainerOptions o;
-  o.config = models::model_config(model);
-  o.batch = 4;
-  o.seq = 32;
-  o.seed = 77;
+  models::TrainerOptions o = testing::tiny_options(model, 4, 32, 77);
   o.optimizer = schedule.in_backward ? OptimizerSchedule::kInBackward
                 : schedule.deferred  ? OptimizerSchedule::kDeferred
                                      : OptimizerSchedule::kAfterBackward;
@@ -82,6 +79,30 @@ void expect_same(const RunResult& a, const RunResult& b, const char* what) {
   }
 }
 
+// The runs of one optimizer schedule in each offload mode.
+struct ModeRuns {
+  RunResult none;
+  RunResult activations;
+  RunResult plan;
+};
+
+// Trains `model` on `schedule` in each offload mode and expects each run bit-identical to
+// `reference` (a run on the after-backward schedule), and the plan executing and moving bytes.
+ModeRuns expect_same_in_every_mode(const RunResult& reference, const std::string& model,
+                                   const Schedule& schedule, const std::string& name,
+                                   const std::string& dir, int steps) {
+  ModeRuns r;
+  r.none = train(model, OffloadMode::kNone, dir, steps, {}, schedule);
+  r.activations = train(model, OffloadMode::kActivations, dir, steps, {}, schedule);
+  r.plan = train(model, OffloadMode::kPlan, dir, steps, {}, schedule);
+  expect_same(reference, r.none, (name + " against after-backward").c_str());
+  expect_same(reference, r.activations, (name + " with activation offloading").c_str());
+  expect_same(reference, r.plan, (name + " with the plan").c_str());
+  EXPECT_EQ(r.plan.stats.state, SessionState::kExecuting) << r.plan.stats.plan_summary;
+  EXPECT_GT(r.plan.stats.bytes_written, 0u) << r.plan.stats.plan_summary;
+  return r;
+}
+
 class SessionModes : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(SessionModes, AllModesGiveBitIdenticalLossesAndParameters) {
@@ -115,16 +136,10 @@ TEST(Session, OptimizerInBackwardIsBitIdenticalInEveryMode) {
   const RunResult after = train("gpt-tiny", OffloadMode::kNone, dir.path(), steps);
   Schedule in_backward;
   in_backward.in_backward = true;
-  const RunResult none = train("gpt-tiny", OffloadMode::kNone, dir.path(), steps, {}, in_backward);
-  const RunResult act =
-      train("gpt-tiny", OffloadMode::kActivations, dir.path(), steps, {}, in_backward);
-  const RunResult plan = train("gpt-tiny", OffloadMode::kPlan, dir.path(), steps, {}, in_backward);
-  expect_same(after, none, "in-backward against after-backward");
-  expect_same(after, act, "in-backward with activation offloading");
-  expect_same(after, plan, "in-backward with the plan");
-  EXPECT_GT(act.stats.bytes_written, 0u);
-  EXPECT_EQ(plan.stats.state, SessionState::kExecuting) << plan.stats.plan_summary;
-  EXPECT_GT(plan.stats.bytes_written, 0u) << plan.stats.plan_summary;
+  const ModeRuns runs =
+      expect_same_in_every_mode(after, "gpt-tiny", in_backward, "in-backward", dir.path(), steps);
+  const RunResult& none = runs.none;
+  EXPECT_GT(runs.activations.stats.bytes_written, 0u);
   // The parameters really changed (the hooks ran): not the initial weights.
   models::TrainerOptions o;
   o.config = models::model_config("gpt-tiny");
@@ -148,15 +163,7 @@ TEST(Session, OptimizerDeferredWithClippingIsBitIdenticalInEveryMode) {
   Schedule deferred = clip;
   deferred.deferred = true;
   const RunResult after = train("llama-tiny", OffloadMode::kNone, dir.path(), steps, {}, clip);
-  const RunResult none = train("llama-tiny", OffloadMode::kNone, dir.path(), steps, {}, deferred);
-  const RunResult act =
-      train("llama-tiny", OffloadMode::kActivations, dir.path(), steps, {}, deferred);
-  const RunResult plan = train("llama-tiny", OffloadMode::kPlan, dir.path(), steps, {}, deferred);
-  expect_same(after, none, "deferred against after-backward, clipped");
-  expect_same(after, act, "deferred with activation offloading");
-  expect_same(after, plan, "deferred with the plan");
-  EXPECT_EQ(plan.stats.state, SessionState::kExecuting) << plan.stats.plan_summary;
-  EXPECT_GT(plan.stats.bytes_written, 0u) << plan.stats.plan_summary;
+  expect_same_in_every_mode(after, "llama-tiny", deferred, "clipped deferred", dir.path(), steps);
   const RunResult unclipped = train("llama-tiny", OffloadMode::kNone, dir.path(), steps);
   EXPECT_NE(after.losses.back(), unclipped.losses.back()) << "the clipping changed nothing";
 }

@@ -14,6 +14,7 @@
 #include "tidal/trace/io.hpp"
 #include "tidal/trace/lifetime.hpp"
 #include "tidal/trace/trace.hpp"
+#include "torch/test_models.hpp"
 
 namespace {
 
@@ -277,11 +278,7 @@ TEST(Tracer, ReportsTheFirstDivergence) {
 // by its update in the next step's forward: the tracer joins the two into one tensor with a gap
 // per parameter, made by a backward op and freed after an op of forward.
 TEST(Tracer, DeferredGradientsBecomeTensorsWithAGap) {
-  tidal::models::TrainerOptions o;
-  o.config = tidal::models::model_config("llama-tiny");
-  o.batch = 2;
-  o.seq = 32;
-  o.seed = 3;
+  tidal::models::TrainerOptions o = tidal::testing::tiny_options("llama-tiny", 2, 32, 3);
   o.optimizer = tidal::OptimizerSchedule::kDeferred;
   o.clip_grad_norm = 0.5;
   tidal::models::Trainer trainer(o);
@@ -317,11 +314,7 @@ TEST(Tracer, DeferredGradientsBecomeTensorsWithAGap) {
 }
 
 TEST(Tracer, ProfiledGptTinyTrainsExactlyLikeAnUnprofiledOne) {
-  tidal::models::TrainerOptions o;
-  o.config = tidal::models::model_config("gpt-tiny");
-  o.batch = 2;
-  o.seq = 32;
-  o.seed = 11;
+  tidal::models::TrainerOptions o = tidal::testing::tiny_options("gpt-tiny", 2, 32, 11);
   tidal::models::Trainer plain(o);
   tidal::models::Trainer profiled(o);
   std::vector<double> a, b;
