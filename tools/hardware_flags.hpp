@@ -56,7 +56,7 @@ inline plan::HardwareOverrides parse_hardware_flags(const HardwareFlags& f) {
   };
   const auto rate = [](const char* flag, const std::optional<std::string>& t) {
     std::optional<double> v;
-    if (t) v = parse_flag(flag, *t, [](const std::string& s) { return plan::parse_rate(s); });
+    if (t) v = parse_flag(flag, *t, [](const std::string& s) { return parse_rate(s); });
     return v;
   };
   plan::HardwareOverrides o;

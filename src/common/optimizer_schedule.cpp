@@ -4,20 +4,9 @@
 
 namespace tidal {
 
-namespace {
-
-constexpr EnumName<OptimizerSchedule> kScheduleNames[] = {
-    {OptimizerSchedule::kAfterBackward, "after-backward"},
-    {OptimizerSchedule::kInBackward, "in-backward"},
-    {OptimizerSchedule::kDeferred, "deferred"},
-};
-
-}  // namespace
-
-const char* to_string(OptimizerSchedule s) { return enum_name(kScheduleNames, s); }
-
-OptimizerSchedule optimizer_schedule_from_string(const std::string& s) {
-  return enum_value(kScheduleNames, s, "optimizer schedule");
-}
+TIDAL_ENUM_NAMES(OptimizerSchedule, optimizer_schedule_from_string, "optimizer schedule",
+                 {OptimizerSchedule::kAfterBackward, "after-backward"},
+                 {OptimizerSchedule::kInBackward, "in-backward"},
+                 {OptimizerSchedule::kDeferred, "deferred"})
 
 }  // namespace tidal

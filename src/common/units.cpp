@@ -83,6 +83,26 @@ double parse_bandwidth(std::string_view text) {
   return value * byte_multiplier(unit, text);
 }
 
+double parse_rate(std::string_view text) {
+  std::string unit;
+  const double value =
+      split_number(lower_trimmed(text), &unit, text, "rate (examples: 60T, 60TFLOPS, 2e9)");
+  for (std::string_view suffix : {"flop/s", "flops", "/s"}) {
+    if (unit.size() >= suffix.size() &&
+        unit.compare(unit.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      unit.erase(unit.size() - suffix.size());
+      break;
+    }
+  }
+  const std::string_view prefixes = "kmgtp";
+  if (unit.empty()) return value;
+  const auto at = prefixes.find(unit);
+  TIDAL_EXPECT_AS(InvalidArgument, unit.size() == 1 && at != std::string_view::npos, "'", text,
+                  "' has an unknown unit; use k, M, G, T or P (e.g. 60T)");
+  constexpr double kScale[] = {1e3, 1e6, 1e9, 1e12, 1e15};
+  return value * kScale[at];
+}
+
 double parse_seconds(std::string_view text) {
   std::string unit;
   const double value = split_number(lower_trimmed(text), &unit, text, "duration (try 1.5ms)");

@@ -14,21 +14,12 @@
 
 namespace tidal::io {
 
-namespace {
-
-constexpr EnumName<BackendKind> kBackendNames[] = {
-    {BackendKind::kAuto, "auto"},
-    {BackendKind::kIoUring, "io_uring"},
-    {BackendKind::kPosix, "posix"},
-};
-
-}  // namespace
-
-const char* to_string(BackendKind kind) { return enum_name(kBackendNames, kind); }
+TIDAL_ENUM_TO_STRING(BackendKind, {BackendKind::kAuto, "auto"}, {BackendKind::kIoUring, "io_uring"},
+                     {BackendKind::kPosix, "posix"})
 
 BackendKind backend_kind_from_string(const std::string& name) {
   if (name == "uring") return BackendKind::kIoUring;
-  return enum_value(kBackendNames, name, "I/O backend (cuFile is chosen with TIDAL_GDS=on)");
+  return enum_value(kNames_BackendKind, name, "I/O backend (cuFile is chosen with TIDAL_GDS=on)");
 }
 
 #ifndef TIDAL_WITH_IO_URING

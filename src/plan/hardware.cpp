@@ -92,48 +92,6 @@ Hardware hardware_preset(const std::string& name) {
   return hw;
 }
 
-double parse_rate(const std::string& text) {
-  std::string s;
-  for (char c : text) {
-    if (std::isspace(static_cast<unsigned char>(c)) == 0) s.push_back(c);
-  }
-  std::size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(s, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  TIDAL_EXPECT_AS(InvalidArgument, used > 0 && std::isfinite(v) && v >= 0, "'", text,
-                  "' is not a valid rate (examples: 60T, 60TFLOPS, 2e9)");
-  std::string unit = s.substr(used);
-  for (const char* suffix : {"FLOP/s", "flop/s", "FLOPS", "flops", "/s"}) {
-    const std::string suf(suffix);
-    if (unit.size() >= suf.size() && unit.compare(unit.size() - suf.size(), suf.size(), suf) == 0) {
-      unit.erase(unit.size() - suf.size());
-      break;
-    }
-  }
-  double mult = 1;
-  if (unit.empty()) {
-    mult = 1;
-  } else if (unit == "k" || unit == "K") {
-    mult = 1e3;
-  } else if (unit == "M") {
-    mult = 1e6;
-  } else if (unit == "G") {
-    mult = 1e9;
-  } else if (unit == "T") {
-    mult = 1e12;
-  } else if (unit == "P") {
-    mult = 1e15;
-  } else {
-    TIDAL_EXPECT_AS(InvalidArgument, false, "'", text,
-                    "' has an unknown unit; use k, M, G, T or P (e.g. 60T)");
-  }
-  return v * mult;
-}
-
 SsdSpec parse_ssd_spec(const std::string& text) {
   SsdSpec spec;
   const auto x = text.find_first_of("xX");

@@ -3,31 +3,14 @@
 #include <algorithm>
 #include <utility>
 
+#include "plan/trace_names.hpp"
 #include "tidal/common/enum_names.hpp"
 #include "tidal/common/error.hpp"
 
 namespace tidal::plan {
 
-using trace::OpIndex;
-using trace::Phase;
-using trace::TensorClass;
-using trace::TensorId;
-
-namespace {
-
-constexpr EnumName<Precision> kPrecisionNames[] = {
-    {Precision::kFp32, "fp32"},
-    {Precision::kBf16Mixed, "bf16-mixed"},
-    {Precision::kBf16, "bf16"},
-};
-
-}  // namespace
-
-const char* to_string(Precision p) { return enum_name(kPrecisionNames, p); }
-
-Precision precision_from_string(const std::string& s) {
-  return enum_value(kPrecisionNames, s, "precision");
-}
+TIDAL_ENUM_NAMES(Precision, precision_from_string, "precision", {Precision::kFp32, "fp32"},
+                 {Precision::kBf16Mixed, "bf16-mixed"}, {Precision::kBf16, "bf16"})
 
 std::int64_t TransformerConfig::parameters() const {
   const std::int64_t h = hidden;

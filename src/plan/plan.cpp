@@ -12,37 +12,15 @@ namespace tidal::plan {
 
 using nlohmann::json;
 
+TIDAL_ENUM_NAMES(ActionKind, action_kind_from_string, "plan action",
+                 {ActionKind::kOffload, "offload"}, {ActionKind::kPrefetch, "prefetch"})
+TIDAL_ENUM_TO_STRING(Tier, {Tier::kSsd, "ssd"}, {Tier::kHost, "host"}, {Tier::kDevice, "device"})
+TIDAL_ENUM_TO_STRING(Channel, {Channel::kSsdWrite, "ssd-write"}, {Channel::kSsdRead, "ssd-read"},
+                     {Channel::kHostWrite, "host-write"}, {Channel::kHostRead, "host-read"})
+
 namespace {
-
-constexpr EnumName<ActionKind> kActionKindNames[] = {
-    {ActionKind::kOffload, "offload"},
-    {ActionKind::kPrefetch, "prefetch"},
-};
-constexpr EnumName<Tier> kTierNames[] = {
-    {Tier::kSsd, "ssd"},
-    {Tier::kHost, "host"},
-    {Tier::kDevice, "device"},
-};
-constexpr EnumName<Channel> kChannelNames[] = {
-    {Channel::kSsdWrite, "ssd-write"},
-    {Channel::kSsdRead, "ssd-read"},
-    {Channel::kHostWrite, "host-write"},
-    {Channel::kHostRead, "host-read"},
-};
-constexpr EnumName<Target> kTargetNames[] = {
-    {Target::kSsd, "ssd"},
-    {Target::kHost, "host"},
-};
-
+constexpr EnumName<Target> kTargetNames[] = {{Target::kSsd, "ssd"}, {Target::kHost, "host"}};
 }  // namespace
-
-const char* to_string(ActionKind k) { return enum_name(kActionKindNames, k); }
-const char* to_string(Tier t) { return enum_name(kTierNames, t); }
-const char* to_string(Channel c) { return enum_name(kChannelNames, c); }
-
-ActionKind action_kind_from_string(const std::string& s) {
-  return enum_value(kActionKindNames, s, "plan action");
-}
 
 Target target_from_string(const std::string& s) {
   return enum_value(kTargetNames, s, "plan target");

@@ -12,17 +12,9 @@ namespace tidal::plan {
 using trace::OpIndex;
 using trace::TensorId;
 
-namespace {
-
-constexpr EnumName<Residency> kResidencyNames[] = {
-    {Residency::kAbsent, "absent"},     {Residency::kResident, "resident"},
-    {Residency::kLeaving, "leaving"},   {Residency::kAway, "away"},
-    {Residency::kArriving, "arriving"},
-};
-
-}  // namespace
-
-const char* to_string(Residency r) { return enum_name(kResidencyNames, r); }
+TIDAL_ENUM_TO_STRING(Residency, {Residency::kAbsent, "absent"}, {Residency::kResident, "resident"},
+                     {Residency::kLeaving, "leaving"}, {Residency::kAway, "away"},
+                     {Residency::kArriving, "arriving"})
 
 Schedule compile_schedule(const trace::Trace& trace, const Plan* plan, bool strict) {
   const auto n = static_cast<OpIndex>(trace.ops.size());

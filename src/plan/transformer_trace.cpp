@@ -6,15 +6,11 @@
 #include <utility>
 #include <vector>
 
+#include "plan/trace_names.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/plan/model_trace.hpp"
 
 namespace tidal::plan {
-
-using trace::OpIndex;
-using trace::Phase;
-using trace::TensorClass;
-using trace::TensorId;
 
 namespace {
 

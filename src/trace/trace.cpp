@@ -6,55 +6,25 @@
 #include <iterator>
 #include <vector>
 
+#include "tidal/common/enum_names.hpp"
 #include "tidal/common/error.hpp"
 
 namespace tidal::trace {
 
 namespace {
 
-constexpr const char* kPhaseNames[] = {"forward", "backward", "optimizer", "other"};
-constexpr const char* kClassNames[] = {"parameter",  "gradient",  "optimizer_state",
-                                       "activation", "temporary", "input"};
-
-template <std::size_t N>
-std::string list_names(const char* const (&names)[N]) {
-  std::string out;
-  for (std::size_t i = 0; i < N; ++i) {
-    if (i > 0) out += ", ";
-    out += names[i];
-  }
-  return out;
-}
-
 bool in_range(std::int64_t v, std::size_t n) { return v >= 0 && static_cast<std::uint64_t>(v) < n; }
 
 }  // namespace
 
-const char* to_string(Phase p) {
-  const auto i = static_cast<std::size_t>(p);
-  return i < std::size(kPhaseNames) ? kPhaseNames[i] : "unknown";
-}
-
-const char* to_string(TensorClass c) {
-  const auto i = static_cast<std::size_t>(c);
-  return i < std::size(kClassNames) ? kClassNames[i] : "unknown";
-}
-
-Phase phase_from_string(const std::string& s) {
-  std::size_t i = 0;
-  while (i < std::size(kPhaseNames) && s != kPhaseNames[i]) ++i;
-  TIDAL_EXPECT_AS(InvalidArgument, i < std::size(kPhaseNames), "unknown op phase '", s,
-                  "'; expected one of: ", list_names(kPhaseNames));
-  return static_cast<Phase>(i);
-}
-
-TensorClass tensor_class_from_string(const std::string& s) {
-  std::size_t i = 0;
-  while (i < std::size(kClassNames) && s != kClassNames[i]) ++i;
-  TIDAL_EXPECT_AS(InvalidArgument, i < std::size(kClassNames), "unknown tensor class '", s,
-                  "'; expected one of: ", list_names(kClassNames));
-  return static_cast<TensorClass>(i);
-}
+TIDAL_ENUM_NAMES(Phase, phase_from_string, "op phase", {Phase::kForward, "forward"},
+                 {Phase::kBackward, "backward"}, {Phase::kOptimizer, "optimizer"},
+                 {Phase::kOther, "other"})
+TIDAL_ENUM_NAMES(TensorClass, tensor_class_from_string, "tensor class",
+                 {TensorClass::kParameter, "parameter"}, {TensorClass::kGradient, "gradient"},
+                 {TensorClass::kOptimizerState, "optimizer_state"},
+                 {TensorClass::kActivation, "activation"}, {TensorClass::kTemporary, "temporary"},
+                 {TensorClass::kInput, "input"})
 
 double Trace::op_seconds(std::size_t k) const {
   const Op& op = ops[k];

@@ -45,16 +45,10 @@ Trace hand_trace() {
   t.model = "hand";
   auto tensor = [&](TensorId id, const char* name, std::uint64_t bytes, TensorClass cls,
                     bool persistent, OpIndex producer, OpIndex freed_after) {
-    Tensor x;
-    x.id = id;
-    x.name = name;
-    x.bytes = bytes;
-    x.cls = cls;
-    x.persistent = persistent;
-    x.producer = producer;
-    x.output_slot = producer == kNoOp ? -1 : 0;
-    x.freed_after = freed_after;
-    t.tensors.push_back(x);
+    // Tensor's fields in their order: id, name, bytes, device, class, persistent, producer,
+    // output slot, freed after.
+    t.tensors.push_back(Tensor{id, name, bytes, "cpu", cls, persistent, producer,
+                               producer == kNoOp ? -1 : 0, freed_after});
   };
   tensor(W, "w", 100, TensorClass::kParameter, true, kNoOp, kNoOp);
   tensor(X, "x", 10, TensorClass::kInput, false, kNoOp, kNoOp);

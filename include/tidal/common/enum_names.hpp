@@ -48,3 +48,18 @@ E enum_value(const EnumName<E> (&table)[N], std::string_view name, const char* w
 }
 
 }  // namespace tidal
+
+/// Defines `const char* to_string(E)` over a name table given as the remaining arguments,
+/// e.g. TIDAL_ENUM_TO_STRING(Tier, {Tier::kSsd, "ssd"}, {Tier::kHost, "host"}); the table is
+/// kNames_<E> in an unnamed namespace. Use at namespace scope, in the enum's namespace.
+#define TIDAL_ENUM_TO_STRING(E, ...)                           \
+  namespace {                                                  \
+  constexpr ::tidal::EnumName<E> kNames_##E[] = {__VA_ARGS__}; \
+  }                                                            \
+  const char* to_string(E value) { return ::tidal::enum_name(kNames_##E, value); }
+
+/// TIDAL_ENUM_TO_STRING and its inverse `E from_string(const std::string&)`, which throws
+/// tidal::InvalidArgument naming `what` and listing the names.
+#define TIDAL_ENUM_NAMES(E, from_string, what, ...) \
+  TIDAL_ENUM_TO_STRING(E, __VA_ARGS__)              \
+  E from_string(const std::string& name) { return ::tidal::enum_value(kNames_##E, name, what); }

@@ -20,6 +20,11 @@ std::uint64_t parse_bytes(std::string_view text);
 /// is accepted as per second. Throws tidal::InvalidArgument on bad input.
 double parse_bandwidth(std::string_view text);
 
+/// Parse a rate: a number with an optional SI prefix (k, M, G, T, P; any case) and an optional
+/// "FLOP/s", "FLOPS" or "/s" suffix: "60T", "60TFLOPS", "2e9". Throws tidal::InvalidArgument on
+/// bad input.
+double parse_rate(std::string_view text);
+
 /// Parse a duration in seconds: a number with an optional unit ns, us, ms, s, min, h.
 double parse_seconds(std::string_view text);
 

@@ -77,7 +77,8 @@ struct SsdSpec {
 SsdSpec parse_ssd_spec(const std::string& text);
 
 /// Field overrides: unset fields keep the preset's value. Numbers in the units of Hardware; the
-/// command line parses its text into them (parse_ssd_spec, parse_rate, parse_bytes).
+/// command line parses its text into them (parse_ssd_spec here; parse_rate, parse_bytes in
+/// common/units.hpp).
 struct HardwareOverrides {
   std::optional<std::uint64_t> device_memory;  ///< bytes
   std::optional<SsdSpec> ssd;                  ///< count and per-SSD bandwidths
@@ -95,9 +96,5 @@ struct HardwareOverrides {
 /// Applies the set fields. Throws tidal::InvalidArgument on a margin outside [0, 0.5), a
 /// non-positive rate, or when the result has no device memory (cpu-here has none until given).
 void apply_overrides(Hardware& hw, const HardwareOverrides& o);
-
-/// Parses a rate with an optional SI prefix (k, M, G, T, P) and an optional "FLOPS", "FLOP/s"
-/// or "/s" suffix: "60T", "60TFLOPS", "2e9". Throws tidal::InvalidArgument on bad input.
-double parse_rate(const std::string& text);
 
 }  // namespace tidal::plan
