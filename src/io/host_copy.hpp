@@ -22,24 +22,28 @@ inline bool is_device_memory(const void* p) {
 #endif
 }
 
-// From a (possibly device) buffer to host memory. Returns 0 or -EIO.
-inline int copy_out(void* host_dst, const void* src, std::size_t n, bool device) {
+// Between host memory and a (possibly device) buffer, either way. Returns 0 or -EIO.
+inline int copy_host(void* dst, const void* src, std::size_t n, bool device, bool to_device) {
 #ifdef TIDAL_WITH_CUDA
-  if (device) return cuda::copy_device_to_host(host_dst, src, n);
+  if (device) {
+    return to_device ? cuda::copy_host_to_device(dst, src, n)
+                     : cuda::copy_device_to_host(dst, src, n);
+  }
 #endif
   (void)device;
-  std::memcpy(host_dst, src, n);
+  (void)to_device;
+  std::memcpy(dst, src, n);
   return 0;
 }
 
-// From host memory to a (possibly device) buffer. Returns 0 or -EIO.
+// From a (possibly device) buffer to host memory.
+inline int copy_out(void* host_dst, const void* src, std::size_t n, bool device) {
+  return copy_host(host_dst, src, n, device, false);
+}
+
+// From host memory to a (possibly device) buffer.
 inline int copy_in(void* dst, const void* host_src, std::size_t n, bool device) {
-#ifdef TIDAL_WITH_CUDA
-  if (device) return cuda::copy_host_to_device(dst, host_src, n);
-#endif
-  (void)device;
-  std::memcpy(dst, host_src, n);
-  return 0;
+  return copy_host(dst, host_src, n, device, true);
 }
 
 // Pins every region with pin(p, n) (0 on success), or none: when one fails, the regions pinned

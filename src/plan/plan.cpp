@@ -26,6 +26,12 @@ Target target_from_string(const std::string& s) {
   return enum_value(kTargetNames, s, "plan target");
 }
 
+// The summary's fields, both ways (a missing or mistyped one fails the read with its name).
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(PlanSummary, capacity_bytes, target_bytes, peak_before_bytes,
+                                   peak_after_bytes, peak_after_op, candidates, offloads_ssd,
+                                   offloads_host, bytes_to_ssd, bytes_to_host, peak_host_bytes,
+                                   planned_stall_seconds, compute_seconds, planning_seconds, fits)
+
 std::string plan_to_json(const Plan& plan) {
   json j;
   j["format"] = "tidal-plan";
@@ -34,22 +40,7 @@ std::string plan_to_json(const Plan& plan) {
   j["hardware"] = plan.hardware;
   j["num_ops"] = plan.num_ops;
   j["num_tensors"] = plan.num_tensors;
-  const PlanSummary& s = plan.summary;
-  j["summary"] = {{"capacity_bytes", s.capacity_bytes},
-                  {"target_bytes", s.target_bytes},
-                  {"peak_before_bytes", s.peak_before_bytes},
-                  {"peak_after_bytes", s.peak_after_bytes},
-                  {"peak_after_op", s.peak_after_op},
-                  {"candidates", s.candidates},
-                  {"offloads_ssd", s.offloads_ssd},
-                  {"offloads_host", s.offloads_host},
-                  {"bytes_to_ssd", s.bytes_to_ssd},
-                  {"bytes_to_host", s.bytes_to_host},
-                  {"peak_host_bytes", s.peak_host_bytes},
-                  {"planned_stall_seconds", s.planned_stall_seconds},
-                  {"compute_seconds", s.compute_seconds},
-                  {"planning_seconds", s.planning_seconds},
-                  {"fits", s.fits}};
+  j["summary"] = plan.summary;
   json actions = json::array();
   for (const PlanAction& a : plan.actions) {
     actions.push_back({{"tensor", a.tensor},
@@ -100,26 +91,7 @@ Plan plan_from_json(const std::string& text) {
   p.hardware = field<std::string>(j, "hardware", "top level");
   p.num_ops = field<std::int32_t>(j, "num_ops", "top level");
   p.num_tensors = field<std::int32_t>(j, "num_tensors", "top level");
-  if (j.contains("summary")) {
-    const json& s = j["summary"];
-    const char* w = "summary";
-    PlanSummary& o = p.summary;
-    o.capacity_bytes = field<std::uint64_t>(s, "capacity_bytes", w);
-    o.target_bytes = field<std::uint64_t>(s, "target_bytes", w);
-    o.peak_before_bytes = field<std::uint64_t>(s, "peak_before_bytes", w);
-    o.peak_after_bytes = field<std::uint64_t>(s, "peak_after_bytes", w);
-    o.peak_after_op = field<std::int32_t>(s, "peak_after_op", w);
-    o.candidates = field<std::int64_t>(s, "candidates", w);
-    o.offloads_ssd = field<std::int64_t>(s, "offloads_ssd", w);
-    o.offloads_host = field<std::int64_t>(s, "offloads_host", w);
-    o.bytes_to_ssd = field<std::uint64_t>(s, "bytes_to_ssd", w);
-    o.bytes_to_host = field<std::uint64_t>(s, "bytes_to_host", w);
-    o.peak_host_bytes = field<std::uint64_t>(s, "peak_host_bytes", w);
-    o.planned_stall_seconds = field<double>(s, "planned_stall_seconds", w);
-    o.compute_seconds = field<double>(s, "compute_seconds", w);
-    o.planning_seconds = field<double>(s, "planning_seconds", w);
-    o.fits = field<bool>(s, "fits", w);
-  }
+  if (j.contains("summary")) p.summary = field<PlanSummary>(j, "summary", "top level");
   for (const json& a : field<json>(j, "actions", "top level")) {
     PlanAction x;
     x.tensor = field<trace::TensorId>(a, "tensor", "action");

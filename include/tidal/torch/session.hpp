@@ -160,9 +160,7 @@ class Session final : public StepObserver {
  public:
   /// Opens the store (not in kNone). Throws tidal::InvalidArgument for bad options.
   explicit Session(SessionOptions options);
-  ~Session() override;
-  Session(const Session&) = delete;
-  Session& operator=(const Session&) = delete;
+  ~Session() override;  // not copyable: it owns its Impl alone
 
   /// Optional: names and classes for tensors that live across steps (parameters, gradients,
   /// optimizer state, buffers); the session finds them without it. In activation mode they are

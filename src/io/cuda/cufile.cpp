@@ -291,34 +291,37 @@ void CuFile::deregister_buffer(void* device_ptr) {
 // Both transfers loop: cuFile may move fewer bytes than asked (large requests are split at
 // max_direct_io_size in compatibility mode). A read that reaches the end of the file returns
 // the bytes it got; a write that makes no progress returns the bytes written so far.
-ssize_t CuFile::read(void* handle, void* device_ptr, std::size_t bytes, off_t file_offset) {
+// One transfer in a loop until all `bytes` moved, the file ends (0) or an error (negative),
+// after the checks both directions make.
+template <class Chunk>
+ssize_t transfer_all(void* handle, const void* device_ptr, std::size_t bytes, off_t file_offset,
+                     const char* what, Chunk chunk) {
   if (handle == nullptr || device_ptr == nullptr) return -EINVAL;
   if (bytes == 0) return 0;
-  if (!use_device_of(device_ptr, "cuFileRead")) return -EINVAL;
+  if (!use_device_of(device_ptr, what)) return -EINVAL;
   std::size_t done = 0;
   while (done < bytes) {
-    const ssize_t n = api_->read(handle, device_ptr, bytes - done,
-                                 file_offset + static_cast<off_t>(done), static_cast<off_t>(done));
-    if (n < 0) return transfer_error("cuFileRead", n);
+    const ssize_t n =
+        chunk(bytes - done, file_offset + static_cast<off_t>(done), static_cast<off_t>(done));
+    if (n < 0) return transfer_error(what, n);
     if (n == 0) break;
     done += static_cast<std::size_t>(n);
   }
   return static_cast<ssize_t>(done);
 }
 
+ssize_t CuFile::read(void* handle, void* device_ptr, std::size_t bytes, off_t file_offset) {
+  return transfer_all(handle, device_ptr, bytes, file_offset, "cuFileRead",
+                      [&](std::size_t n, off_t at, off_t buf_offset) {
+                        return api_->read(handle, device_ptr, n, at, buf_offset);
+                      });
+}
+
 ssize_t CuFile::write(void* handle, const void* device_ptr, std::size_t bytes, off_t file_offset) {
-  if (handle == nullptr || device_ptr == nullptr) return -EINVAL;
-  if (bytes == 0) return 0;
-  if (!use_device_of(device_ptr, "cuFileWrite")) return -EINVAL;
-  std::size_t done = 0;
-  while (done < bytes) {
-    const ssize_t n = api_->write(handle, device_ptr, bytes - done,
-                                  file_offset + static_cast<off_t>(done), static_cast<off_t>(done));
-    if (n < 0) return transfer_error("cuFileWrite", n);
-    if (n == 0) break;
-    done += static_cast<std::size_t>(n);
-  }
-  return static_cast<ssize_t>(done);
+  return transfer_all(handle, device_ptr, bytes, file_offset, "cuFileWrite",
+                      [&](std::size_t n, off_t at, off_t buf_offset) {
+                        return api_->write(handle, device_ptr, n, at, buf_offset);
+                      });
 }
 
 }  // namespace tidal::io::detail::cuda
