@@ -10,6 +10,7 @@
 #include <string>
 
 #include "tidal/common/error.hpp"
+#include "tidal/common/units.hpp"
 #include "tidal/plan/bound.hpp"
 #include "tidal/plan/hardware.hpp"
 #include "tidal/plan/model_trace.hpp"
