@@ -70,14 +70,18 @@ class WindowSearch {
         seen_read_(trace.tensors.size(), -1),
         seen_write_(trace.tensors.size(), -1) {
     const ChannelRates ch = hw.channels();
-    read_rate_ = ch[Channel::kSsdRead] + ch[Channel::kHostRead];
-    write_rate_ = ch[Channel::kSsdWrite] + ch[Channel::kHostWrite];
+    ssd_read_rate_ = ch[Channel::kSsdRead];
+    ssd_write_rate_ = ch[Channel::kSsdWrite];
+    read_rate_ = ssd_read_rate_ + ch[Channel::kHostRead];
+    write_rate_ = ssd_write_rate_ + ch[Channel::kHostWrite];
+    host_ = read_rate_ > ssd_read_rate_ || write_rate_ > ssd_write_rate_
+                ? static_cast<double>(hw.host_memory)
+                : 0;
     // E(i, j) counts tensors live at op i and W(i, j) tensors live at op j, so neither exceeds
-    // the peak of live bytes: once a window's compute covers moving peak - C bytes, no longer
+    // the peak of live bytes: once a window's compute covers moving the peak's share, no longer
     // window from the same start can stall, and it stops growing.
     const auto peak = static_cast<double>(la_.summary.peak_live_bytes);
-    horizon_ = std::max(transfer_seconds(peak - cap_, read_rate_),
-                        transfer_seconds(peak - cap_, write_rate_));
+    horizon_ = seconds_to_move(peak, peak);
   }
 
   StallBound run() {
@@ -158,10 +162,22 @@ class WindowSearch {
     }
   }
 
+  // The least time any plan takes to read what a window needs (e bytes that existed before it)
+  // and to write what it leaves (w bytes needed after it). At most C of the e bytes are in
+  // device memory when it starts: e - C are read during it, each tensor's first read from the
+  // SSDs or from a host copy made before the window (one made during it would need the tensor
+  // in device memory first), so at least e - C - H from the SSDs. Of the w bytes at most C stay:
+  // w - C are written, and at most H of them are in host memory when it ends.
+  [[nodiscard]] double seconds_to_move(double e, double w) const {
+    return std::max({transfer_seconds(e - cap_, read_rate_),
+                     transfer_seconds(e - cap_ - host_, ssd_read_rate_),
+                     transfer_seconds(w - cap_, write_rate_),
+                     transfer_seconds(w - cap_ - host_, ssd_write_rate_)});
+  }
+
   // Window i..j with compute t that must read e and write w bytes.
   void record(OpIndex i, OpIndex j, double t, double e, double w) {
-    const double need =
-        std::max(transfer_seconds(e - cap_, read_rate_), transfer_seconds(w - cap_, write_rate_));
+    const double need = seconds_to_move(e, w);
     const double stall = need - t;
     if (stall > 0 && at(best_, i) + stall > at(best_, j + 1)) {
       at(best_, j + 1) = at(best_, i) + stall;
@@ -175,8 +191,11 @@ class WindowSearch {
   const Lifespans spans_;
   OpIndex n_;
   double cap_;
-  double read_rate_ = 0;
+  double read_rate_ = 0;  ///< SSD and host channels together
   double write_rate_ = 0;
+  double ssd_read_rate_ = 0;
+  double ssd_write_rate_ = 0;
+  double host_ = 0;  ///< host memory that can hold offloaded tensors (0: no host tier)
   double horizon_ = 0;
   std::vector<double> best_;
   std::vector<OpIndex> from_;

@@ -1032,6 +1032,25 @@ TEST(StallBound, ReadWindowOfTwoAlternatingTensors) {
   expect_plan_respects(t, hw, b);
 }
 
+TEST(StallBound, HostMemoryOnlyHoldsWhatItsSizeAllows) {
+  // The two tensors above with a host tier beside the SSD: the link carries 30 B/s, 20 of them
+  // to host memory. B's first read in the window comes from the SSD or from a host copy made
+  // before it, and host memory holds at most H: with H = 40 B at least 60 B come from the SSD
+  // at 10 B/s, 6 s against 5 s of compute. With H = 100 B the link alone decides: 100 B at
+  // 30 B/s, no stall.
+  const trace::Trace t = hand_trace(8, {{100, true, {1}}, {100, true, {5}}});
+  Hardware hw = simple_hw(100, 10);
+  hw.host_link_bw = 30;
+  hw.host_memory = 40;
+  const StallBound small = stall_lower_bound(t, hw);
+  EXPECT_NEAR(small.stall_seconds, 1.0, 1e-9);
+  expect_plan_respects(t, hw, small);
+  hw.host_memory = 100;
+  const StallBound roomy = stall_lower_bound(t, hw);
+  EXPECT_NEAR(roomy.stall_seconds, 0.0, 1e-9);
+  expect_plan_respects(t, hw, roomy);
+}
+
 TEST(StallBound, WriteAndReadWindows) {
   // X (100 B) is made at op 0 and used at op 8; Y (100 B) is made at op 3 and used at op 4.
   // With 100 B of memory X must be written out by the end of op 3 (100 B at 10 B/s against
