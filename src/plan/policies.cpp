@@ -400,9 +400,9 @@ CheckpointBlocks checkpoint_blocks(const trace::Trace& in, int max_layers) {
     if (op.layer >= 0) blocks.of_op[k] = pass_of[k] * max_layers + op.layer;
   }
   const int passes = pass_of.back() + 1;
-  const auto count = static_cast<std::size_t>(passes * max_layers);
-  blocks.forward.resize(count);
-  blocks.first_backward.assign(count, trace::kNoOp);
+  const int count = passes * max_layers;
+  blocks.forward.resize(static_cast<std::size_t>(count));
+  blocks.first_backward.assign(static_cast<std::size_t>(count), trace::kNoOp);
   for (const auto& op : in.ops) {
     if (op.layer < 0) continue;
     const auto l = static_cast<std::size_t>(blocks.of(op.index));
