@@ -139,10 +139,9 @@ void split_gradients_per_pass(trace::Trace& t) {
   }
 }
 
-// The ZeRO rewrite: the optimizer step leaves the GPU (one CPU op instead) with the optimizer
-// states; gradients become per-iteration tensors that are shipped out after their last use.
-trace::Trace zero_trace(const trace::Trace& given, double cpu_step_seconds) {
-  const trace::Trace in = gaps_in_durations(given);
+// The trace without the optimizer step and its states: the tensors and ops that are left,
+// renumbered, with `op_remap` taking each given op to its new index (kNoOp for the dropped).
+trace::Trace without_optimizer(const trace::Trace& in, std::vector<OpIndex>& op_remap) {
   std::vector<TensorId> remap(in.tensors.size(), -1);
   trace::Trace out;
   out.version = in.version;
@@ -158,7 +157,7 @@ trace::Trace zero_trace(const trace::Trace& given, double cpu_step_seconds) {
     remap[static_cast<std::size_t>(t.id)] = x.id;
     out.tensors.push_back(x);
   }
-  std::vector<OpIndex> op_remap(in.ops.size(), trace::kNoOp);
+  op_remap.assign(in.ops.size(), trace::kNoOp);
   for (const auto& op : in.ops) {
     if (op.phase == Phase::kOptimizer) continue;
     trace::Op o = op;
@@ -176,7 +175,11 @@ trace::Trace zero_trace(const trace::Trace& given, double cpu_step_seconds) {
     }
     out.ops.push_back(std::move(o));
   }
-  split_gradients_per_pass(out);
+  return out;
+}
+
+// One CPU op at the end of the trace that stands for the optimizer step.
+void append_cpu_step(trace::Trace& out, double cpu_step_seconds) {
   trace::Op cpu;
   cpu.index = static_cast<OpIndex>(out.ops.size());
   cpu.name = "cpu_adam";
@@ -184,7 +187,12 @@ trace::Trace zero_trace(const trace::Trace& given, double cpu_step_seconds) {
   cpu.start_s = 0;
   cpu.end_s = cpu_step_seconds;
   out.ops.push_back(cpu);
-  // Uses after the rewrite, to fix producers and frees.
+}
+
+// Fixes producers, frees and output slots from the uses after the ZeRO rewrite: gradients are
+// per-iteration tensors made by their first use where that use writes them; the other
+// non-persistent tensors keep their producer and free, moved by `op_remap`.
+void fix_zero_tensors(trace::Trace& out, const std::vector<OpIndex>& op_remap) {
   std::vector<OpIndex> first(out.tensors.size(), trace::kNoOp);
   std::vector<OpIndex> last(out.tensors.size(), trace::kNoOp);
   std::vector<OpIndex> first_out(out.tensors.size(), trace::kNoOp);
@@ -222,6 +230,16 @@ trace::Trace zero_trace(const trace::Trace& given, double cpu_step_seconds) {
       if (it == outs.end()) t.producer = trace::kNoOp;
     }
   }
+}
+
+// The ZeRO rewrite: the optimizer step leaves the GPU (one CPU op instead) with the optimizer
+// states; gradients become per-iteration tensors that are shipped out after their last use.
+trace::Trace zero_trace(const trace::Trace& given, double cpu_step_seconds) {
+  std::vector<OpIndex> op_remap;
+  trace::Trace out = without_optimizer(gaps_in_durations(given), op_remap);
+  split_gradients_per_pass(out);
+  append_cpu_step(out, cpu_step_seconds);
+  fix_zero_tensors(out, op_remap);
   retime(out);
   trace::validate(out);
   return out;
@@ -358,104 +376,138 @@ std::vector<Policy> all_policies() {
   return v;
 }
 
-trace::Trace recompute_trace(const trace::Trace& given) {
-  trace::Trace in = gaps_in_durations(given);
-  const auto la = trace::analyze_lifetimes(in);
-  const auto n = static_cast<OpIndex>(in.ops.size());
-  int max_layers = 0;
-  for (const auto& op : in.ops) max_layers = std::max(max_layers, op.layer + 1);
-  if (max_layers == 0) return in;
-  // A block is one layer in one forward/backward pass: with gradient accumulation each
-  // micro-batch's pass checkpoints and recomputes its own blocks. A pass starts at the first
-  // forward op after a backward op.
+namespace {
+
+// The blocks of layer-wise activation checkpointing. A block is one layer in one
+// forward/backward pass: with gradient accumulation each micro-batch's pass checkpoints and
+// recomputes its own blocks.
+struct CheckpointBlocks {
+  std::vector<int> of_op;                     // the block of each op; -1 outside the layers
+  std::vector<std::vector<OpIndex>> forward;  // each block's forward ops, in order
+  std::vector<OpIndex> first_backward;        // each block's first backward op, or kNoOp
+
+  [[nodiscard]] int of(OpIndex k) const { return of_op[static_cast<std::size_t>(k)]; }
+  [[nodiscard]] int count() const { return static_cast<int>(forward.size()); }
+};
+
+CheckpointBlocks checkpoint_blocks(const trace::Trace& in, int max_layers) {
+  // A pass starts at the first forward op after a backward op.
   const std::vector<int> pass_of = pass_of_ops(in);
-  std::vector<int> block_of_op(static_cast<std::size_t>(n), -1);
+  CheckpointBlocks blocks;
+  blocks.of_op.assign(in.ops.size(), -1);
   for (const auto& op : in.ops) {
     const auto k = static_cast<std::size_t>(op.index);
-    if (op.layer >= 0) block_of_op[k] = pass_of[k] * max_layers + op.layer;
+    if (op.layer >= 0) blocks.of_op[k] = pass_of[k] * max_layers + op.layer;
   }
   const int passes = pass_of.back() + 1;
-  const int layers = passes * max_layers;  // blocks
-  const auto block = [&](OpIndex k) { return block_of_op[static_cast<std::size_t>(k)]; };
-  std::vector<std::vector<OpIndex>> fwd(static_cast<std::size_t>(layers));
-  std::vector<OpIndex> first_bwd(static_cast<std::size_t>(layers), trace::kNoOp);
+  const int count = passes * max_layers;
+  blocks.forward.resize(static_cast<std::size_t>(count));
+  blocks.first_backward.assign(static_cast<std::size_t>(count), trace::kNoOp);
   for (const auto& op : in.ops) {
     if (op.layer < 0) continue;
-    const auto l = static_cast<std::size_t>(block(op.index));
-    if (op.phase == Phase::kForward) fwd[l].push_back(op.index);
-    if (op.phase == Phase::kBackward && first_bwd[l] == trace::kNoOp) first_bwd[l] = op.index;
+    const auto l = static_cast<std::size_t>(blocks.of(op.index));
+    if (op.phase == Phase::kForward) blocks.forward[l].push_back(op.index);
+    if (op.phase == Phase::kBackward && blocks.first_backward[l] == trace::kNoOp) {
+      blocks.first_backward[l] = op.index;
+    }
   }
-  // Which tensors are dropped after the forward pass and made again.
+  return blocks;
+}
+
+// Which tensors are dropped after the forward pass and made again: those made in a block's
+// forward pass and used only in that block, its backward pass included.
+std::vector<char> recomputed_tensors(const trace::Trace& in, const trace::LifetimeAnalysis& la,
+                                     const CheckpointBlocks& blocks) {
   std::vector<char> recompute(in.tensors.size(), 0);
   for (const auto& t : in.tensors) {
     if (t.persistent || t.producer == trace::kNoOp) continue;
     const auto& prod = in.ops[static_cast<std::size_t>(t.producer)];
     if (prod.phase != Phase::kForward || prod.layer < 0) continue;
-    const int l = block(prod.index);
-    if (first_bwd[static_cast<std::size_t>(l)] == trace::kNoOp) continue;
+    const int l = blocks.of(prod.index);
+    if (blocks.first_backward[static_cast<std::size_t>(l)] == trace::kNoOp) continue;
     bool ok = true;
     bool backward_use = false;
     for (OpIndex u : la.tensors[static_cast<std::size_t>(t.id)].uses) {
       const auto& op = in.ops[static_cast<std::size_t>(u)];
-      if (op.layer < 0 || block(op.index) != l) ok = false;
+      if (op.layer < 0 || blocks.of(op.index) != l) ok = false;
       if (op.phase == Phase::kBackward) backward_use = true;
       if (op.phase != Phase::kForward && op.phase != Phase::kBackward) ok = false;
     }
     recompute[static_cast<std::size_t>(t.id)] = ok && backward_use ? 1 : 0;
   }
+  return recompute;
+}
 
-  trace::Trace out = in;
-  out.ops.clear();
-  out.meta["rewrite"] = "layer-wise activation checkpointing";
+// Appends a copy of `src` to `out` as its next op and returns it.
+trace::Op* append_op(trace::Trace& out, const trace::Op& src) {
+  trace::Op o = src;
+  o.index = static_cast<OpIndex>(out.ops.size());
+  out.ops.push_back(std::move(o));
+  return &out.ops.back();
+}
+
+// Appends the recomputation of one block's forward ops to `out`, in backward: their outputs
+// that are not persistent become new tensors, recorded in `copies` (given id -> copy) so that
+// later recomputed ops and the block's backward ops read the copies.
+void append_recomputation(const trace::Trace& in, const std::vector<OpIndex>& forward_ops,
+                          const std::vector<char>& recompute, std::map<TensorId, TensorId>& copies,
+                          trace::Trace& out) {
+  for (OpIndex f : forward_ops) {
+    const auto& src = in.ops[static_cast<std::size_t>(f)];
+    trace::Op* o = append_op(out, src);
+    o->name = "recompute:" + src.name;
+    o->phase = Phase::kBackward;
+    for (TensorId& id : o->inputs) {
+      const auto it = copies.find(id);
+      if (it != copies.end()) id = it->second;
+    }
+    for (std::size_t s = 0; s < o->outputs.size(); ++s) {
+      TensorId& id = o->outputs[s];
+      if (in.tensors[static_cast<std::size_t>(id)].persistent) continue;
+      trace::Tensor x = in.tensors[static_cast<std::size_t>(id)];
+      x.id = static_cast<TensorId>(out.tensors.size());
+      x.name += "@recompute";
+      x.producer = o->index;
+      x.output_slot = static_cast<std::int32_t>(s);
+      x.freed_after = trace::kNoOp;
+      if (!recompute[static_cast<std::size_t>(id)]) x.cls = TensorClass::kTemporary;
+      out.tensors.push_back(x);
+      copies[id] = x.id;
+      id = x.id;
+    }
+  }
+}
+
+// Copies the given ops into `out` (whose ops are empty), each block's recomputation inserted
+// before its first backward op, and the block's backward ops reading the recomputed tensors.
+// Returns the new index of each given op.
+std::vector<OpIndex> append_with_recomputation(const trace::Trace& in,
+                                               const CheckpointBlocks& blocks,
+                                               const std::vector<char>& recompute,
+                                               trace::Trace& out) {
+  const auto n = static_cast<OpIndex>(in.ops.size());
+  const int layers = blocks.count();
   std::vector<OpIndex> op_remap(static_cast<std::size_t>(n), trace::kNoOp);
+  // The block whose recomputation goes before each op.
   std::vector<int> block_of(static_cast<std::size_t>(n), -1);
   for (int l = 0; l < layers; ++l) {
-    if (first_bwd[static_cast<std::size_t>(l)] != trace::kNoOp &&
-        !fwd[static_cast<std::size_t>(l)].empty()) {
-      block_of[static_cast<std::size_t>(first_bwd[static_cast<std::size_t>(l)])] = l;
+    const auto b = static_cast<std::size_t>(l);
+    if (blocks.first_backward[b] != trace::kNoOp && !blocks.forward[b].empty()) {
+      block_of[static_cast<std::size_t>(blocks.first_backward[b])] = l;
     }
   }
   std::vector<std::map<TensorId, TensorId>> copies(static_cast<std::size_t>(layers));
-  auto new_op = [&](const trace::Op& src) {
-    trace::Op o = src;
-    o.index = static_cast<OpIndex>(out.ops.size());
-    out.ops.push_back(std::move(o));
-    return &out.ops.back();
-  };
   for (OpIndex k = 0; k < n; ++k) {
     const int l = block_of[static_cast<std::size_t>(k)];
     if (l >= 0) {
-      auto& map = copies[static_cast<std::size_t>(l)];
-      for (OpIndex f : fwd[static_cast<std::size_t>(l)]) {
-        const auto& src = in.ops[static_cast<std::size_t>(f)];
-        trace::Op* o = new_op(src);
-        o->name = "recompute:" + src.name;
-        o->phase = Phase::kBackward;
-        for (TensorId& id : o->inputs) {
-          const auto it = map.find(id);
-          if (it != map.end()) id = it->second;
-        }
-        for (std::size_t s = 0; s < o->outputs.size(); ++s) {
-          TensorId& id = o->outputs[s];
-          if (in.tensors[static_cast<std::size_t>(id)].persistent) continue;
-          trace::Tensor x = in.tensors[static_cast<std::size_t>(id)];
-          x.id = static_cast<TensorId>(out.tensors.size());
-          x.name += "@recompute";
-          x.producer = o->index;
-          x.output_slot = static_cast<std::int32_t>(s);
-          x.freed_after = trace::kNoOp;
-          if (!recompute[static_cast<std::size_t>(id)]) x.cls = TensorClass::kTemporary;
-          out.tensors.push_back(x);
-          map[id] = x.id;
-          id = x.id;
-        }
-      }
+      append_recomputation(in, blocks.forward[static_cast<std::size_t>(l)], recompute,
+                           copies[static_cast<std::size_t>(l)], out);
     }
     const auto& src = in.ops[static_cast<std::size_t>(k)];
-    trace::Op* o = new_op(src);
+    trace::Op* o = append_op(out, src);
     op_remap[static_cast<std::size_t>(k)] = o->index;
     if (src.phase == Phase::kBackward && src.layer >= 0) {
-      const auto& map = copies[static_cast<std::size_t>(block(k))];
+      const auto& map = copies[static_cast<std::size_t>(blocks.of(k))];
       for (auto* ids : {&o->inputs, &o->outputs}) {
         for (TensorId& id : *ids) {
           if (!recompute[static_cast<std::size_t>(id)]) continue;
@@ -465,6 +517,24 @@ trace::Trace recompute_trace(const trace::Trace& given) {
       }
     }
   }
+  return op_remap;
+}
+
+}  // namespace
+
+trace::Trace recompute_trace(const trace::Trace& given) {
+  trace::Trace in = gaps_in_durations(given);
+  const auto la = trace::analyze_lifetimes(in);
+  int max_layers = 0;
+  for (const auto& op : in.ops) max_layers = std::max(max_layers, op.layer + 1);
+  if (max_layers == 0) return in;
+  const CheckpointBlocks blocks = checkpoint_blocks(in, max_layers);
+  const std::vector<char> recompute = recomputed_tensors(in, la, blocks);
+
+  trace::Trace out = in;
+  out.ops.clear();
+  out.meta["rewrite"] = "layer-wise activation checkpointing";
+  const std::vector<OpIndex> op_remap = append_with_recomputation(in, blocks, recompute, out);
   for (std::size_t i = 0; i < in.tensors.size(); ++i) {
     trace::Tensor& t = out.tensors[i];
     if (t.producer != trace::kNoOp) t.producer = op_remap[static_cast<std::size_t>(t.producer)];
@@ -479,16 +549,22 @@ trace::Trace recompute_trace(const trace::Trace& given) {
   return out;
 }
 
-Plan activation_plan(const trace::Trace& t, const Hardware& hw, const PolicyOptions& opt,
-                     std::string* note) {
-  Plan p = empty_plan(t, hw);
-  const auto la = trace::analyze_lifetimes(t);
-  struct Cand {
-    TensorId id;
-    OpIndex a, b;
-    int layer;
-  };
-  std::vector<Cand> cands;
+namespace {
+
+// An activation that the activations policy may offload: its last forward use `a`, its first
+// backward use `b` and the layer that made it.
+struct ActivationCandidate {
+  TensorId id;
+  OpIndex a, b;
+  int layer;
+};
+
+// The activations made in the layers' forward pass, at least opt.activation_min_bytes, with at
+// least one op between their last forward use and first backward use.
+std::vector<ActivationCandidate> activation_candidates(const trace::Trace& t,
+                                                       const trace::LifetimeAnalysis& la,
+                                                       const PolicyOptions& opt) {
+  std::vector<ActivationCandidate> cands;
   for (const auto& x : t.tensors) {
     if (x.cls != TensorClass::kActivation || x.persistent || x.bytes < opt.activation_min_bytes ||
         x.producer == trace::kNoOp) {
@@ -506,37 +582,49 @@ Plan activation_plan(const trace::Trace& t, const Hardware& hw, const PolicyOpti
     if (a == trace::kNoOp || b == trace::kNoOp || b - a < 2) continue;
     cands.push_back({x.id, a, b, prod.layer});
   }
-  // Adaptive keep (SSDTrain): scopes are blocks in forward order; backward takes 2x forward.
-  int keep_from = -1;
-  if (opt.adaptive_keep) {
-    std::map<int, double> bytes;
-    std::map<int, double> time;
-    std::vector<int> order;
-    double forward = 0;
-    for (std::size_t k = 0; k < t.ops.size(); ++k) {
-      const auto& op = t.ops[k];
-      if (op.phase != Phase::kForward) continue;
-      const double seconds = t.op_seconds(k);
-      forward += seconds;
-      if (op.layer < 0) continue;
-      if (time.find(op.layer) == time.end()) order.push_back(op.layer);
-      time[op.layer] += seconds;
-    }
-    for (const auto& c : cands)
-      bytes[c.layer] += static_cast<double>(t.tensors[static_cast<std::size_t>(c.id)].bytes);
-    const double bw = hw.ssd_write_total();
-    double before_b = 0;
-    double before_t = 0;
-    for (int l : order) {
-      const double denom = 3 * forward - 2 * before_t;
-      if (denom <= 0 || (before_b + 2 * bytes[l]) / denom > bw) {
-        keep_from = l;
-        break;
-      }
-      before_b += bytes[l];
-      before_t += time[l];
-    }
+  return cands;
+}
+
+// Adaptive keep (SSDTrain): scopes are blocks in forward order; backward takes 2x forward. The
+// first layer whose activations, with those of the layers before it, would need more than the
+// SSDs' write bandwidth; that layer and the later ones keep theirs. -1 when every layer offloads.
+int adaptive_keep_from(const trace::Trace& t, const Hardware& hw,
+                       const std::vector<ActivationCandidate>& cands) {
+  std::map<int, double> bytes;
+  std::map<int, double> time;
+  std::vector<int> order;
+  double forward = 0;
+  for (std::size_t k = 0; k < t.ops.size(); ++k) {
+    const auto& op = t.ops[k];
+    if (op.phase != Phase::kForward) continue;
+    const double seconds = t.op_seconds(k);
+    forward += seconds;
+    if (op.layer < 0) continue;
+    if (time.find(op.layer) == time.end()) order.push_back(op.layer);
+    time[op.layer] += seconds;
   }
+  for (const auto& c : cands)
+    bytes[c.layer] += static_cast<double>(t.tensors[static_cast<std::size_t>(c.id)].bytes);
+  const double bw = hw.ssd_write_total();
+  double before_b = 0;
+  double before_t = 0;
+  for (int l : order) {
+    const double denom = 3 * forward - 2 * before_t;
+    if (denom <= 0 || (before_b + 2 * bytes[l]) / denom > bw) return l;
+    before_b += bytes[l];
+    before_t += time[l];
+  }
+  return -1;
+}
+
+}  // namespace
+
+Plan activation_plan(const trace::Trace& t, const Hardware& hw, const PolicyOptions& opt,
+                     std::string* note) {
+  Plan p = empty_plan(t, hw);
+  const auto la = trace::analyze_lifetimes(t);
+  const std::vector<ActivationCandidate> cands = activation_candidates(t, la, opt);
+  const int keep_from = opt.adaptive_keep ? adaptive_keep_from(t, hw, cands) : -1;
   int kept_layers = 0;
   std::map<int, bool> seen;
   for (const auto& c : cands) {
