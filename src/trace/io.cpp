@@ -207,42 +207,46 @@ auto get_enum(const json& o, const char* key, const std::string& where, Parse pa
   }
 }
 
-const json& element_object(const json& arr, std::size_t k, const std::string& where) {
+// Element k of the file's array `kind` ("ops", "tensors"), which must be an object, read by
+// read(object, where) with where = "<kind>[k]" for the messages.
+template <class Read>
+auto element_from_json(const json& arr, std::size_t k, const char* kind, Read read) {
+  const std::string where = detail::concat(kind, "[", k, "]");
   const json& o = arr[k];
   TIDAL_EXPECT_AS(InvalidArgument, o.is_object(), where, " must be an object, not ", o.type_name());
-  return o;
+  return read(o, where);
 }
 
 Op op_from_json(const json& ops, std::size_t k) {
-  const std::string where = detail::concat("ops[", k, "]");
-  const json& o = element_object(ops, k, where);
-  Op op;
-  op.index = get_int32(o, "index", where);
-  op.name = get_string(o, "name", where);
-  op.phase = get_enum(o, "phase", where, phase_from_string);
-  op.start_s = get_double(o, "start_s", where);
-  op.end_s = get_double(o, "end_s", where);
-  op.inputs = get_ids(o, "inputs", where);
-  op.outputs = get_ids(o, "outputs", where);
-  op.layer = get_int32_or(o, "layer", where, -1);
-  op.workspace_bytes = o.contains("workspace_bytes") ? get_uint(o, "workspace_bytes", where) : 0;
-  return op;
+  return element_from_json(ops, k, "ops", [](const json& o, const std::string& where) {
+    Op op;
+    op.index = get_int32(o, "index", where);
+    op.name = get_string(o, "name", where);
+    op.phase = get_enum(o, "phase", where, phase_from_string);
+    op.start_s = get_double(o, "start_s", where);
+    op.end_s = get_double(o, "end_s", where);
+    op.inputs = get_ids(o, "inputs", where);
+    op.outputs = get_ids(o, "outputs", where);
+    op.layer = get_int32_or(o, "layer", where, -1);
+    op.workspace_bytes = o.contains("workspace_bytes") ? get_uint(o, "workspace_bytes", where) : 0;
+    return op;
+  });
 }
 
 Tensor tensor_from_json(const json& tensors, std::size_t i) {
-  const std::string where = detail::concat("tensors[", i, "]");
-  const json& o = element_object(tensors, i, where);
-  Tensor ten;
-  ten.id = get_int32(o, "id", where);
-  ten.name = get_string(o, "name", where);
-  ten.bytes = get_uint(o, "bytes", where);
-  ten.device = get_string(o, "device", where);
-  ten.cls = get_enum(o, "class", where, tensor_class_from_string);
-  ten.persistent = get_bool(o, "persistent", where);
-  ten.producer = get_int32_or(o, "producer", where, kNoOp);
-  ten.output_slot = get_int32_or(o, "output_slot", where, -1);
-  ten.freed_after = get_int32_or(o, "freed_after", where, kNoOp);
-  return ten;
+  return element_from_json(tensors, i, "tensors", [](const json& o, const std::string& where) {
+    Tensor ten;
+    ten.id = get_int32(o, "id", where);
+    ten.name = get_string(o, "name", where);
+    ten.bytes = get_uint(o, "bytes", where);
+    ten.device = get_string(o, "device", where);
+    ten.cls = get_enum(o, "class", where, tensor_class_from_string);
+    ten.persistent = get_bool(o, "persistent", where);
+    ten.producer = get_int32_or(o, "producer", where, kNoOp);
+    ten.output_slot = get_int32_or(o, "output_slot", where, -1);
+    ten.freed_after = get_int32_or(o, "freed_after", where, kNoOp);
+    return ten;
+  });
 }
 
 // A trace read from a file that breaks an invariant is the user's input being wrong.
