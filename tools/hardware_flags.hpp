@@ -37,44 +37,35 @@ auto parse_flag(const char* flag, const std::string& text, Parse parse) -> declt
   }
 }
 
-inline std::optional<plan::SsdSpec> parse_ssd_flag(const std::optional<std::string>& text) {
+/// parse(*text) when the flag was given, with the flag named in an error.
+template <class Parse>
+auto parse_given(const char* flag, const std::optional<std::string>& text, Parse parse)
+    -> std::optional<decltype(parse(*text))> {
   if (!text) return std::nullopt;
-  return parse_flag("--ssd", *text, [](const std::string& t) { return plan::parse_ssd_spec(t); });
+  return parse_flag(flag, *text, parse);
 }
 
-/// The overrides the flags give. Throws tidal::InvalidArgument naming the flag on bad text.
+inline std::optional<plan::SsdSpec> parse_ssd_flag(const std::optional<std::string>& text) {
+  return parse_given("--ssd", text, plan::parse_ssd_spec);
+}
+
+/// The overrides the flags give. Throws tidal::InvalidArgument naming the flag on bad text
+/// (apply_overrides checks the values).
 inline plan::HardwareOverrides parse_hardware_flags(const HardwareFlags& f) {
-  const auto bytes = [](const char* flag, const std::optional<std::string>& t) {
-    std::optional<std::uint64_t> v;
-    if (t) v = parse_flag(flag, *t, [](const std::string& s) { return parse_bytes(s); });
-    return v;
-  };
-  const auto bandwidth = [](const char* flag, const std::optional<std::string>& t) {
-    std::optional<double> v;
-    if (t) v = parse_flag(flag, *t, [](const std::string& s) { return parse_bandwidth(s); });
-    return v;
-  };
-  const auto rate = [](const char* flag, const std::optional<std::string>& t) {
-    std::optional<double> v;
-    if (t) v = parse_flag(flag, *t, [](const std::string& s) { return parse_rate(s); });
-    return v;
-  };
   plan::HardwareOverrides o;
-  o.device_memory = bytes("--gpu-mem", f.gpu_mem);
+  o.device_memory = parse_given("--gpu-mem", f.gpu_mem, parse_bytes);
   o.ssd = parse_ssd_flag(f.ssd);
-  o.host_memory = bytes("--host-mem", f.host_mem);
-  o.host_link_bw = bandwidth("--host-link", f.host_link);
-  o.gpu_link_bw = bandwidth("--gpu-link", f.gpu_link);
-  o.gpu_flops = rate("--gpu-flops", f.gpu_flops);
-  o.gpu_flops_bf16 = rate("--gpu-flops-bf16", f.gpu_flops_bf16);
-  o.gpu_mem_bw = bandwidth("--gpu-mem-bw", f.gpu_mem_bw);
-  o.cpu_adam_rate = rate("--cpu-adam", f.cpu_adam);
-  if (const auto tbw = bytes("--tbw", f.ssd_tbw)) o.ssd_tbw = static_cast<double>(*tbw);
-  if (f.margin) {
-    TIDAL_EXPECT_AS(InvalidArgument, *f.margin >= 0 && *f.margin < 0.5,
-                    "--margin must be in [0, 0.5), got ", *f.margin);
-    o.memory_margin = f.margin;
+  o.host_memory = parse_given("--host-mem", f.host_mem, parse_bytes);
+  o.host_link_bw = parse_given("--host-link", f.host_link, parse_bandwidth);
+  o.gpu_link_bw = parse_given("--gpu-link", f.gpu_link, parse_bandwidth);
+  o.gpu_flops = parse_given("--gpu-flops", f.gpu_flops, parse_rate);
+  o.gpu_flops_bf16 = parse_given("--gpu-flops-bf16", f.gpu_flops_bf16, parse_rate);
+  o.gpu_mem_bw = parse_given("--gpu-mem-bw", f.gpu_mem_bw, parse_bandwidth);
+  o.cpu_adam_rate = parse_given("--cpu-adam", f.cpu_adam, parse_rate);
+  if (const auto tbw = parse_given("--tbw", f.ssd_tbw, parse_bytes)) {
+    o.ssd_tbw = static_cast<double>(*tbw);
   }
+  o.memory_margin = f.margin;
   return o;
 }
 

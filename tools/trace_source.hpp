@@ -173,9 +173,7 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
   plan::TransformerConfig cfg = plan::model_preset(s.model);
   plan::apply_overrides(cfg, s.shape);
   plan::AnalyticTraceOptions topt;
-  topt.optimizer = s.optimizer_in_backward ? OptimizerSchedule::kInBackward
-                   : s.optimizer_deferred  ? OptimizerSchedule::kDeferred
-                                           : OptimizerSchedule::kAfterBackward;
+  topt.optimizer = optimizer_schedule(s.optimizer_in_backward, s.optimizer_deferred);
   topt.micro_batches = s.micro_batches;
   topt.data_parallel = s.data_parallel;
   topt.tensor_parallel = s.tensor_parallel;

@@ -194,14 +194,12 @@ void append_cpu_step(trace::Trace& out, double cpu_step_seconds) {
 // non-persistent tensors keep their producer and free, moved by `op_remap`.
 void fix_zero_tensors(trace::Trace& out, const std::vector<OpIndex>& op_remap) {
   std::vector<OpIndex> first(out.tensors.size(), trace::kNoOp);
-  std::vector<OpIndex> last(out.tensors.size(), trace::kNoOp);
   std::vector<OpIndex> first_out(out.tensors.size(), trace::kNoOp);
   for (const auto& op : out.ops) {
     for (const auto* ids : {&op.inputs, &op.outputs}) {
       for (TensorId id : *ids) {
         auto& f = first[static_cast<std::size_t>(id)];
         if (f == trace::kNoOp) f = op.index;
-        last[static_cast<std::size_t>(id)] = op.index;
       }
     }
     for (std::size_t s = 0; s < op.outputs.size(); ++s) {
@@ -625,15 +623,8 @@ Plan activation_plan(const trace::Trace& t, const Hardware& hw, const PolicyOpti
   const auto la = trace::analyze_lifetimes(t);
   const std::vector<ActivationCandidate> cands = activation_candidates(t, la, opt);
   const int keep_from = opt.adaptive_keep ? adaptive_keep_from(t, hw, cands) : -1;
-  int kept_layers = 0;
-  std::map<int, bool> seen;
   for (const auto& c : cands) {
-    const bool keep = keep_from >= 0 && c.layer >= keep_from;
-    if (keep) {
-      if (!seen[c.layer]) ++kept_layers;
-      seen[c.layer] = true;
-      continue;
-    }
+    if (keep_from >= 0 && c.layer >= keep_from) continue;  // kept in device memory
     const std::uint64_t bytes = t.tensors[static_cast<std::size_t>(c.id)].bytes;
     PlanAction off;
     set_action(off, c.id, bytes, ActionKind::kOffload, c.a, c.b, Target::kSsd);

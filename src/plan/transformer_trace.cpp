@@ -2,6 +2,7 @@
 // training iteration, built block by block from a table of the model's parts.
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
@@ -218,8 +219,7 @@ class TransformerTraceBuilder {
       : cfg_(cfg),
         opt_(o),
         llama_(cfg.arch == Architecture::kLlama),
-        rank_batch_(batch / o.data_parallel),
-        mb_batch_(rank_batch_ / o.micro_batches),
+        mb_batch_(batch / o.data_parallel / o.micro_batches),
         seq_(seq),
         b_(hw, mb_batch_ * seq, o.precision) {
     const int tp = o.tensor_parallel;
@@ -359,15 +359,13 @@ class TransformerTraceBuilder {
     if (tp() > 1) b_.all_reduce(name + ".all_reduce", phase, layer, {t}, tp());
   }
 
-  // Data parallelism: the gradients of params [first, end) plus `also` are averaged over the
-  // group once the last micro-batch's backward has completed them.
-  void dp_all_reduce(const std::string& name, int layer, std::size_t first, std::size_t end,
-                     std::vector<std::size_t> also = {}) {
+  // Data parallelism: the gradients of `params` are averaged over the group once the last
+  // micro-batch's backward has completed them.
+  void dp_all_reduce(const std::string& name, int layer, const std::vector<std::size_t>& params) {
     if (opt_.data_parallel <= 1 || !last_micro_batch_) return;
-    for (std::size_t i = first; i < end; ++i) also.push_back(i);
     std::vector<TensorId> grads;
-    grads.reserve(also.size());
-    for (std::size_t i : also) grads.push_back(b_.gradient(i));
+    grads.reserve(params.size());
+    for (std::size_t i : params) grads.push_back(b_.gradient(i));
     b_.all_reduce(name + ".grads.all_reduce", Phase::kBackward, layer, grads, opt_.data_parallel);
   }
 
@@ -500,7 +498,7 @@ class TransformerTraceBuilder {
     std::vector<std::size_t> head_params{wf_};
     if (!llama_) head_params.push_back(wfb_);
     if (head_ != wte_) head_params.push_back(head_);
-    dp_all_reduce("head", -1, 0, 0, head_params);
+    dp_all_reduce("head", -1, head_params);
     return gx;
   }
 
@@ -525,7 +523,9 @@ class TransformerTraceBuilder {
     norm_bwd(p + "norm1.bwd", l, g_n1, s.x, s.s1, P.n1, P.n1b, g_xp);
     const TensorId g_x = b_.temp(p + "grad_in", d_.h);
     b_.op(p + "add1.bwd", Phase::kBackward, l, {g_h1, g_xp}, {g_x}, 0);
-    dp_all_reduce(p.substr(0, p.size() - 1), l, P.first, P.end);
+    std::vector<std::size_t> block_params(P.end - P.first);
+    std::iota(block_params.begin(), block_params.end(), P.first);
+    dp_all_reduce(p.substr(0, p.size() - 1), l, block_params);
     return g_x;
   }
 
@@ -586,14 +586,13 @@ class TransformerTraceBuilder {
     b_.op("embedding.bwd", Phase::kBackward, -1, in, out, 0);
     std::vector<std::size_t> params{wte_};
     if (!llama_) params.push_back(wpe_);
-    dp_all_reduce("embedding", -1, 0, 0, params);
+    dp_all_reduce("embedding", -1, params);
   }
 
   const TransformerConfig& cfg_;
   const AnalyticTraceOptions& opt_;
   bool llama_;
-  std::int64_t rank_batch_;  ///< this GPU's share of the batch (data parallelism)
-  std::int64_t mb_batch_;    ///< sequences per micro-batch
+  std::int64_t mb_batch_;  ///< sequences per micro-batch
   std::int64_t seq_;
   Dims d_;
   Builder b_;

@@ -4,7 +4,6 @@
 #include <cstdio>
 #include <iostream>
 #include <map>
-#include <optional>
 
 #include "tidal/common/enum_names.hpp"
 #include "tidal/common/error.hpp"
@@ -105,8 +104,7 @@ struct Session::Impl {
   // cpu-here: the store's measured figures (none after a failed measurement: the preset's), and
   // as text for the plan summary.
   bool store_measured = false;
-  std::optional<plan::SsdSpec> measured_ssd;
-  std::string measured_ssd_text;
+  std::string measured_ssd;  // empty: not measured, or the measurement failed
   // cpu-here on the CPU: the compute each byte moved takes (Hardware::compute_seconds_per_byte).
   std::array<double, plan::kNumChannels> io_compute{};
   std::uint64_t profiled_current = 0;  // max meter bytes at the start of the profiled steps
@@ -149,7 +147,7 @@ struct Session::Impl {
     if (!overrides.ssd && opt.hardware == "cpu-here") {
       // cpu-here describes this machine: measure the store the plan will use, once.
       if (!store_measured) measure_store();
-      if (measured_ssd) overrides.ssd = measured_ssd;
+      if (!measured_ssd.empty()) overrides.ssd = plan::parse_ssd_spec(measured_ssd);
     }
     // The capacity is set per planning call; this only satisfies the preset's check.
     overrides.device_memory = std::max<std::uint64_t>(stats.memory_budget, 1);
@@ -174,12 +172,11 @@ struct Session::Impl {
     store_measured = true;
     try {
       const io::MeasuredBandwidth m = io::measure_bandwidth(*store, mo);
-      measured_ssd_text = io::ssd_spec(m, store->options().dirs.size());
-      measured_ssd = plan::parse_ssd_spec(measured_ssd_text);
+      measured_ssd = io::ssd_spec(m, store->options().dirs.size());
       io_compute[plan::index_of(plan::Channel::kSsdWrite)] = m.write_compute_seconds_per_byte;
       io_compute[plan::index_of(plan::Channel::kSsdRead)] = m.read_compute_seconds_per_byte;
     } catch (const IoError&) {
-      measured_ssd.reset();  // a failing store: plan with the preset's figures
+      measured_ssd.clear();  // a failing store: plan with the preset's figures
     }
     if (on_cpu && opt.host_memory > 0) {
       const double copy = io::measure_copy_compute_cost();
@@ -247,8 +244,7 @@ struct Session::Impl {
         shapes.size() - 1, p.actions.size(), bytes_text(p.summary.bytes_to_ssd).c_str(),
         bytes_text(p.summary.bytes_to_host).c_str(), bytes_text(p.summary.peak_after_bytes).c_str(),
         bytes_text(static_cast<std::uint64_t>(s.capacity)).c_str(), p.summary.planned_stall_seconds,
-        p.summary.planning_seconds,
-        measured_ssd_text.empty() ? "preset" : measured_ssd_text.c_str(),
+        p.summary.planning_seconds, measured_ssd.empty() ? "preset" : measured_ssd.c_str(),
         io_compute[plan::index_of(plan::Channel::kSsdWrite)] * 1e9,
         io_compute[plan::index_of(plan::Channel::kSsdRead)] * 1e9,
         io_compute[plan::index_of(plan::Channel::kHostWrite)] * 1e9);

@@ -31,9 +31,7 @@ RunResult train(const std::string& model, OffloadMode mode, const std::string& d
                 io::FaultPlan faults = {}, Schedule schedule = {}) {
   MemoryMeter meter(torch::kCPU);
   models::TrainerOptions o = testing::tiny_options(model, 4, 32, 77);
-  o.optimizer = schedule.in_backward ? OptimizerSchedule::kInBackward
-                : schedule.deferred  ? OptimizerSchedule::kDeferred
-                                     : OptimizerSchedule::kAfterBackward;
+  o.optimizer = optimizer_schedule(schedule.in_backward, schedule.deferred);
   o.clip_grad_norm = schedule.clip;
   models::Trainer trainer(o);
   SessionOptions so;

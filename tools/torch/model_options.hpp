@@ -72,9 +72,7 @@ inline models::TrainerOptions to_trainer_options(const ModelArgs& a) {
   o.seed = a.seed;
   o.data_path = a.data;
   o.adamw.lr = a.lr;
-  o.optimizer = a.optimizer_in_backward ? OptimizerSchedule::kInBackward
-                : a.optimizer_deferred  ? OptimizerSchedule::kDeferred
-                                        : OptimizerSchedule::kAfterBackward;
+  o.optimizer = optimizer_schedule(a.optimizer_in_backward, a.optimizer_deferred);
   o.clip_grad_norm = a.clip_grad_norm;
   if (a.device == "auto") {
     o.device =

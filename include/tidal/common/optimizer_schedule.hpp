@@ -18,6 +18,13 @@ enum class OptimizerSchedule : std::uint8_t {
   kDeferred,
 };
 
+/// The schedule two exclusive switches ask for (the CLI's --optimizer-in-backward and
+/// --optimizer-deferred); after backward when neither is set.
+inline OptimizerSchedule optimizer_schedule(bool in_backward, bool deferred) {
+  if (in_backward) return OptimizerSchedule::kInBackward;
+  return deferred ? OptimizerSchedule::kDeferred : OptimizerSchedule::kAfterBackward;
+}
+
 /// "after-backward", "in-backward", "deferred" (the traces' meta.optimizer_schedule).
 const char* to_string(OptimizerSchedule s);
 /// Inverse of to_string; throws tidal::InvalidArgument listing the names.
