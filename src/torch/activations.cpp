@@ -327,7 +327,7 @@ void ActivationOffloader::Impl::start_read_locked(Record& r, io::Priority p) {
   at::Tensor bytes = at::empty({static_cast<std::int64_t>(r.nbytes)},
                                at::TensorOptions().dtype(at::kByte).device(r.device));
   r.storage = bytes.storage();
-  store->read(r.ticket, r.storage.data(), p);
+  store->read(r.ticket, r.storage.mutable_data(), p);
   r.state = Record::State::kReading;
   stats.bytes_read += r.nbytes;
 }

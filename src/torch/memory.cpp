@@ -13,10 +13,7 @@
 
 #include "tidal/common/units.hpp"
 
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 9)
-#include <c10/core/CachingDeviceAllocator.h>
-#define TIDAL_HAVE_DEVICE_ALLOCATOR_STATS 1
-#endif
+#include <c10/core/CachingDeviceAllocator.h>  // torch >= 2.9: any device's allocator statistics
 
 namespace tidal::torch_layer {
 namespace {
@@ -25,14 +22,10 @@ namespace {
 // pointer), so the counters subtract exactly what they added.
 class TrackingCpuAllocator final : public c10::Allocator {
  public:
-#if TORCH_VERSION_MAJOR >= 2
   c10::DataPtr allocate(size_t n) override { return do_allocate(n); }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);
   }
-#else
-  c10::DataPtr allocate(size_t n) const override { return do_allocate(n); }
-#endif
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
 
   MemoryStats stats() const {
@@ -127,7 +120,6 @@ MemoryMeter::MemoryMeter(c10::Device device) : device_(device) {
 
 MemoryStats MemoryMeter::stats() const {
   if (device_.is_cpu()) return TrackingCpuAllocator::instance().stats();
-#ifdef TIDAL_HAVE_DEVICE_ALLOCATOR_STATS
   if (device_.is_cuda()) {
     auto* allocator = c10::getDeviceAllocator(c10::DeviceType::CUDA);
     const auto s = allocator->getDeviceStats(device_.has_index() ? device_.index() : 0);
@@ -139,7 +131,6 @@ MemoryStats MemoryMeter::stats() const {
     out.frees = static_cast<std::uint64_t>(s.allocation[0].freed);
     return out;
   }
-#endif
   return {};
 }
 
@@ -148,12 +139,10 @@ void MemoryMeter::reset_peak() {
     TrackingCpuAllocator::instance().reset_peak();
     return;
   }
-#ifdef TIDAL_HAVE_DEVICE_ALLOCATOR_STATS
   if (device_.is_cuda()) {
     c10::getDeviceAllocator(c10::DeviceType::CUDA)
         ->resetPeakStats(device_.has_index() ? device_.index() : 0);
   }
-#endif
 }
 
 }  // namespace tidal::torch_layer
