@@ -38,13 +38,18 @@ function(tidal_enable_cuda target)
 endfunction()
 
 # tidal_add_test_suite(NAME DIR LABELS...): one GoogleTest executable per layer.
+# The torch-free layers' suites link tidal::core alone, the torch layer's tidal::tidal.
 function(tidal_add_test_suite name dir)
   file(GLOB _src CONFIGURE_DEPENDS ${dir}/*.cpp)
   if(NOT _src)
     return()
   endif()
   add_executable(${name} ${_src})
-  target_link_libraries(${name} PRIVATE tidal::tidal GTest::gtest GTest::gtest_main)
+  if("torch" IN_LIST ARGN)
+    target_link_libraries(${name} PRIVATE tidal::tidal GTest::gtest GTest::gtest_main)
+  else()
+    target_link_libraries(${name} PRIVATE tidal::core GTest::gtest GTest::gtest_main)
+  endif()
   target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/tests)
   gtest_discover_tests(${name} PROPERTIES LABELS "${ARGN}" DISCOVERY_TIMEOUT 60
                        TEST_PREFIX "${name}.")

@@ -42,6 +42,9 @@ write_basic_package_version_file(${PROJECT_BINARY_DIR}/tidalConfigVersion.cmake
 install(FILES ${PROJECT_BINARY_DIR}/tidalConfig.cmake
               ${PROJECT_BINARY_DIR}/tidalConfigVersion.cmake
         DESTINATION ${TIDAL_INSTALL_CMAKEDIR})
+if(TIDAL_HAVE_TORCH)
+  install(FILES cmake/TidalTorch.cmake DESTINATION ${TIDAL_INSTALL_CMAKEDIR})
+endif()
 
 # tidal.pc: the torch-free core for builds without CMake (`pkg-config --static --libs tidal`).
 set(TIDAL_PC_REQUIRES_PRIVATE "libxxhash")

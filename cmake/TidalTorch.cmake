@@ -52,7 +52,13 @@ macro(tidal_find_torch)
     list(APPEND CMAKE_PREFIX_PATH "${TIDAL_TORCH_CMAKE_PREFIX}")
     set(Python3_EXECUTABLE "${TIDAL_PYTHON}" CACHE FILEPATH "Python with torch")
     set(Python_EXECUTABLE "${TIDAL_PYTHON}")   # the one Caffe2's config looks for
-    # The wheel's Caffe2 config looks for the CUDA toolkit itself where torch has CUDA.
+    # The wheel's Caffe2 config looks for the CUDA toolkit itself where torch has CUDA. tidal
+    # compiles no CUDA kernels, so the architectures it would detect (and warn about) are moot.
+    unset(CMAKE_CUDA_ARCHITECTURES)
+    unset(CMAKE_CUDA_ARCHITECTURES CACHE)
+    if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
+      set(ENV{TORCH_CUDA_ARCH_LIST} "9.0")
+    endif()
     find_package(Torch QUIET)
     if(Torch_FOUND)
       string(REGEX MATCH "^[0-9]+\\.[0-9]+(\\.[0-9]+)?" _tidal_torch_version "${_tidal_torch_version}")
