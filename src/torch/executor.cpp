@@ -671,6 +671,20 @@ void PlanExecutor::before_op(trace::OpIndex index, const std::string& name,
                              const std::vector<TensorRef>& inputs) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   Impl& m = *impl_;
+  if (is_compiled_region(name) && !m.diverged) {
+    // A torch.compile'd region the profile did not have: its kernels bypass the residency
+    // guard, so everything comes back now and the rest of the step runs on demand. (A failed
+    // read cannot stop the op from here; the tensor stays offloaded and the guard reports it
+    // at the next ATen op that reads it.)
+    m.diverged = true;
+    m.stats.diverged = true;
+    m.stats.divergence = ::tidal::detail::concat("op ", index, " is ", name,
+                                                 ", a torch.compile'd region");
+    try {
+      restore_all();
+    } catch (const Error&) {
+    }
+  }
   m.advance(index, name);
   if (!m.diverged) m.bind(inputs);
   if (m.opt.on_op_start && !m.diverged && index >= 0) {

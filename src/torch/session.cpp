@@ -276,6 +276,7 @@ struct Session::Impl {
 
   // A new step shape: plan it and hand it to the executor (made on the first).
   void add_shape(trace::Trace t) {
+    refuse_compiled_code(t);
     Shape s;
     s.trace = std::move(t);
     s.peak_live = static_cast<double>(trace::analyze_lifetimes(s.trace).summary.peak_live_bytes);
@@ -300,6 +301,20 @@ struct Session::Impl {
     shapes.push_back(std::move(s));
     summarise(shapes.back());
     stats.shapes = static_cast<int>(shapes.size());
+  }
+
+  // torch.compile's generated kernels read and write tensors without going through ATen's
+  // dispatcher: the tracer sees a compiled region as one op and the residency guard cannot see
+  // inside it, so a plan could release a tensor that such a kernel then reads. Refused before
+  // any plan runs (profiling steps offload nothing).
+  static void refuse_compiled_code(const trace::Trace& t) {
+    for (const auto& op : t.ops) {
+      TIDAL_EXPECT_AS(InvalidArgument, !is_compiled_region(op.name),
+                      "plan mode cannot run a torch.compile'd model or function: its generated "
+                      "kernels touch tensors that the plan executor cannot see (op ", op.index,
+                      " is '", op.name, "'). Use activation offloading (mode activations, which "
+                      "works with torch.compile), or run the model without torch.compile");
+    }
   }
 
   void make_first_plan() {

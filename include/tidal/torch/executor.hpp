@@ -62,6 +62,12 @@ class OpListener {
 /// between steps (Tracer::Options::step_end_op): its inputs are every tensor alive at the end.
 inline constexpr const char* kStepEndOp = "tidal::step_end";
 
+/// True for the op a torch.compile'd region shows the tracer ("Torch-Compiled Region: 0/0", or
+/// AOTAutograd's "CompiledFunction"): its generated kernels bypass ATen's dispatcher.
+inline bool is_compiled_region(const std::string& op_name) {
+  return op_name.rfind("Torch-Compiled Region", 0) == 0 || op_name == "CompiledFunction";
+}
+
 struct ExecutorStats {
   std::uint64_t offloads = 0;        ///< writes started by the plan
   std::uint64_t released = 0;        ///< storages whose memory was released after their write
