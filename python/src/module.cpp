@@ -229,6 +229,9 @@ PYBIND11_MODULE(_C, m) {
           "mode", [](const SessionOptions& o) { return std::string(tt::to_string(o.mode)); },
           [](SessionOptions& o, const std::string& s) { o.mode = tt::offload_mode_from_string(s); })
       .def_property(
+          "device", [](const SessionOptions& o) { return o.device.str(); },
+          [](SessionOptions& o, const std::string& s) { o.device = c10::Device(s); })
+      .def_property(
           "executor_min_bytes", [](const SessionOptions& o) { return o.executor.min_bytes; },
           [](SessionOptions& o, std::uint64_t b) { o.executor.min_bytes = b; })
       .def_property(

@@ -73,6 +73,9 @@ class Session:
     model, optimizer: their parameters, buffers and optimizer state are registered with their
     names (the session finds such tensors without it; names make the trace and plan readable,
     and in activation mode they are never written as activations).
+    device: the device whose memory the budget is about and the meter measures ("cuda:0"); by
+    default the model's (its first parameter's), else the CPU. On CUDA the meter reads the
+    caching allocator's allocated bytes.
 
     Create it before the model when you can: the memory meter counts tensors allocated after
     `import tidal`, and the session's own meter after its creation.
@@ -101,9 +104,16 @@ class Session:
                  checksum: bool = True,
                  hardware: str = "cpu-here",
                  name: str = "",
+                 device: Optional[Union[str, torch.device]] = None,
                  _faults: Optional[dict] = None) -> None:
         opt = _C.SessionOptions()
         opt.mode = mode
+        # The device whose memory the budget is about and the meter measures: given, or the
+        # model's (its first parameter's), else the CPU.
+        if device is None and model is not None:
+            first = next(iter(model.parameters()), None)
+            device = first.device if first is not None else None
+        opt.device = str(torch.device(device if device is not None else "cpu"))
         if mode != "none":
             opt.store = store_options(dirs, capacity, checksum, _faults)
         opt.memory_budget, opt.budget_fraction = parse_budget(budget)

@@ -134,6 +134,7 @@ struct Session::Impl {
     to.current_bytes = opt.current_bytes;
     to.peak_bytes = opt.peak_bytes;
     to.reset_peak = opt.reset_peak;
+    to.device = opt.device;
     tracer = std::make_unique<Tracer>(to);
     for (const auto& r : persistent) tracer->register_persistent(r.tensor, r.name, r.cls);
     tracer->start();

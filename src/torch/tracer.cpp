@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "device_sync.hpp"
 #include "ivalue_tensors.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/stats.hpp"
@@ -260,6 +261,7 @@ std::unique_ptr<at::ObserverContext> Tracer::on_op_start(const at::RecordFunctio
     options_.reset_peak();
     ctx->bytes_before = options_.current_bytes();
   }
+  if (keep_iterations_) detail::sync_current_stream(options_.device);  // device time (see Options)
   current_.ops[static_cast<std::size_t>(ctx->index)].start_s = now();
   return ctx;
 }
@@ -270,6 +272,7 @@ void Tracer::on_op_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
     note_nested_outputs(fn);
     return;
   }
+  if (keep_iterations_) detail::sync_current_stream(options_.device);
   const double end = now();
   const std::uint64_t op_peak = op_peak_bytes(*static_cast<OpContext*>(ctx));
   std::unique_lock<std::mutex> lock(mutex_);

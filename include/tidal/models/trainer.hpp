@@ -222,7 +222,9 @@ class Trainer {
   std::int64_t step_ = 0;
   // The gradient accumulators the update hooks hang on: a parameter holds its accumulator only
   // weakly, so they are kept alive here for the trainer's lifetime.
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  // (std::shared_ptr up to torch 2.14, c10::intrusive_ptr from 2.15: whatever it returns.)
+  std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()))>
+      accumulators_;
   std::vector<torch::Tensor> params_;  // the model's parameters, in the optimizer's order
   // Deferred schedule: parameter indices by where forward first uses them (0: before the first
   // block, 1 + L: block L, layers + 1: after the last block) and what is still to update.

@@ -73,6 +73,11 @@ class Tracer : public StepObserver {
     std::function<std::uint64_t()> current_bytes;
     std::function<std::uint64_t()> peak_bytes;
     std::function<void()> reset_peak;
+    /// The device the step computes on. On a GPU an op returns once its kernels are queued:
+    /// while iterations are kept (profiling), the tracer waits for the device's current stream
+    /// before and after every op, so that an op's time is its device time (profiling steps run
+    /// slower; executed steps are not touched).
+    c10::Device device = c10::Device(c10::kCPU);
   };
 
   explicit Tracer(Options options);

@@ -1,0 +1,238 @@
+"""tidal from Python with CUDA tensors: tidal.Session in modes none, activations and plan, and
+tidal.offload_activations, give the losses of training without tidal bit for bit and move the
+tensors' bytes through the store; the session's memory meter is compared with the CUDA caching
+allocator's peak.
+
+Every test here skips, with the reason, on a machine where torch sees no CUDA device (bench/gpu.sh
+runs them on a GPU machine)."""
+
+import os
+
+# Deterministic cuBLAS for the bit-identity checks; read when cuBLAS starts (the first matmul on
+# the device), so set before any test of this module uses CUDA.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import tidal  # noqa: E402
+from conftest import batches, make_mlp, wait_for_writes  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason=f"no CUDA device: torch {torch.__version__} (CUDA {torch.version.cuda}) sees none on "
+           "this machine")
+
+STEPS = 7  # plan mode: 1 warm-up + 2 profiled steps, then 4 executed
+DEVICE = "cuda"
+
+# tidal.Session meters the device its options name; the Python binding does not expose
+# SessionOptions::device yet, so from Python the session's meter counts CPU memory. When a
+# `device` argument appears, the meter test passes it and must agree with the allocator.
+
+
+@pytest.fixture(scope="module", autouse=True)
+def deterministic():
+    """The reference run and the tidal run must take the same kernels: deterministic algorithms
+    where torch has them (a warning, not an error, where it has none), no TF32."""
+    was = torch.are_deterministic_algorithms_enabled()
+    was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.use_deterministic_algorithms(was, warn_only=was_warn)
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def cuda_batches(seed: int, steps: int):
+    return [(x.to(DEVICE), y.to(DEVICE)) for x, y in batches(seed=seed, steps=steps)]
+
+
+def train(data, session=None):
+    """Adam on the MLP on the GPU. Returns the losses, the final weights, the session's stats
+    after each step and the CUDA allocator's peak of each step."""
+    model = make_mlp(seed=3).to(DEVICE)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if callable(session):
+        session = session(model, opt)
+    losses, stats, peaks = [], [], []
+    for x, y in data:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        if session is not None:
+            session.begin_step()
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        if session is not None:
+            session.end_step()
+            stats.append(session.stats())
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated())
+        losses.append(loss.detach().clone())
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters()], stats, peaks
+
+
+@pytest.fixture(scope="module")
+def reference():
+    data = cuda_batches(seed=4, steps=STEPS)
+    losses, params, _, peaks = train(data)
+    assert losses.is_cuda and all(p.is_cuda for p in params)
+    return data, losses, params, peaks
+
+
+def assert_same_training(losses, params, ref_losses, ref_params):
+    assert torch.equal(losses, ref_losses), (losses - ref_losses).abs().max()
+    for p, r in zip(params, ref_params):
+        assert p.is_cuda
+        assert torch.equal(p, r), (p - r).abs().max()
+
+
+def test_mode_none_on_cuda_is_bit_identical(reference):
+    data, ref_losses, ref_params, _ = reference
+
+    def session(model, opt):
+        return tidal.Session(mode="none", model=model, optimizer=opt)
+
+    losses, params, stats, _ = train(data, session)
+    assert_same_training(losses, params, ref_losses, ref_params)
+    assert all(s.mode == "none" and s.state == "off" for s in stats)
+    assert all(s.bytes_written == 0 and s.bytes_read == 0 for s in stats)
+
+
+def test_activation_mode_on_cuda_is_bit_identical_and_writes(reference, store_dir):
+    data, ref_losses, ref_params, _ = reference
+
+    def session(model, opt):
+        # adaptive=False: every step after the reference step offloads, whatever the peaks.
+        return tidal.Session(mode="activations", dirs=[store_dir], capacity="256MiB",
+                             min_bytes="64KiB", model=model, optimizer=opt, adaptive=False)
+
+    losses, params, stats, _ = train(data, session)
+    assert_same_training(losses, params, ref_losses, ref_params)
+    assert all(s.state == "executing" for s in stats)
+    # The warm-up step and the reference step keep everything; the later ones write the saved
+    # activations of 128 x 1024 floats (512 KiB, CUDA memory) to the store.
+    assert sum(s.bytes_written for s in stats[2:]) > 0, stats[-1]
+    assert all(s.write_failures == 0 for s in stats), stats[-1].write_error
+
+
+def test_plan_mode_on_cuda_is_bit_identical_and_executes(reference, store_dir):
+    data, ref_losses, ref_params, ref_peaks = reference
+    holder = {}
+    # A budget in bytes, half of what the reference steps took from the CUDA allocator: the
+    # planner plans the traced CUDA tensors for it. (A share such as "50%" would be a share of
+    # the session meter's peak, CPU memory from Python.)
+    budget = max(ref_peaks) // 2
+
+    def session(model, opt):
+        holder["s"] = tidal.Session(mode="plan", dirs=[store_dir], budget=budget,
+                                    capacity="512MiB", min_bytes="64KiB", model=model,
+                                    optimizer=opt, between_steps="offloaded", name="mlp-cuda")
+        return holder["s"]
+
+    losses, params, stats, _ = train(data, session)
+    assert_same_training(losses, params, ref_losses, ref_params)
+    assert [s.state for s in stats[:2]] == ["warmup", "profiling"]
+    assert all(s.state == "executing" for s in stats[2:]), [s.state for s in stats]
+    last = stats[-1]
+    assert last.mode == "plan" and last.memory_budget == budget
+    assert last.shapes >= 1 and last.plan_summary.startswith("plan 0:")
+    # The executed steps moved bytes through the store, as the plan said.
+    assert sum(s.bytes_written for s in stats[3:]) > 0, last
+    assert last.planned_bytes_to_ssd > 0
+    assert all(s.write_failures == 0 for s in stats), last.write_error
+    # The profiled trace saw CUDA tensors, under their Python names.
+    tensors = {t["name"]: t for t in holder["s"].trace["tensors"]}
+    assert tensors["0.weight"]["device"].startswith("cuda")
+    assert "0.weight.exp_avg" in tensors
+    holder["s"].make_resident()  # every moved tensor back on the device before teardown
+
+
+def test_offload_activations_on_cuda_is_bit_identical_and_uses_the_store(store_dir):
+    data = cuda_batches(seed=2, steps=4)
+
+    def run(offload=None):
+        model = make_mlp(seed=1).to(DEVICE)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        losses = []
+        for x, y in data:
+            opt.zero_grad()
+            if offload is None:
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            else:
+                writes = offload.store_stats()["writes"]
+                with offload:
+                    loss = torch.nn.functional.cross_entropy(model(x), y)
+                # Some writes finish before backward, so that it reads from the store.
+                wait_for_writes(offload, writes + 1)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach().clone())
+        return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+
+    ref_losses, ref_params = run()
+    offload = tidal.offload_activations(dirs=[store_dir], min_bytes="64KiB", capacity="256MiB",
+                                        adaptive=False)
+    losses, params = run(offload)
+    offload.end_step()
+    last = offload.stats()
+    store = offload.store_stats()
+    offload.close()
+    assert_same_training(losses, params, ref_losses, ref_params)
+    assert last.offloaded > 0 and last.packed > 0
+    assert last.kept_parameter > 0  # weights never go to the store
+    assert store["bytes_written"] > 0
+    assert store["bytes_read"] > 0
+    assert store["failed_requests"] == 0, store
+
+
+def test_offloaded_cuda_tensor_comes_back_exactly(store_dir):
+    """One saved CUDA tensor through the store and back: the gradient is exact, the bytes went
+    through the store (cuFile or the staging buffers: the backend says which)."""
+    offload = tidal.offload_activations(dirs=[store_dir], min_bytes=0, capacity="64MiB",
+                                        adaptive=False)
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    a = torch.randn(512, 512, device=DEVICE, generator=g, requires_grad=True)
+    with offload:
+        # exp saves its result (1 MiB of device memory), held by autograd alone: once written,
+        # backward reads it back from the store.
+        total = a.exp().sum()
+    wait_for_writes(offload, 1)
+    total.backward()
+    offload.end_step()
+    store = offload.store_stats()
+    offload.close()
+    assert offload.stats().offloaded >= 1
+    assert store["bytes_written"] >= 512 * 512 * 4
+    assert store["bytes_read"] >= 512 * 512 * 4
+    assert a.grad.is_cuda
+    assert torch.equal(a.grad, a.detach().exp())
+    # Device memory reaches the files through cuFile ("+cufile" in the backend's name) or
+    # through pinned staging buffers (counted in staged_ops).
+    assert "cufile" in store["backend"] or store["staged_ops"] > 0, store
+
+
+def test_memory_meter_agrees_with_the_cuda_allocator():
+    data = cuda_batches(seed=6, steps=3)
+    model = make_mlp(seed=3).to(DEVICE)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    session = tidal.Session(mode="none", model=model, optimizer=opt)  # the model's device
+    rows = []
+    for x, y in data:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with session.step():  # resets the meter's peak (on CUDA: the allocator's) at its start
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+        torch.cuda.synchronize()
+        rows.append((session.stats().step_peak, torch.cuda.max_memory_allocated()))
+    # Within reason: the same counter read a moment apart; 5% or 1 MiB for what the step's
+    # end may allocate.
+    off = [(meter, cuda) for meter, cuda in rows if abs(meter - cuda) > max(cuda // 20, 1 << 20)]
+    assert not off, f"(session meter, torch.cuda.max_memory_allocated) per step: {rows}"
+    assert all(cuda > 0 for _, cuda in rows)
