@@ -275,6 +275,9 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("tensor"), py::arg("name"), py::arg("cls"))
       .def("make_resident", &tt::Session::make_resident, py::call_guard<py::gil_scoped_release>())
+      .def("hold", &tt::Session::hold, py::arg("tensor"), py::call_guard<py::gil_scoped_release>())
+      .def("release", &tt::Session::release, py::arg("tensor"),
+           py::call_guard<py::gil_scoped_release>())
       .def("stats", [](const tt::Session& s) { return session_stats_dict(s.stats()); })
       .def("trace_json",
            [](const tt::Session& s) -> py::object {

@@ -2,38 +2,41 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 
-def resident_allreduce_hook(process_group, bucket):
-    """A DDP communication hook for plan mode: DDP's own averaging (divide, then all-reduce,
-    as torch's default allreduce_hook), but finished before the hook returns.
+def overlapping_allreduce_hook(session: Any):
+    """A DDP communication hook for plan mode: DDP's own averaging (divide, then all-reduce, as
+    torch's default allreduce_hook), asynchronous as DDP's default, with the bucket held in
+    memory while the backend reduces it.
 
-    DDP's default all-reduce runs in the backend's thread while backward goes on, on the flat
-    gradient bucket, a tensor the plan executor sees idle between the copies into it and out of
-    it: it could write the bucket to the SSD (or free it) while the backend still reduces it.
-    Waiting here means no thread but the training loop's touches the bucket after the hook, so
-    every access goes through ops the executor sees. Costs the overlap of gradient communication
-    with backward.
+    DDP's all-reduce runs in the backend's thread while backward goes on, on the flat gradient
+    bucket, a tensor the plan executor sees idle between the copies into it and out of it. The
+    hook holds the bucket in the session (the executor neither writes it out nor frees it, and
+    cancels a write in flight) from before the reduction starts to the end of the step (DDP
+    copies the reduced bucket into the gradients when backward ends, after every future), so
+    communication keeps overlapping backward and no thread writes a tensor the executor moved.
     """
-    group = process_group if process_group is not None else dist.group.WORLD
-    tensor = bucket.buffer()
-    tensor.div_(group.size())
-    dist.all_reduce(tensor, group=group)  # synchronous
-    # An op on the bucket after the reduction (x * 1 is x, bit for bit): the trace shows the
-    # bucket in use up to here, so no write of it can start while the backend reduces it.
-    tensor.mul_(1)
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(tensor)
-    return fut
+
+    def hook(process_group, bucket):  # no annotation: DDP checks it against its own types
+        group = process_group if process_group is not None else dist.group.WORLD
+        tensor = bucket.buffer()
+        session.hold(tensor)
+        tensor.div_(group.size())
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    return hook
 
 
-def prepare_model(model: torch.nn.Module, mode: str) -> None:
-    """Plan mode on a DDP model: installs resident_allreduce_hook (DDP allows one hook; a model
-    with its own must make its all-reduce finish inside the hook)."""
+def prepare_model(model: torch.nn.Module, mode: str, session: Any) -> None:
+    """Plan mode on a DDP model: installs overlapping_allreduce_hook (DDP allows one hook; a
+    model with its own must hold the bucket in the session while its collective runs)."""
     from torch.nn.parallel import DistributedDataParallel
 
     if mode != "plan" or not isinstance(model, DistributedDataParallel):
         return
-    model.register_comm_hook(state=None, hook=resident_allreduce_hook)
+    model.register_comm_hook(state=None, hook=overlapping_allreduce_hook(session))

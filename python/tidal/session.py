@@ -143,7 +143,7 @@ class Session:
         self._param_names: dict[int, str] = {}
         self._in_step = False
         if model is not None:
-            prepare_model(model, mode)
+            prepare_model(model, mode, self._session)
             for n, p in model.named_parameters():
                 self._param_names[id(p)] = n
                 self._register(p, n, "parameter")

@@ -123,6 +123,8 @@ struct PlanExecutor::Impl {
   std::int64_t deferred_base = 0;         // step_base of the step that issued them
   std::recursive_mutex mu;  // recursive: restore paths call make_resident under the lock
   std::unordered_map<c10::StorageImpl*, Slot> slots;
+  std::unordered_map<const c10::StorageImpl*, int> holds;  // hold() counts
+  bool is_held(const c10::StorageImpl* p) const { return holds.count(p) != 0; }
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> bound;  // by tensor id
   ExecutorStats stats;
   ExecutorStats last;
@@ -399,6 +401,10 @@ struct PlanExecutor::Impl {
           continue;
         }
         if (in_use(live.get())) continue;
+        if (is_held(live.get())) {
+          ++stats.held_skips;
+          continue;
+        }
         // Distance to the next use in this step, or past its end (used next step, or never).
         const auto& u = sched.uses_of[id];
         auto next = std::upper_bound(u.begin(), u.end(), index);
@@ -467,6 +473,10 @@ struct PlanExecutor::Impl {
     if (m.kind == plan::ActionKind::kOffload) {
       if (impl->nbytes() < opt.min_bytes || impl->allocator() == nullptr ||
           impl->data() == nullptr) {
+        return;
+      }
+      if (is_held(impl.get())) {
+        ++stats.held_skips;
         return;
       }
       Slot& s = slots[impl.get()];
@@ -602,6 +612,23 @@ void PlanExecutor::replace_plan(int index, const trace::Trace& trace, const plan
                "replace_plan: no step shape ", index);
   impl_->shapes[static_cast<std::size_t>(index)] = Impl::make_shape(trace, plan);
   impl_->grow_bound(trace.tensors.size());
+}
+
+void PlanExecutor::hold(c10::StorageImpl* storage) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  ++impl_->holds[storage];
+  auto it = impl_->slots.find(storage);
+  if (it != impl_->slots.end() && it->second.state == Impl::State::kWriting) {
+    it->second.cancel = true;
+    impl_->finish_write(*storage, it->second);  // the bytes stay where they are: in memory
+  }
+  impl_->make_resident(storage);
+}
+
+void PlanExecutor::release(const c10::StorageImpl* storage) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  auto it = impl_->holds.find(storage);
+  if (it != impl_->holds.end() && --it->second <= 0) impl_->holds.erase(it);
 }
 
 void PlanExecutor::restore_all() {
@@ -780,6 +807,7 @@ void PlanExecutor::begin_step(std::int64_t /*step*/, const std::vector<torch::Te
 void PlanExecutor::end_step(std::int64_t /*step*/) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   Impl& m = *impl_;
+  m.holds.clear();  // a hold lasts at most to the end of its step
   m.poll();
   const auto& shape = m.shapes[static_cast<std::size_t>(m.current)];
   if (!m.diverged && m.ops_run != shape.op_names.size()) {

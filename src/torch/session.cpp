@@ -588,6 +588,18 @@ void Session::make_resident() {
   if (impl_->executor) impl_->executor->restore_all();
 }
 
+void Session::hold(const torch::Tensor& tensor) {
+  if (impl_->executor && tensor.defined() && tensor.has_storage()) {
+    impl_->executor->hold(tensor.storage().unsafeGetStorageImpl());
+  }
+}
+
+void Session::release(const torch::Tensor& tensor) {
+  if (impl_->executor && tensor.defined() && tensor.has_storage()) {
+    impl_->executor->release(tensor.storage().unsafeGetStorageImpl());
+  }
+}
+
 SessionStats Session::stats() const {
   SessionStats s = impl_->stats;
   s.state = impl_->state;

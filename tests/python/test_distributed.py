@@ -66,3 +66,16 @@ def check(results):
 
 def test_ddp_two_ranks_bit_identical(store_dir):
     check(launch("ddp", store_dir))
+
+
+def test_ddp_plan_mode_overlapping_allreduce_twenty_runs_bit_identical(store_dir):
+    """DDP in plan mode without a hook that waits for each all-reduce: 20 runs per rank, each
+    bit-identical to DDP without tidal."""
+    results = launch("ddp-repeat", store_dir, timeout=400)
+    for r in results:
+        ref = r["none"]["losses"]
+        assert len(r["runs"]) == 20
+        same = sum(run["losses"] == ref for run in r["runs"])
+        assert same == 20, f"rank {r['rank']}: {same} of 20 runs bit-identical"
+        assert all(run["state"] == "executing" and run["bytes_written"] > 0 for run in r["runs"])
+    assert results[0]["none"]["losses"] != results[1]["none"]["losses"]

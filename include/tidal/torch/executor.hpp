@@ -90,6 +90,9 @@ struct ExecutorStats {
   std::uint64_t budget_waits = 0;    ///< ops that waited for writes so as not to cross the budget
   std::uint64_t deadline_waits = 0;  ///< ops that waited for a write due before them (the plan)
   std::uint64_t forwarded = 0;       ///< prefetches of a tensor whose write was in flight: kept
+  /// Planned offloads and evictions skipped because the tensor was held (hold(): another
+  /// thread, such as a collective in flight, may still write it).
+  std::uint64_t held_skips = 0;
   /// What the step's schedule moves, per channel (plan::index_of; 0 when the step left its
   /// shape), and the transfers the step started, per channel, counted as they start (as the
   /// simulator counts them; bytes_written and bytes_to_host count writes as they complete, so a
@@ -187,6 +190,14 @@ class PlanExecutor final : public OpListener, public StepObserver {
   /// budget for the reads they need (never by writing out one of them), then makes each
   /// resident, or throws tidal::IoError when its bytes cannot be read back. Any thread.
   void ensure_resident(c10::ArrayRef<c10::StorageImpl*> storages);
+
+  /// Holds `storage` in memory until as many release() calls or the step's end: it is made
+  /// resident now (read back, or its write in flight cancelled), and no planned offload or
+  /// eviction touches it meanwhile. For a tensor another thread may still write without ops the executor sees (a
+  /// gradient bucket under a pending all-reduce). Any thread; throws tidal::IoError when the
+  /// tensor cannot be read back.
+  void hold(c10::StorageImpl* storage);
+  void release(const c10::StorageImpl* storage);
 
   struct Impl;  ///< opaque
 

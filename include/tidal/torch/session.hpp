@@ -188,6 +188,14 @@ class Session final : public StepObserver {
   /// steps that reads raw bytes with BetweenSteps::kOffloaded). Throws tidal::IoError.
   void make_resident();
 
+  /// Plan mode: keeps `tensor`'s storage in memory, untouched by the plan, until release() or
+  /// the end of the step:
+  /// for a tensor that another thread writes without ops the tracer sees (DDP's gradient
+  /// bucket while its all-reduce is in flight; tidal.distributed's hook holds it). Calls
+  /// nest; any thread; a no-op in other modes and before the plan runs.
+  void hold(const torch::Tensor& tensor);
+  void release(const torch::Tensor& tensor);
+
   [[nodiscard]] SessionStats stats() const;
   /// Plan mode: the trace and plan in use (nullopt before planning).
   [[nodiscard]] const std::optional<trace::Trace>& trace() const;
