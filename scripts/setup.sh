@@ -11,7 +11,6 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 
 packages=(
   build-essential cmake ninja-build pkg-config git
-  libopenblas0-pthread  # an optimised BLAS for the torch-free benchmarks (torch brings its own)
   liburing-dev          # io_uring backend
   libxxhash-dev         # per-stripe checksums
   nlohmann-json3-dev    # trace and plan files

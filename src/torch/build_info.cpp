@@ -1,5 +1,6 @@
 #include "tidal/torch/build_info.hpp"
 
+#include <ATen/Version.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -31,7 +32,17 @@ std::string blas_library() {
       found = path.substr(path.rfind('/') + 1);
     }
   }
-  return found.empty() ? "none loaded" : found;
+  if (!found.empty()) return found;
+  // None loaded as a library: linked into libtorch itself (the PyPI wheels carry MKL), which
+  // torch's build configuration names.
+  const std::string config = at::show_config();
+  const auto at = config.find("BLAS_INFO=");
+  if (at != std::string::npos) {
+    const auto begin = at + 10;
+    const auto end = config.find_first_of(", \n", begin);
+    return config.substr(begin, end - begin) + " (in libtorch)";
+  }
+  return "none loaded";
 }
 
 }  // namespace tidal::torch_layer

@@ -12,7 +12,8 @@ std::string torch_version();
 bool cuda_available();
 
 /// The BLAS libtorch runs its CPU matmuls on, as loaded in this process: "openblas-pthread",
-/// "reference" (Debian's netlib libblas), "mkl", or the library's file name; "none loaded"
+/// "reference" (Debian's netlib libblas), "mkl", or the library's file name; else the one
+/// torch's build configuration names ("mkl (in libtorch)": the PyPI wheels); "none loaded"
 /// when no BLAS library is mapped. Figures depend on it: results name it.
 std::string blas_library();
 
