@@ -705,8 +705,8 @@ void PlanExecutor::before_op(trace::OpIndex index, const std::string& name,
     // at the next ATen op that reads it.)
     m.diverged = true;
     m.stats.diverged = true;
-    m.stats.divergence = ::tidal::detail::concat("op ", index, " is ", name,
-                                                 ", a torch.compile'd region");
+    m.stats.divergence =
+        ::tidal::detail::concat("op ", index, " is ", name, ", a torch.compile'd region");
     try {
       restore_all();
     } catch (const Error&) {

@@ -2,6 +2,7 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/CachingDeviceAllocator.h>  // torch >= 2.9: any device's allocator statistics
 #include <torch/version.h>
 
 #include <atomic>
@@ -12,8 +13,6 @@
 #include <unordered_map>
 
 #include "tidal/common/units.hpp"
-
-#include <c10/core/CachingDeviceAllocator.h>  // torch >= 2.9: any device's allocator statistics
 
 namespace tidal::torch_layer {
 namespace {

@@ -312,8 +312,9 @@ struct Session::Impl {
     for (const auto& op : t.ops) {
       TIDAL_EXPECT_AS(InvalidArgument, !is_compiled_region(op.name),
                       "plan mode cannot run a torch.compile'd model or function: its generated "
-                      "kernels touch tensors that the plan executor cannot see (op ", op.index,
-                      " is '", op.name, "'). Use activation offloading (mode activations, which "
+                      "kernels touch tensors that the plan executor cannot see (op ",
+                      op.index, " is '", op.name,
+                      "'). Use activation offloading (mode activations, which "
                       "works with torch.compile), or run the model without torch.compile");
     }
   }

@@ -100,7 +100,8 @@ void run_train(const TrainArgs& args) {
   meter.reset_peak();
 
   torch_layer::SessionOptions so;
-  so.device = options.device;  // the meter's device, and the planner's (no CPU cost of I/O on a GPU)
+  so.device =
+      options.device;  // the meter's device, and the planner's (no CPU cost of I/O on a GPU)
   so.mode = torch_layer::offload_mode_from_string(args.offload);
   if (so.mode != torch_layer::OffloadMode::kNone) {
     so.store.dirs = split_list(args.dirs);

@@ -193,9 +193,9 @@ class PlanExecutor final : public OpListener, public StepObserver {
 
   /// Holds `storage` in memory until as many release() calls or the step's end: it is made
   /// resident now (read back, or its write in flight cancelled), and no planned offload or
-  /// eviction touches it meanwhile. For a tensor another thread may still write without ops the executor sees (a
-  /// gradient bucket under a pending all-reduce). Any thread; throws tidal::IoError when the
-  /// tensor cannot be read back.
+  /// eviction touches it meanwhile. For a tensor another thread may still write without ops the
+  /// executor sees (a gradient bucket under a pending all-reduce). Any thread; throws
+  /// tidal::IoError when the tensor cannot be read back.
   void hold(c10::StorageImpl* storage);
   void release(const c10::StorageImpl* storage);
 
