@@ -27,7 +27,14 @@ endmacro()
 # API only (no kernels), so plain C++ sources linked with cudart suffice; cuFile is dlopen'ed.
 function(tidal_enable_cuda target)
   target_compile_definitions(${target} PUBLIC TIDAL_WITH_CUDA=1)
-  target_link_libraries(${target} PRIVATE CUDA::cudart)
+  # The CUDA runtime torch's wheel ships, where there is one (TidalTorch.cmake): one libcudart
+  # in a process that also loads torch; else the toolkit's.
+  if(TIDAL_TORCH_CUDART)
+    target_link_libraries(${target} PRIVATE ${TIDAL_TORCH_CUDART})
+    target_include_directories(${target} PRIVATE ${CUDAToolkit_INCLUDE_DIRS})
+  else()
+    target_link_libraries(${target} PRIVATE CUDA::cudart)
+  endif()
   # cufile.h comes from the nvidia-cufile package on GPU machines; without it our own
   # declarations of the few symbols we use (src/io/cuda/cufile_shim.hpp) are used.
   find_path(TIDAL_CUFILE_INCLUDE cufile.h HINTS ${CUDAToolkit_INCLUDE_DIRS} ENV CUFILE_INCLUDE)

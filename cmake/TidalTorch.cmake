@@ -68,6 +68,14 @@ macro(tidal_find_torch)
                             "(torch 2.11.0 in .venv), or configure with -DTIDAL_WITH_TORCH=OFF.")
       endif()
       set(TIDAL_TORCH_VERSION "${_tidal_torch_version}")
+      # A PyPI wheel's CUDA libraries live beside torch (site-packages/nvidia/*/lib), and torch's
+      # own libraries find them through their RUNPATH. The linker must find the same ones (not
+      # an older NCCL of the system's CUDA toolkit that lacks symbols a newer torch needs), and
+      # tidal's CUDA backend uses the wheel's CUDA runtime, so one libcudart is in the process.
+      file(GLOB TIDAL_TORCH_NVIDIA_LIBDIRS LIST_DIRECTORIES true
+           "${TORCH_INSTALL_PREFIX}/../nvidia/*/lib")
+      find_library(TIDAL_TORCH_CUDART NAMES libcudart.so.13 libcudart.so.12 cudart
+                   PATHS ${TIDAL_TORCH_NVIDIA_LIBDIRS} NO_DEFAULT_PATH)
     endif()
   else()
     find_package(Torch QUIET)   # a libtorch given by CMAKE_PREFIX_PATH or Torch_DIR

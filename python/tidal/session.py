@@ -12,6 +12,7 @@ import torch
 from . import _C
 from ._options import Size, parse_budget, parse_size, store_options
 from ._stats import traffic
+from . import _fsdp
 from .distributed import prepare_model
 
 
@@ -144,6 +145,7 @@ class Session:
         self._in_step = False
         if model is not None:
             prepare_model(model, mode, self._session)
+            self._fsdp = _fsdp.prepare(self._session, model, optimizer, mode)
             for n, p in model.named_parameters():
                 self._param_names[id(p)] = n
                 self._register(p, n, "parameter")
@@ -227,7 +229,7 @@ class Session:
         if not isinstance(t, torch.Tensor) or id(t) in self._registered:
             return
         self._registered.add(id(t))
-        self._session.register_persistent(t.detach(), name, cls)
+        self._session.register_persistent(_fsdp.local_tensor(t).detach(), name, cls)
 
     def _register_optimizer(self) -> None:
         # Adam's state is made at its first step: looked for again at every step's start.

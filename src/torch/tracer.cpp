@@ -115,6 +115,7 @@ void Tracer::start() {
   Tracer* expected = nullptr;
   TIDAL_EXPECT(g_tracer.compare_exchange_strong(expected, this),
                "another tidal Tracer is already recording in this process; stop it first");
+  owner_thread_ = tl_thread_id;
   function_handle_ =
       at::addThreadLocalCallback(at::RecordFunctionCallback(&function_start, &function_end)
                                      .needsInputs(true)
@@ -207,6 +208,10 @@ void Tracer::collect_frees() {
 std::unique_ptr<at::ObserverContext> Tracer::on_op_start(const at::RecordFunction& fn) {
   const int depth = tl_depth++;
   if (!recording_.load(std::memory_order_acquire) || depth > 0) return nullptr;
+  // Threads that inherited the loop thread's callbacks (c10d's gloo workers copy its thread-local
+  // state) but run no op of the step: their ops would enter the trace at whatever point they
+  // happen to run. Autograd's workers do run the step's ops, inside backward nodes.
+  if (tl_thread_id != owner_thread_ && tl_node_seq.empty()) return nullptr;
   bool expected = false;
   // Another thread's op is running: this is work it spawned (intra-op parallelism), not a new op.
   if (!busy_.compare_exchange_strong(expected, true)) return nullptr;

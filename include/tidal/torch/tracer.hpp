@@ -196,6 +196,7 @@ class Tracer : public StepObserver {
   std::atomic<bool> recording_{false};
   std::atomic<bool> busy_{false};  // a recorded op is running
   std::atomic<std::uint64_t> busy_thread_{0};
+  std::uint64_t owner_thread_ = 0;  // the thread that called start()
   std::atomic<int> phase_{static_cast<int>(trace::Phase::kOther)};
   std::atomic<std::int64_t> layer_{-1};
   trace::Trace current_;
