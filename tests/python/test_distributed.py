@@ -18,15 +18,18 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(kind, store_dir, world=2, timeout=120):
+def launch_ranks(script, out_dir, args_of, world=2, timeout=120):
+    """Runs `script` (in this folder) as `world` ranks with the env:// variables torchrun sets;
+    `args_of(out)` gives a rank's arguments, `out` the JSON file in `out_dir` it writes. Returns
+    each rank's JSON, after asserting that every rank exited 0 (with its output when not)."""
     port = free_port()
     procs, outs = [], []
     for rank in range(world):
-        out = os.path.join(store_dir, f"result-{rank}.json")
+        out = os.path.join(out_dir, f"result-{rank}.json")
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                    WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "ddp_worker.py"), kind, store_dir, out],
+            [sys.executable, os.path.join(HERE, script), *args_of(out)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outs.append(out)
     logs = []
@@ -38,12 +41,17 @@ def launch(kind, store_dir, world=2, timeout=120):
             if p.poll() is None:
                 p.kill()
     for rank, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {rank} failed:\n{logs[rank]}"
+        assert p.returncode == 0, f"rank {rank} failed (exit {p.returncode}):\n{logs[rank]}"
     results = []
     for out in outs:
         with open(out) as f:
             results.append(json.load(f))
     return results
+
+
+def launch(kind, store_dir, world=2, timeout=120):
+    return launch_ranks("ddp_worker.py", store_dir, lambda out: [kind, store_dir, out], world,
+                        timeout)
 
 
 def check(results):

@@ -2,42 +2,11 @@
 env:// variables as in test_distributed.py: with activation offloading and in plan mode every
 rank's losses equal its losses without tidal, bit for bit."""
 
-import json
-import os
-import subprocess
-import sys
-
-from test_distributed import free_port
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
+from test_distributed import launch_ranks
 
 def launch(store_dir, modes, world=2, timeout=120):
-    port = free_port()
-    procs, outs = [], []
-    for rank in range(world):
-        out = os.path.join(store_dir, f"result-{rank}.json")
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "fsdp_worker.py"), store_dir, out, ",".join(modes)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        outs.append(out)
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for rank, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {rank} failed (exit {p.returncode}):\n{logs[rank]}"
-    results = []
-    for out in outs:
-        with open(out) as f:
-            results.append(json.load(f))
-    return results
+    return launch_ranks("fsdp_worker.py", store_dir, lambda out: [store_dir, out, ",".join(modes)],
+                        world, timeout)
 
 
 def check(results, mode):
