@@ -1,11 +1,8 @@
 """The small GPT with DistributedDataParallel, one tidal Session per rank.
 
-On PyTorch 2.x:
-    torchrun --nproc_per_node 2 examples/python/ddp.py --mode plan --dir '/var/tmp/tidal/r{rank}'
-Without torchrun (Debian's 1.13 torchrun fails under Python 3.11), the env:// variables:
-    for r in 0 1; do MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 WORLD_SIZE=2 RANK=$r LOCAL_RANK=$r \\
-        PYTHONPATH=build/python python3 examples/python/ddp.py --mode plan \\
-        --dir '/var/tmp/tidal/r{rank}' & done; wait
+With the project's environment (scripts/setup.sh):
+    PYTHONPATH=build/python .venv/bin/torchrun --nproc_per_node 2 examples/python/ddp.py \
+        --mode plan --dir '/var/tmp/tidal/r{rank}'
 
 Each rank trains on its own batches, has its own store directory ({rank} and {local_rank} in
 --dir are replaced; a directory without a placeholder gets a rank<N> subdirectory) and plans its
