@@ -2,7 +2,8 @@
 # tidal on a GPU machine, in one command of at most about 10 minutes (an H100 or H200 with its own
 # torch 2.11 + CUDA 13 and Python 3.12):
 #   (a) builds tidal into BUILD (default build-gpu) against THIS machine's torch;
-#   (b) runs the CUDA tests: the CUDA gtests of tidal_io_tests (CudaDevice.*, CudaCuFile.*; no
+#   (b) runs the CUDA tests: the CUDA gtests of tidal_io_tests (CudaDevice.*, CudaCuFile.*) and
+#       of tidal_torch_tests (CudaSession.*: the trainer through a Session in every mode; no
 #       ctest label marks them, so by gtest filter) and pytest tests/python/test_cuda.py;
 #   (c) trains a GPT with CUDA tensors (`tidal train --device cuda`) in modes none, plan and
 #       activations: gpt2-small at seq 1024, with the batch that fills about half the GPU;
@@ -146,7 +147,7 @@ fi
   { note "no Python.h for $py (install python3-dev): no Python module"; want_python=0; }
 
 if [ "${TIDAL_GPU_BUILD:-1}" != 0 ]; then
-  targets="tidal_cli tidal_torch_cli tidal_io_tests"
+  targets="tidal_cli tidal_torch_cli tidal_io_tests tidal_torch_tests"
   python_flag=OFF
   if ((want_python)); then
     targets+=" tidal_python"
@@ -173,6 +174,11 @@ note "gtests: $build/tests/tidal_io_tests --gtest_filter='Cuda*'"
 if ! timeout "$(limit_for 60 300)" "$build/tests/tidal_io_tests" --gtest_filter='Cuda*' \
   >"$out/gtest-cuda.log" 2>&1; then
   failures+=("gtest Cuda* (log: $out/gtest-cuda.log)")
+fi
+note "gtests: $build/tests/tidal_torch_tests --gtest_filter='Cuda*'"
+if ! timeout "$(limit_for 60 300)" "$build/tests/tidal_torch_tests" --gtest_filter='Cuda*' \
+  >>"$out/gtest-cuda.log" 2>&1; then
+  failures+=("gtest tidal_torch_tests Cuda* (log: $out/gtest-cuda.log)")
 fi
 grep -E '^\[ +(OK|FAILED|SKIPPED) +\] .*\([0-9]+ ms\)$' "$out/gtest-cuda.log" >&2 || true
 # Why a test skipped (gtest prints the reason on the line after "...: Skipped").
