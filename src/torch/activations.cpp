@@ -33,9 +33,12 @@ double since(Clock::time_point t0) {
 // One storage whose bytes a saved tensor needs: shared by every saved view of that storage
 // (deduplication), written once, read back once.
 struct Record {
-  enum class State { kKept, kWriting, kOffloaded, kReading, kRestored };
+  // kQueued: on a GPU, waiting for the kernels that produce it (an event on the stream that
+  // queued them) before its write is handed to the store; its memory is held as when kept.
+  enum class State { kKept, kQueued, kWriting, kOffloaded, kReading, kRestored };
   State state = State::kKept;
-  c10::Storage storage;  // holds the memory while kept, writing, or restored
+  std::shared_ptr<c10::Event> ready;  // kQueued: complete once the bytes are final
+  c10::Storage storage;               // holds the memory while kept, writing, or restored
   c10::weak_intrusive_ptr<c10::StorageImpl> identity{c10::intrusive_ptr<c10::StorageImpl>()};
   std::uint64_t nbytes = 0;
   c10::Device device{c10::kCPU};
@@ -78,6 +81,8 @@ struct ActivationOffloader::Impl : std::enable_shared_from_this<Impl> {
 
   std::shared_ptr<Record> pack(const at::Tensor& t, at::Tensor* kept);
   void poll_writes_locked(bool block);
+  void submit_write_locked(Record& r);
+  void submit_ready_locked(bool block);
   void finish_write_locked(Record& r);
   void prefetch_locked(std::size_t below);
   void start_read_locked(Record& r, io::Priority p);
@@ -278,11 +283,15 @@ std::shared_ptr<Record> ActivationOffloader::Impl::pack(const at::Tensor& t, at:
   r->users = 1;
   r->alive = 1;
   // On a GPU the kernel that produced it may still be running: the bytes must be final before
-  // the store's own streams copy them. (Correct, not yet overlapped: an event per record would
-  // let the training thread run ahead; that waits for GPU validation.)
-  detail::sync_current_stream(r->device);
-  r->ticket = store->write(r->storage.data(), r->nbytes, io::Priority::kOffload);
-  r->state = Record::State::kWriting;
+  // the store's own streams copy them. An event on the producing stream says when; the training
+  // thread goes on, and the write is handed to the store once the event has completed
+  // (submit_ready_locked). CPU tensors are written at once.
+  r->ready = detail::record_on_current_stream(r->device);
+  if (r->ready) {
+    r->state = Record::State::kQueued;
+  } else {
+    submit_write_locked(*r);
+  }
   ++stats.offloaded;
   writing.push_back(r);
   by_storage[key] = r;
@@ -290,10 +299,32 @@ std::shared_ptr<Record> ActivationOffloader::Impl::pack(const at::Tensor& t, at:
   return r;
 }
 
+void ActivationOffloader::Impl::submit_write_locked(Record& r) {
+  r.ready.reset();
+  r.ticket = store->write(r.storage.data(), r.nbytes, io::Priority::kOffload);
+  r.state = Record::State::kWriting;
+}
+
+// Hands the store every queued write whose bytes are final (`block`: waits for them). Events
+// of one stream complete in the order they were recorded: the first one not complete ends it.
+void ActivationOffloader::Impl::submit_ready_locked(bool block) {
+  for (auto& w : writing) {
+    if (w->state != Record::State::kQueued) continue;
+    if (block) {
+      w->ready->synchronize();
+    } else if (!w->ready->query()) {
+      return;
+    }
+    submit_write_locked(*w);
+  }
+}
+
 // Retires finished writes in order: their memory goes back as soon as the bytes are safe.
 void ActivationOffloader::Impl::poll_writes_locked(bool block) {
+  submit_ready_locked(block);
   while (!writing.empty()) {
     Record& r = *writing.front();
+    if (r.state == Record::State::kQueued) return;  // not final yet (block: submitted above)
     if (r.state == Record::State::kWriting) {
       if (!block && !store->ready(r.ticket)) return;
       finish_write_locked(r);
@@ -303,6 +334,10 @@ void ActivationOffloader::Impl::poll_writes_locked(bool block) {
 }
 
 void ActivationOffloader::Impl::finish_write_locked(Record& r) {
+  if (r.state == Record::State::kQueued) {
+    r.ready->synchronize();
+    submit_write_locked(r);
+  }
   try {
     store->wait(r.ticket);
     r.state = Record::State::kOffloaded;
@@ -361,6 +396,12 @@ void ActivationOffloader::Impl::begin_backward_locked() {
   if (in_backward.exchange(true)) return;
   forward_seconds = since(step_start);
   for (auto& w : writing) {
+    if (w->state == Record::State::kQueued) {  // never handed to the store: nothing to cancel
+      w->ready.reset();
+      w->state = Record::State::kKept;
+      ++stats.cancelled_writes;
+      continue;
+    }
     if (w->state != Record::State::kWriting) continue;
     if (store->cancel_write(w->ticket)) {
       w->ticket = io::Ticket{};
@@ -415,6 +456,7 @@ at::Tensor ActivationOffloader::Impl::unpack(Record& r, const c10::TensorOptions
   }
   switch (r.state) {
     case Record::State::kKept:
+    case Record::State::kQueued:
     case Record::State::kWriting:
     case Record::State::kRestored:
       if (r.state != Record::State::kRestored) ++stats.forwarded;
@@ -486,6 +528,12 @@ void ActivationOffloader::Impl::release(Record& r) {
   std::lock_guard<std::mutex> lock(mu);
   if (--r.alive > 0) return;
   switch (r.state) {
+    case Record::State::kQueued:  // never handed to the store: its memory goes back now
+      r.ready.reset();
+      r.state = Record::State::kKept;
+      r.storage = c10::Storage();
+      ++stats.cancelled_writes;
+      return;
     case Record::State::kWriting:
       if (store->cancel_write(r.ticket)) {
         r.ticket = io::Ticket{};
