@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tidal
-from conftest import batches
+from conftest import batches, wait_for_writes
 
 STEPS = 4
 
@@ -33,8 +33,11 @@ def train(data, session_args=None, offload=None):
             session.begin_step()
         opt.zero_grad()
         if offload is not None:
+            writes = offload.store_stats()["writes"]
             with offload:
                 loss = torch.nn.functional.cross_entropy(compiled(x), y)
+            # Some writes finish before backward, so that it reads from the store.
+            wait_for_writes(offload, writes + 1)
         else:
             loss = torch.nn.functional.cross_entropy(compiled(x), y)
         loss.backward()
