@@ -304,6 +304,22 @@ struct Session::Impl {
     stats.shapes = static_cast<int>(shapes.size());
   }
 
+  // Runs `planning`; when it refuses the loop (InvalidArgument: a torch.compile'd region, a
+  // plan that cannot be made), the session stops tracing and brings every tensor back before
+  // the error leaves end_step, so that a session kept alive by the caller (or by the
+  // exception's traceback in Python) does not hold the process's one tracer.
+  template <typename Planning>
+  void plan_or_stop(Planning&& planning) {
+    try {
+      planning();
+    } catch (const InvalidArgument&) {
+      executor.reset();
+      tracer.reset();
+      state = SessionState::kOff;
+      throw;
+    }
+  }
+
   // torch.compile's generated kernels read and write tensors without going through ATen's
   // dispatcher: the tracer sees a compiled region as one op and the residency guard cannot see
   // inside it, so a plan could release a tensor that such a kernel then reads. Refused before
@@ -562,7 +578,8 @@ void Session::end_step(std::int64_t step) {
   }
   if (m.state == SessionState::kProfiling) {
     s.profiled_peak = std::max(s.profiled_peak, peak);
-    if (!error && m.steps_in_state >= m.opt.profile_steps) m.make_first_plan();
+    if (!error && m.steps_in_state >= m.opt.profile_steps)
+      m.plan_or_stop([&] { m.make_first_plan(); });
   } else if (m.state == SessionState::kExecuting && m.executor) {
     const ExecutorStats e = m.executor->last_step();
     take_io_stats(s, e);
@@ -576,7 +593,7 @@ void Session::end_step(std::int64_t step) {
       s.planned_bytes_to_ssd = ps.bytes_to_ssd;
       s.planned_bytes_to_host = ps.bytes_to_host;
     }
-    if (!error) m.after_executed_step(e, peak);
+    if (!error) m.plan_or_stop([&] { m.after_executed_step(e, peak); });
     s.within_budget = s.steps_measured > 0 && m.all_within && s.steps_over_budget == 0;
     // A reason is for a budget not met: one left from a planning attempt that the executed
     // steps overcame would contradict within_budget.

@@ -87,6 +87,18 @@ def test_plan_mode_refuses_a_compiled_model_before_offloading_anything(reference
         train(data, session_args=dict(mode="plan", dirs=[store_dir], budget="50%",
                                       min_bytes=0, capacity="64MiB"))
     assert "activation" in str(err.value)  # says what to use instead
+    # The refused session (still alive through `err`'s traceback) stopped tracing: a new plan
+    # session in this process profiles and executes.
+    model = make_model(seed=3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    session = tidal.Session(mode="plan", dirs=[store_dir], budget="60%", min_bytes=0,
+                            capacity="64MiB", model=model, optimizer=opt)
+    for x, y in data:
+        with session.step():
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert session.stats().state == "executing"
 
 
 def test_a_compiled_step_after_the_plan_runs_right_then_is_refused(store_dir):

@@ -41,9 +41,8 @@ def test_plan_mode_is_bit_identical_and_keeps_its_budget(reference, store_dir):
     data, ref_losses, ref_params = reference
 
     def session(model, opt):
-        # Between steps the tensors may stay on the SSD. torch 2.x's Adam (foreach) needs
-        # about 31 MiB around one op of its step, 50-54% of the profiled peak: 60% is reachable.
-        return tidal.Session(mode="plan", dirs=[store_dir], budget="60%", capacity="512MiB",
+        # Between steps the tensors may stay on the SSD: half the profiled peak is reachable.
+        return tidal.Session(mode="plan", dirs=[store_dir], budget="50%", capacity="512MiB",
                              min_bytes="64KiB", model=model, optimizer=opt,
                              between_steps="offloaded")
 
@@ -61,7 +60,7 @@ def test_plan_mode_is_bit_identical_and_keeps_its_budget(reference, store_dir):
     # The executed steps moved bytes through the store, as the plan said.
     assert sum(s.bytes_written for s in stats[3:]) > 0
     assert last.planned_bytes_to_ssd > 0
-    # Every executed step peaked within the budget, 60% of what the profiled steps used.
+    # Every executed step peaked within the budget, half of what the profiled steps used.
     assert last.within_budget, last.budget_reason
     assert last.steps_measured >= 1 and last.steps_over_budget == 0
     assert max(s.step_peak for s in stats[3:]) <= last.memory_budget
