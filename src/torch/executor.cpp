@@ -196,11 +196,16 @@ struct PlanExecutor::Impl {
         return;
       }
     }
+    diverge(::tidal::detail::concat(
+        "op ", index, " is ", name, " but the profile has ",
+        index >= 0 && k < cur.op_names.size() ? cur.op_names[k] : std::string("no such op")));
+  }
+
+  // The step left every known shape: on demand from here, saying where and how.
+  void diverge(std::string why) {
     diverged = true;
     stats.diverged = true;
-    stats.divergence = ::tidal::detail::concat(
-        "op ", index, " is ", name, " but the profile has ",
-        index >= 0 && k < cur.op_names.size() ? cur.op_names[k] : std::string("no such op"));
+    stats.divergence = std::move(why);
   }
 
   void bind(const std::vector<TensorRef>& refs) {
@@ -401,10 +406,7 @@ struct PlanExecutor::Impl {
           continue;
         }
         if (in_use(live.get())) continue;
-        if (is_held(live.get())) {
-          ++stats.held_skips;
-          continue;
-        }
+        if (is_held(live.get())) continue;
         // Distance to the next use in this step, or past its end (used next step, or never).
         const auto& u = sched.uses_of[id];
         auto next = std::upper_bound(u.begin(), u.end(), index);
@@ -475,10 +477,7 @@ struct PlanExecutor::Impl {
           impl->data() == nullptr) {
         return;
       }
-      if (is_held(impl.get())) {
-        ++stats.held_skips;
-        return;
-      }
+      if (is_held(impl.get())) return;
       Slot& s = slots[impl.get()];
       if (s.state != State::kResident || s.error) return;
       s.weak = c10::weak_intrusive_ptr<c10::StorageImpl>(impl);
@@ -703,10 +702,7 @@ void PlanExecutor::before_op(trace::OpIndex index, const std::string& name,
     // guard, so everything comes back now and the rest of the step runs on demand. (A failed
     // read cannot stop the op from here; the tensor stays offloaded and the guard reports it
     // at the next ATen op that reads it.)
-    m.diverged = true;
-    m.stats.diverged = true;
-    m.stats.divergence =
-        ::tidal::detail::concat("op ", index, " is ", name, ", a torch.compile'd region");
+    m.diverge(::tidal::detail::concat("op ", index, " is ", name, ", a torch.compile'd region"));
     try {
       restore_all();
     } catch (const Error&) {
@@ -821,10 +817,8 @@ void PlanExecutor::end_step(std::int64_t /*step*/) {
       }
     }
     if (!found) {
-      m.diverged = true;
-      m.stats.diverged = true;
-      m.stats.divergence = ::tidal::detail::concat("the step ended after ", m.ops_run,
-                                                   " ops; the profile has ", shape.op_names.size());
+      m.diverge(::tidal::detail::concat("the step ended after ", m.ops_run,
+                                        " ops; the profile has ", shape.op_names.size()));
     }
   }
   if (!m.diverged) {

@@ -90,9 +90,6 @@ struct ExecutorStats {
   std::uint64_t budget_waits = 0;    ///< ops that waited for writes so as not to cross the budget
   std::uint64_t deadline_waits = 0;  ///< ops that waited for a write due before them (the plan)
   std::uint64_t forwarded = 0;       ///< prefetches of a tensor whose write was in flight: kept
-  /// Planned offloads and evictions skipped because the tensor was held (hold(): another
-  /// thread, such as a collective in flight, may still write it).
-  std::uint64_t held_skips = 0;
   /// What the step's schedule moves, per channel (plan::index_of; 0 when the step left its
   /// shape), and the transfers the step started, per channel, counted as they start (as the
   /// simulator counts them; bytes_written and bytes_to_host count writes as they complete, so a
