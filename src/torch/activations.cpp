@@ -71,11 +71,12 @@ struct ActivationOffloader::Impl : std::enable_shared_from_this<Impl> {
   double forward_seconds = 0;
   std::int64_t prefetch_cursor = -1;  // next record (downwards) to prefetch
   std::uint64_t prefetch_in_flight = 0;
-  std::int64_t keep_from = -1;   // adaptive decision for this step
-  std::uint64_t lookahead = 0;   // read-ahead bytes for this step's backward
-  std::int64_t limit_from = -1;  // step-scale rule: tensors from this index on stay (-1: none)
-  int slow_steps = 0;            // consecutive steps that waited over 10% of their time for reads
-  std::string notice;            // said once, when offloading stopped paying
+  std::int64_t keep_from = -1;        // adaptive decision for this step
+  std::int64_t first_cancelled = -1;  // this step: lowest index whose write was dropped unstarted
+  std::uint64_t lookahead = 0;        // read-ahead bytes for this step's backward
+  std::int64_t limit_from = -1;       // step-scale rule: tensors from this index on stay (-1: none)
+  int slow_steps = 0;  // consecutive steps that waited over 10% of their time for reads
+  std::string notice;  // said once, when offloading stopped paying
   ActivationStats stats;
   ActivationStats last;
 
@@ -92,6 +93,7 @@ struct ActivationOffloader::Impl : std::enable_shared_from_this<Impl> {
                     const std::vector<std::int64_t>& sizes,
                     const std::vector<std::int64_t>& strides, at::ScalarType dtype);
   void calibrate_locked();
+  void note_cancelled_locked(const Record& r);
   void release(Record& r);
 };
 
@@ -399,14 +401,14 @@ void ActivationOffloader::Impl::begin_backward_locked() {
     if (w->state == Record::State::kQueued) {  // never handed to the store: nothing to cancel
       w->ready.reset();
       w->state = Record::State::kKept;
-      ++stats.cancelled_writes;
+      note_cancelled_locked(*w);
       continue;
     }
     if (w->state != Record::State::kWriting) continue;
     if (store->cancel_write(w->ticket)) {
       w->ticket = io::Ticket{};
       w->state = Record::State::kKept;
-      ++stats.cancelled_writes;
+      note_cancelled_locked(*w);
     } else {
       store->prioritize(w->ticket, io::Priority::kUrgent);
     }
@@ -497,6 +499,11 @@ at::Tensor ActivationOffloader::Impl::unpack(Record& r, const c10::TensorOptions
 // TBA's adaptive rule on this step's timeline: walking saved tensors in pack order, the first n
 // with (bytes before n + 2 x bytes of n) / (3 x forward time - 2 x time before n) > write
 // bandwidth, and everything after it, stay in memory next step (backward ~ 2x forward).
+// A second witness needs no bandwidth: a write dropped unstarted because backward released its
+// tensor first did not hide behind forward, so that tensor and every later one stay in memory
+// next step too. That one never keeps the first tensor, so that a write is always going and
+// the bandwidth keeps being measured (on a loaded machine the store's thread may not start a
+// single write in a short forward, and the rule would otherwise have nothing to go on).
 void ActivationOffloader::Impl::calibrate_locked() {
   const io::StoreStats st = store->stats();
   const double busy = st.busy_seconds - busy_at_start;
@@ -506,20 +513,31 @@ void ActivationOffloader::Impl::calibrate_locked() {
     const double measured = moved / busy;
     bandwidth = bandwidth > 0 ? 0.5 * bandwidth + 0.5 * measured : measured;
   }
-  if (!opt.adaptive || bandwidth <= 0 || forward_seconds <= 0) return;  // keep the last decision
-  const double bw = bandwidth;
-  keep_from = -1;
-  double before = 0;
-  for (std::size_t i = 0; i < order.size(); ++i) {
-    if (!order[i]) continue;
-    const double bytes = static_cast<double>(order[i]->nbytes);
-    const double window = 3 * forward_seconds - 2 * order[i]->packed_at;
-    if (window <= 0 || (before + 2 * bytes) / window > bw) {
-      keep_from = static_cast<std::int64_t>(i);
-      return;
+  if (!opt.adaptive) return;
+  if (bandwidth > 0 && forward_seconds > 0) {  // otherwise the last decision stands
+    keep_from = -1;
+    double before = 0;
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      if (!order[i]) continue;
+      const double bytes = static_cast<double>(order[i]->nbytes);
+      const double window = 3 * forward_seconds - 2 * order[i]->packed_at;
+      if (window <= 0 || (before + 2 * bytes) / window > bandwidth) {
+        keep_from = static_cast<std::int64_t>(i);
+        break;
+      }
+      before += bytes;
     }
-    before += bytes;
   }
+  if (first_cancelled >= 0) {
+    const std::int64_t from = std::max<std::int64_t>(1, first_cancelled);
+    if (keep_from < 0 || from < keep_from) keep_from = from;
+  }
+}
+
+void ActivationOffloader::Impl::note_cancelled_locked(const Record& r) {
+  ++stats.cancelled_writes;
+  const auto i = static_cast<std::int64_t>(r.index);
+  if (first_cancelled < 0 || i < first_cancelled) first_cancelled = i;
 }
 
 // The last saved variable of `r` is gone: a write not yet started is dropped (its memory goes
@@ -532,14 +550,14 @@ void ActivationOffloader::Impl::release(Record& r) {
       r.ready.reset();
       r.state = Record::State::kKept;
       r.storage = c10::Storage();
-      ++stats.cancelled_writes;
+      note_cancelled_locked(r);
       return;
     case Record::State::kWriting:
       if (store->cancel_write(r.ticket)) {
         r.ticket = io::Ticket{};
         r.state = Record::State::kKept;
         r.storage = c10::Storage();
-        ++stats.cancelled_writes;
+        note_cancelled_locked(r);
         return;
       }
       {
@@ -598,6 +616,7 @@ void ActivationOffloader::begin_step(std::int64_t /*step*/,
   impl_->prefetch_cursor = -1;
   impl_->prefetch_in_flight = 0;
   impl_->forward_seconds = 0;
+  impl_->first_cancelled = -1;
   const io::StoreStats st = impl_->store->stats();
   impl_->busy_at_start = st.busy_seconds;
   impl_->moved_at_start = st.bytes_written + st.bytes_read;

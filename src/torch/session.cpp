@@ -397,10 +397,17 @@ struct Session::Impl {
       // Within the budget. If only thanks to evictions (the executor's last resort, paid in
       // write stalls and misses), the plan is made again for that much less memory, so that
       // it keeps the budget by itself.
-      if (e.evictions == 0) {
+      // The executor evicts before an op when the meter and what the trace says the op makes
+      // would cross the budget; what an op makes can be less than the trace's figure (a
+      // foreach op's outputs, say). When the step's peak with every evicted byte added back
+      // is still within the budget, the evictions were not needed and the plan stands:
+      // tightening for them would lower the capacity step after step until nothing plans.
+      const std::uint64_t without = peak + e.evicted_bytes;
+      if (e.evictions == 0 || without <= stats.memory_budget) {
         s.tightenings = 0;
       } else if (!s.at_floor && s.tightenings < kMaxTightenings) {
-        tighten(e.shape, static_cast<double>(e.eviction_overshoot));
+        tighten(e.shape, static_cast<double>(std::min<std::uint64_t>(
+                             e.eviction_overshoot, without - stats.memory_budget)));
       }
       return;
     }
