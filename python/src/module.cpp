@@ -187,7 +187,8 @@ PYBIND11_MODULE(_C, m) {
       "memory_stats",
       [] {
         static tt::MemoryMeter meter(c10::Device(c10::kCPU));
-        return TIDAL_FIELDS_DICT(meter.stats(), current_bytes, peak_bytes, allocations, frees);
+        return TIDAL_FIELDS_DICT(meter.stats(), current_bytes, peak_bytes, allocations, frees,
+                                 refusals, reclaimed_bytes);
       },
       "CPU tensor memory counted by tidal's tracking allocator (installed at import of tidal).");
   m.def(
@@ -197,6 +198,9 @@ PYBIND11_MODULE(_C, m) {
         meter.reset_peak();
       },
       "Restarts the CPU peak from the bytes held now.");
+  m.def("set_memory_cap", &tt::set_cpu_memory_cap, py::arg("bytes"),
+        "The strict meter: CPU allocations past `bytes` raise torch.OutOfMemoryError (0: none).");
+  m.def("memory_cap", &tt::cpu_memory_cap, "The strict meter's cap in bytes, or 0 for none.");
 
   using tidal::io::FaultPlan;
   using tidal::io::StoreOptions;

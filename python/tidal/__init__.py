@@ -13,6 +13,8 @@ docs/python.md has the details. Importing tidal installs tidal's CPU memory mete
 allocator): tensors allocated from then on are counted by memory_stats() and the sessions.
 """
 
+import contextlib
+
 import torch  # noqa: F401  (first: the extension links libtorch_python, loaded by torch)
 
 from . import _C
@@ -28,6 +30,7 @@ __all__ = [
     "Session",
     "SessionStats",
     "format_bytes",
+    "memory_cap",
     "memory_stats",
     "offload_activations",
     "parse_bytes",
@@ -37,8 +40,26 @@ __all__ = [
 
 def memory_stats() -> dict:
     """CPU tensor memory counted since `import tidal`: current_bytes, peak_bytes (since the last
-    reset_peak_memory()), allocations, frees."""
+    reset_peak_memory()), allocations, frees, and the strict meter's refusals and
+    reclaimed_bytes (memory_cap)."""
     return _C.memory_stats()
+
+
+@contextlib.contextmanager
+def memory_cap(budget):
+    """The strict meter, for the block: a CPU allocation that would take the process's tensor
+    memory (memory_stats()["current_bytes"]) past `budget` (bytes, or a size such as "512MiB")
+    raises torch.OutOfMemoryError, as it would on a GPU with that much memory. The previous cap
+    comes back after. A Session(strict=True) sets it to its budget by itself."""
+    bytes_ = parse_bytes(budget) if isinstance(budget, str) else int(budget)
+    if bytes_ <= 0:
+        raise InvalidArgument("memory_cap needs a positive budget, such as '512MiB'")
+    previous = _C.memory_cap()
+    _C.set_memory_cap(bytes_)
+    try:
+        yield bytes_
+    finally:
+        _C.set_memory_cap(previous)
 
 
 def reset_peak_memory() -> None:

@@ -3,19 +3,24 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>  // torch >= 2.9: any device's allocator statistics
+#include <c10/util/Exception.h>
 #include <torch/version.h>
 
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <new>
+#include <string>
 #include <unordered_map>
 
 #include "tidal/common/units.hpp"
 
 namespace tidal::torch_layer {
 namespace {
+
+std::string format_bytes_u(std::uint64_t b) { return format_bytes(static_cast<double>(b)); }
 
 // The tracking allocator. Sizes live in a side table (the DataPtr deleter only receives one
 // pointer), so the counters subtract exactly what they added.
@@ -33,7 +38,22 @@ class TrackingCpuAllocator final : public c10::Allocator {
     s.peak_bytes = peak_.load(std::memory_order_relaxed);
     s.allocations = allocations_.load(std::memory_order_relaxed);
     s.frees = frees_.load(std::memory_order_relaxed);
+    s.refusals = refusals_.load(std::memory_order_relaxed);
+    s.reclaimed_bytes = reclaimed_.load(std::memory_order_relaxed);
     return s;
+  }
+
+  void set_cap(std::uint64_t bytes) { cap_.store(bytes, std::memory_order_release); }
+  std::uint64_t cap() const { return cap_.load(std::memory_order_acquire); }
+
+  std::uint64_t set_reclaimer(MemoryReclaimer r) {
+    std::lock_guard<std::mutex> lock(reclaimer_mutex_);
+    reclaimer_ = r ? std::make_shared<MemoryReclaimer>(std::move(r)) : nullptr;
+    return ++reclaimer_token_;
+  }
+  void clear_reclaimer(std::uint64_t token) {
+    std::lock_guard<std::mutex> lock(reclaimer_mutex_);
+    if (token == reclaimer_token_) reclaimer_.reset();
   }
 
   void reset_peak() { peak_.store(current_.load(std::memory_order_relaxed)); }
@@ -55,6 +75,7 @@ class TrackingCpuAllocator final : public c10::Allocator {
     const c10::Device cpu(c10::kCPU);
     if (n == 0) return c10::DataPtr(nullptr, nullptr, &release, cpu);
     const std::uint64_t padded = align_up(n, kHostAllocationAlignment);
+    if (cap() != 0) self.make_room(padded);
     void* p = std::aligned_alloc(kHostAllocationAlignment, padded);
     if (p == nullptr) throw std::bad_alloc();
     {
@@ -67,6 +88,44 @@ class TrackingCpuAllocator final : public c10::Allocator {
     while (now > peak && !self.peak_.compare_exchange_weak(peak, now)) {
     }
     return c10::DataPtr(p, p, &release, cpu);
+  }
+
+  // The strict meter: `padded` more bytes must fit under the cap, after the reclaimer has had
+  // its go, or the allocation is refused as a GPU would refuse it. (Two threads allocating at
+  // once may each see room for itself: the cap holds to within one allocation per thread.)
+  void make_room(std::uint64_t padded) {
+    const std::uint64_t limit = cap();
+    const auto fits = [&] { return current_.load(std::memory_order_relaxed) + padded <= limit; };
+    if (limit == 0 || fits()) return;
+    thread_local bool reclaiming = false;
+    if (!reclaiming) {
+      std::shared_ptr<MemoryReclaimer> r;
+      {
+        std::lock_guard<std::mutex> lock(reclaimer_mutex_);
+        r = reclaimer_;
+      }
+      if (r) {
+        reclaiming = true;
+        try {
+          const std::uint64_t over = current_.load(std::memory_order_relaxed) + padded - limit;
+          reclaimed_.fetch_add((*r)(over), std::memory_order_relaxed);
+        } catch (...) {
+          reclaiming = false;
+          throw;
+        }
+        reclaiming = false;
+      }
+      if (fits()) return;
+    }
+    refusals_.fetch_add(1, std::memory_order_relaxed);
+    const std::uint64_t now = current_.load(std::memory_order_relaxed);
+    C10_THROW_ERROR(
+        OutOfMemoryError,
+        "tidal's strict memory meter refused " + format_bytes_u(padded) + ": the process holds " +
+            format_bytes_u(now) + " of tensor memory and its cap is " + format_bytes_u(limit) +
+            " (the memory budget). On a GPU with that much memory this allocation would fail "
+            "here too. Give a larger budget, a smaller batch or sequence, or let tidal move more "
+            "of the step's tensors out (plan mode, activation offloading).");
   }
 
   static void release(void* p) {
@@ -92,6 +151,12 @@ class TrackingCpuAllocator final : public c10::Allocator {
   std::atomic<std::uint64_t> peak_{0};
   std::atomic<std::uint64_t> allocations_{0};
   std::atomic<std::uint64_t> frees_{0};
+  std::atomic<std::uint64_t> refusals_{0};
+  std::atomic<std::uint64_t> reclaimed_{0};
+  std::atomic<std::uint64_t> cap_{0};
+  std::mutex reclaimer_mutex_;
+  std::shared_ptr<MemoryReclaimer> reclaimer_;
+  std::uint64_t reclaimer_token_ = 0;
 };
 
 // c10 keeps the allocator with the highest priority; the built-in one registers with 0.
@@ -112,6 +177,27 @@ bool tracking_cpu_allocator_active() {
 std::uint64_t tracked_allocation_bytes(const void* ptr) {
   return TrackingCpuAllocator::instance().size_of(ptr);
 }
+
+void set_cpu_memory_cap(std::uint64_t bytes) {
+  install_tracking_cpu_allocator();
+  TrackingCpuAllocator::instance().set_cap(bytes);
+}
+
+std::uint64_t cpu_memory_cap() { return TrackingCpuAllocator::instance().cap(); }
+
+std::uint64_t set_cpu_memory_reclaimer(MemoryReclaimer reclaimer) {
+  return TrackingCpuAllocator::instance().set_reclaimer(std::move(reclaimer));
+}
+
+void clear_cpu_memory_reclaimer(std::uint64_t token) {
+  TrackingCpuAllocator::instance().clear_reclaimer(token);
+}
+
+ScopedCpuMemoryCap::ScopedCpuMemoryCap(std::uint64_t bytes) : previous_(cpu_memory_cap()) {
+  set_cpu_memory_cap(bytes);
+}
+
+ScopedCpuMemoryCap::~ScopedCpuMemoryCap() { set_cpu_memory_cap(previous_); }
 
 MemoryMeter::MemoryMeter(c10::Device device) : device_(device) {
   if (device_.is_cpu()) install_tracking_cpu_allocator();

@@ -125,6 +125,58 @@ TEST(MemoryMeter, AllocationsAre4KiBAlignedAndPadded) {
   EXPECT_EQ(meter.peak_bytes(), meter.current_bytes());
 }
 
+// The strict meter: past the cap an allocation throws the error class a GPU's caching allocator
+// throws, after the reclaimer had its chance; what is held is untouched, and the cap goes back.
+TEST(MemoryMeter, TheStrictMeterRefusesPastItsCapAsAGpuWould) {
+  MemoryMeter meter;
+  const std::uint64_t base = meter.current_bytes();
+  {
+    tidal::torch_layer::ScopedCpuMemoryCap cap(base + 3 * tidal::kMiB);
+    auto a = torch::rand({256, 1024});  // 1 MiB: fits
+    EXPECT_THROW(torch::empty({3 * 256, 1024}), c10::OutOfMemoryError);
+    try {
+      (void)torch::mm(a.t(), a);  // 4 MiB result inside an op
+      ADD_FAILURE() << "no refusal";
+    } catch (const c10::OutOfMemoryError& e) {
+      EXPECT_NE(std::string(e.what()).find("strict memory meter"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(meter.current_bytes(), base + tidal::kMiB) << "a refusal holds nothing";
+    EXPECT_GE(meter.stats().refusals, 2u);
+    auto b = torch::rand({256, 1024});  // what fits still fits
+    EXPECT_EQ(meter.current_bytes(), base + 2 * tidal::kMiB);
+  }
+  EXPECT_EQ(tidal::torch_layer::cpu_memory_cap(), 0u);
+  auto big = torch::empty({16, 1024, 1024});  // no cap any more
+  EXPECT_EQ(big.numel(), 16 * 1024 * 1024);
+}
+
+TEST(MemoryMeter, TheReclaimerIsAskedBeforeARefusal) {
+  MemoryMeter meter;
+  std::vector<torch::Tensor> spare;
+  for (int i = 0; i < 4; ++i) spare.push_back(torch::rand({256, 1024}));  // 4 x 1 MiB
+  const std::uint64_t base = meter.current_bytes();
+  tidal::torch_layer::ScopedCpuMemoryCap cap(base + 2 * tidal::kMiB);
+  std::vector<std::uint64_t> asked;
+  const auto token = tidal::torch_layer::set_cpu_memory_reclaimer([&](std::uint64_t bytes) {
+    asked.push_back(bytes);
+    std::uint64_t freed = 0;
+    while (freed < bytes && !spare.empty()) {  // frees whole tensors until enough
+      spare.pop_back();
+      freed += tidal::kMiB;
+    }
+    return freed;
+  });
+  auto c = torch::empty({4 * 256, 1024});  // 4 MiB: 2 over the cap; two spares go
+  ASSERT_EQ(asked.size(), 1u);
+  EXPECT_EQ(asked[0], 2 * tidal::kMiB);
+  EXPECT_EQ(spare.size(), 2u);
+  EXPECT_LE(meter.current_bytes(), base + 2 * tidal::kMiB);
+  EXPECT_THROW(torch::empty({8 * 256, 1024}), c10::OutOfMemoryError);  // spares not enough
+  EXPECT_TRUE(spare.empty());
+  tidal::torch_layer::clear_cpu_memory_reclaimer(token);
+  EXPECT_GE(meter.stats().reclaimed_bytes, 4 * tidal::kMiB);
+}
+
 // Optimizer-in-backward drops each gradient once its parameter is updated: after a step no
 // gradient is left (after-backward keeps all of them, zeroed), the losses are the same, and the
 // step's peak is lower than with all gradients held through backward.

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 
 namespace tidal::torch_layer {
 
@@ -23,6 +24,10 @@ struct MemoryStats {
   std::uint64_t peak_bytes = 0;   ///< since install or the last reset_peak()
   std::uint64_t allocations = 0;  ///< allocation calls since install (CPU only)
   std::uint64_t frees = 0;        ///< free calls since install (CPU only)
+  /// Allocations the strict meter refused (CPU only): each threw c10::OutOfMemoryError.
+  std::uint64_t refusals = 0;
+  /// Bytes the reclaimer freed when an allocation would have crossed the cap (CPU only).
+  std::uint64_t reclaimed_bytes = 0;
 };
 
 /// Installs the tracking allocator as the CPU allocator for the rest of the process. Idempotent
@@ -37,6 +42,37 @@ bool tracking_cpu_allocator_active();
 /// Padded size of a live block of the tracking allocator that starts at `ptr`, or 0 when `ptr` is
 /// not such a block. Thread-safe.
 std::uint64_t tracked_allocation_bytes(const void* ptr);
+
+/// The strict meter: from now on an allocation of the tracking CPU allocator that would take
+/// its current bytes past `bytes` first asks the reclaimer (below) to free memory, and when that
+/// does not make room, is refused with c10::OutOfMemoryError (torch.OutOfMemoryError in Python),
+/// the error a GPU's caching allocator raises there. CPU runs are then as strict as a GPU. 0
+/// removes the cap. Installs the tracking allocator. Thread-safe.
+void set_cpu_memory_cap(std::uint64_t bytes);
+/// The cap set by set_cpu_memory_cap, or 0 for none.
+std::uint64_t cpu_memory_cap();
+
+/// Asked to free at least `bytes` of tracked CPU memory before an allocation is refused; returns
+/// the bytes it freed (it may free less). It runs on the allocating thread, inside whatever op is
+/// allocating, and must not evict that op's inputs. An allocation it makes itself is measured
+/// against the cap but does not call it again.
+using MemoryReclaimer = std::function<std::uint64_t(std::uint64_t bytes)>;
+/// Sets (or, with an empty function, removes) the process's reclaimer; returns a token for
+/// clear_cpu_memory_reclaimer, which removes it only if it is still the one set. Thread-safe.
+std::uint64_t set_cpu_memory_reclaimer(MemoryReclaimer reclaimer);
+void clear_cpu_memory_reclaimer(std::uint64_t token);
+
+/// Sets the cap for the life of the object and puts the previous one back after.
+class ScopedCpuMemoryCap {
+ public:
+  explicit ScopedCpuMemoryCap(std::uint64_t bytes);
+  ~ScopedCpuMemoryCap();
+  ScopedCpuMemoryCap(const ScopedCpuMemoryCap&) = delete;
+  ScopedCpuMemoryCap& operator=(const ScopedCpuMemoryCap&) = delete;
+
+ private:
+  std::uint64_t previous_;
+};
 
 /// Reads and resets a device's counters. Thread-safe (atomics on CPU; the caching allocator's own
 /// locking on CUDA). Devices other than CPU and CUDA report zeros.
