@@ -254,10 +254,11 @@ PYBIND11_MODULE(_C, m) {
       session_options, TIDAL_FIELD(SessionOptions, store), TIDAL_FIELD(SessionOptions, activations),
       TIDAL_FIELD(SessionOptions, warmup_steps), TIDAL_FIELD(SessionOptions, profile_steps),
       TIDAL_FIELD(SessionOptions, memory_budget), TIDAL_FIELD(SessionOptions, budget_fraction),
-      TIDAL_FIELD(SessionOptions, strict_budget), TIDAL_FIELD(SessionOptions, budget_option),
-      TIDAL_FIELD(SessionOptions, between_steps_option), TIDAL_FIELD(SessionOptions, host_memory),
-      TIDAL_FIELD(SessionOptions, hardware), TIDAL_FIELD(SessionOptions, model_name),
-      TIDAL_FIELD(SessionOptions, batch), TIDAL_FIELD(SessionOptions, seq));
+      TIDAL_FIELD(SessionOptions, strict_budget), TIDAL_FIELD(SessionOptions, strict_meter),
+      TIDAL_FIELD(SessionOptions, budget_option), TIDAL_FIELD(SessionOptions, between_steps_option),
+      TIDAL_FIELD(SessionOptions, host_memory), TIDAL_FIELD(SessionOptions, hardware),
+      TIDAL_FIELD(SessionOptions, model_name), TIDAL_FIELD(SessionOptions, batch),
+      TIDAL_FIELD(SessionOptions, seq));
 
   py::class_<tt::Session, Holder<tt::Session>>(m, "Session")
       .def(py::init<tt::SessionOptions>(), py::call_guard<py::gil_scoped_release>())

@@ -77,6 +77,9 @@ class Session:
     device: the device whose memory the budget is about and the meter measures ("cuda:0"); by
     default the model's (its first parameter's), else the CPU. On CUDA the meter reads the
     caching allocator's allocated bytes.
+    strict: the strict meter (CPU): from the first executed step on, an allocation that would
+    take the process over the budget first has tensors the running op does not read written out,
+    and when none is left raises torch.OutOfMemoryError, as a GPU with that much memory would.
 
     Create it before the model when you can: the memory meter counts tensors allocated after
     `import tidal`, and the session's own meter after its creation.
@@ -100,6 +103,7 @@ class Session:
                  warmup_steps: int = 1,
                  profile_steps: int = 2,
                  strict_budget: bool = False,
+                 strict: bool = False,
                  between_steps: str = "resident",
                  adaptive: bool = True,
                  checksum: bool = True,
@@ -133,6 +137,7 @@ class Session:
         opt.warmup_steps = warmup_steps
         opt.profile_steps = profile_steps
         opt.strict_budget = strict_budget
+        opt.strict_meter = strict
         opt.between_steps = between_steps
         opt.hardware = hardware
         opt.model_name = name or (type(model).__name__ if model is not None else "")

@@ -20,6 +20,7 @@
 #include "device_sync.hpp"
 #include "ivalue_tensors.hpp"
 #include "tidal/common/error.hpp"
+#include "tidal/torch/memory.hpp"
 
 namespace tidal::torch_layer {
 namespace {
@@ -130,6 +131,8 @@ struct PlanExecutor::Impl {
   ExecutorStats last;
   bool diverged = false;
   std::thread::id guard_thread;
+  // The inputs of the op running now (before_op to after_op): never reclaimed from under it.
+  std::vector<const c10::StorageImpl*> running_inputs;
 
   // Any plan for this trace runs (a wrong one costs time, never correctness): compiled leniently.
   static Shape make_shape(const trace::Trace& trace, const plan::Plan& plan) {
@@ -388,11 +391,19 @@ struct PlanExecutor::Impl {
     if (!over(more) || diverged) return;
     stats.eviction_overshoot =
         std::max(stats.eviction_overshoot, meter_bytes() + more - opt.budget);
+    evict_while([&] { return over(more); }, index, in_use);
+  }
+
+  // Writes out resident bound tensors that `in_use` does not name, the one used again latest
+  // first (after op `index`), while `needed()`; returns the bytes freed.
+  template <typename Needed, typename InUse>
+  std::uint64_t evict_while(Needed needed, trace::OpIndex index, InUse in_use) {
     const plan::Schedule& sched = shape().sched;
     const auto n_ops = static_cast<std::int64_t>(sched.num_ops);
     const auto t0 = Clock::now();
     bool evicted = false;
-    while (over(more)) {
+    std::uint64_t freed = 0;
+    while (needed()) {
       c10::intrusive_ptr<c10::StorageImpl> victim;
       std::int64_t best = -1;
       for (std::size_t id = 0; id < bound.size() && id < sched.uses_of.size(); ++id) {
@@ -437,11 +448,13 @@ struct PlanExecutor::Impl {
         slots.erase(victim.get());
         break;  // a failing store: stop evicting for this op
       }
+      freed += s.nbytes;
     }
     if (evicted) {
       ++stats.budget_waits;
       stats.write_stall_seconds += since(t0);
     }
+    return freed;
   }
 
   // Issues held prefetches, earliest deadline first, while they fit.
@@ -659,6 +672,27 @@ void PlanExecutor::bind_alive(const BoundTensors& tensors) {
   }
 }
 
+std::uint64_t PlanExecutor::reclaim(std::uint64_t bytes) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  Impl& m = *impl_;
+  const std::uint64_t target = m.meter_bytes() > bytes ? m.meter_bytes() - bytes : 0;
+  const auto index = static_cast<trace::OpIndex>(m.ops_run) - 1;
+  const std::uint64_t freed =
+      m.evict_while([&] { return m.meter_bytes() > target; }, m.diverged ? -1 : index,
+                    [&](const c10::StorageImpl* p) {
+                      return std::find(m.running_inputs.begin(), m.running_inputs.end(), p) !=
+                             m.running_inputs.end();
+                    });
+  m.stats.reclaimed_bytes += freed;
+  if (m.meter_bytes() > target) {
+    note_reclaim_shortfall(
+        m.stats.write_failures > 0
+            ? "writes to the store failed (" + m.stats.write_error + ")"
+            : "every tensor left in memory is read by the running op, held, or under min_bytes");
+  }
+  return freed;
+}
+
 void PlanExecutor::set_budget(std::uint64_t bytes) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   impl_->opt.budget = bytes;
@@ -674,6 +708,9 @@ void PlanExecutor::fit_budget() {
 void PlanExecutor::ensure_resident(c10::ArrayRef<c10::StorageImpl*> storages) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   Impl& m = *impl_;
+  // An op inside the running one (or one the tracer does not see) reads these: the strict
+  // meter's reclaimer must not take them either, until the running op ends.
+  m.running_inputs.insert(m.running_inputs.end(), storages.begin(), storages.end());
   // Reads the op needs at once (misses) take memory too: room is made for them first, never by
   // writing out another tensor this op uses.
   std::uint64_t missing = 0;
@@ -709,6 +746,8 @@ void PlanExecutor::before_op(trace::OpIndex index, const std::string& name,
     }
   }
   m.advance(index, name);
+  m.running_inputs.clear();
+  for (const auto& r : inputs) m.running_inputs.push_back(r.storage);
   if (!m.diverged) m.bind(inputs);
   if (m.opt.on_op_start && !m.diverged && index >= 0) {
     std::vector<plan::Residency> where(static_cast<std::size_t>(m.shape().sched.num_tensors));
@@ -742,6 +781,7 @@ void PlanExecutor::before_op(trace::OpIndex index, const std::string& name,
 void PlanExecutor::after_op(trace::OpIndex index, const std::vector<TensorRef>& outputs) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   Impl& m = *impl_;
+  m.running_inputs.clear();
   if (m.diverged) return;  // on-demand only: the guard still serves every op
   m.bind(outputs);
   const auto& new_bytes = m.shape().sched.new_bytes;

@@ -22,6 +22,8 @@ namespace {
 
 std::string format_bytes_u(std::uint64_t b) { return format_bytes(static_cast<double>(b)); }
 
+thread_local std::string t_shortfall;  // note_reclaim_shortfall, for the refusal being made
+
 // The tracking allocator. Sizes live in a side table (the DataPtr deleter only receives one
 // pointer), so the counters subtract exactly what they added.
 class TrackingCpuAllocator final : public c10::Allocator {
@@ -104,6 +106,7 @@ class TrackingCpuAllocator final : public c10::Allocator {
         std::lock_guard<std::mutex> lock(reclaimer_mutex_);
         r = reclaimer_;
       }
+      t_shortfall.clear();
       if (r) {
         reclaiming = true;
         try {
@@ -124,7 +127,10 @@ class TrackingCpuAllocator final : public c10::Allocator {
         "tidal's strict memory meter refused " + format_bytes_u(padded) + ": the process holds " +
             format_bytes_u(now) + " of tensor memory and its cap is " + format_bytes_u(limit) +
             " (the memory budget). On a GPU with that much memory this allocation would fail "
-            "here too. Give a larger budget, a smaller batch or sequence, or let tidal move more "
+            "here too." +
+            (t_shortfall.empty() ? std::string()
+                                 : " Nothing more could be moved out: " + t_shortfall + ".") +
+            " Give a larger budget, a smaller batch or sequence, or let tidal move more "
             "of the step's tensors out (plan mode, activation offloading).");
   }
 
@@ -192,6 +198,8 @@ std::uint64_t set_cpu_memory_reclaimer(MemoryReclaimer reclaimer) {
 void clear_cpu_memory_reclaimer(std::uint64_t token) {
   TrackingCpuAllocator::instance().clear_reclaimer(token);
 }
+
+void note_reclaim_shortfall(std::string why) { t_shortfall = std::move(why); }
 
 ScopedCpuMemoryCap::ScopedCpuMemoryCap(std::uint64_t bytes) : previous_(cpu_memory_cap()) {
   set_cpu_memory_cap(bytes);

@@ -124,6 +124,7 @@ struct Session::Impl {
   }
 
   void start_profiling() {
+    lift_cap();
     executor.reset();  // brings every moved tensor back
     tracer.reset();
     Tracer::Options to;
@@ -286,10 +287,11 @@ struct Session::Impl {
     if (executor) {
       executor->add_shape(s.trace, s.plan);
       ++stats.replans;
-      executor->set_budget(executor_budget(s));
+      set_wall(executor_budget(s));
     } else {
       ExecutorOptions eo = opt.executor;
       eo.budget = executor_budget(s);  // hard: the executor waits rather than go over
+      wall = eo.budget;
       eo.current_bytes = opt.current_bytes;
       eo.host = host;
       executor = std::make_unique<PlanExecutor>(store, s.trace, s.plan, eo);
@@ -313,11 +315,41 @@ struct Session::Impl {
     try {
       planning();
     } catch (const InvalidArgument&) {
+      lift_cap();
       executor.reset();
       tracer.reset();
       state = SessionState::kOff;
       throw;
     }
+  }
+
+  // The strict meter (SessionOptions::strict_meter): the budget becomes the CPU allocator's cap
+  // once a plan runs, with the executor freeing memory before a refusal.
+  // The wall is the executor's budget: the memory budget, or, when no plan meets it and the
+  // session runs at the least peak a plan reaches (not strict_budget; budget_reason says so),
+  // that peak.
+  bool cap_on = false;
+  std::uint64_t wall = 0;
+  std::uint64_t cap_previous = 0;
+  std::uint64_t reclaimer_token = 0;
+  void set_wall(std::uint64_t bytes) {
+    wall = bytes;
+    executor->set_budget(bytes);
+    if (cap_on) set_cpu_memory_cap(bytes);
+  }
+  void apply_cap() {
+    if (!opt.strict_meter || cap_on || !executor || !opt.device.is_cpu() || wall == 0) return;
+    cap_previous = cpu_memory_cap();
+    PlanExecutor* ex = executor.get();
+    reclaimer_token = set_cpu_memory_reclaimer([ex](std::uint64_t b) { return ex->reclaim(b); });
+    set_cpu_memory_cap(wall);
+    cap_on = true;
+  }
+  void lift_cap() {
+    if (!cap_on) return;
+    set_cpu_memory_cap(cap_previous);
+    clear_cpu_memory_reclaimer(reclaimer_token);
+    cap_on = false;
   }
 
   // torch.compile's generated kernels read and write tensors without going through ATen's
@@ -443,7 +475,7 @@ struct Session::Impl {
     stats.steps_measured = 0;
     stats.executed_peak = 0;
     executor->replace_plan(index, s.trace, s.plan);
-    executor->set_budget(executor_budget(s));
+    set_wall(executor_budget(s));
     if (index == 0) plan = s.plan;
     summarise(s);
   }
@@ -484,6 +516,7 @@ Session::Session(SessionOptions options) : impl_(std::make_unique<Impl>()) {
 Session::~Session() {
   // The executor's destructor brings tensors back; the tracer's removes its callbacks.
   if (impl_->tracer) impl_->tracer->set_listener(nullptr);
+  impl_->lift_cap();
   impl_->executor.reset();
   impl_->tracer.reset();
 }
@@ -512,6 +545,7 @@ void Session::begin_step(std::int64_t step, const std::vector<torch::Tensor>& in
   next_step_ = step + 1;
   // A step starts within the budget (the first one after profiling holds everything).
   if (m.executor) m.executor->fit_budget();
+  m.apply_cap();
   // Memory used between steps (evaluation, logging) is not charged to the step.
   m.reset_peak();
   if (m.state == SessionState::kWarmup && m.steps_in_state >= m.opt.warmup_steps) {

@@ -47,7 +47,7 @@ def test_plan_mode_is_bit_identical_and_keeps_its_budget(reference, store_dir):
         # and at 60% the planner said the plan cannot fit in some runs, in CI and under load.
         return tidal.Session(mode="plan", dirs=[store_dir], budget="70%", capacity="512MiB",
                              min_bytes="64KiB", model=model, optimizer=opt,
-                             between_steps="offloaded")
+                             between_steps="offloaded", strict=True)
 
     losses, params, stats = train(data, session)
     assert torch.equal(losses, ref_losses), (losses - ref_losses).abs().max()

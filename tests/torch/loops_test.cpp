@@ -26,6 +26,7 @@ SessionOptions options_for(OffloadMode mode, const std::string& dir) {
   so.activations.min_bytes = 16 * 1024;
   so.executor.min_bytes = 16 * 1024;
   so.budget_fraction = 0.5;
+  so.strict_meter = true;  // a step over the budget fails here as it would on a GPU
   return so;
 }
 
@@ -138,7 +139,9 @@ TEST(Loops, SaveAndLoadBetweenStepsInPlanMode) {
     reloaded_losses.push_back(torch::equal(fresh->forward(x), mlp.net->forward(x)) ? 1.0 : 0.0);
   };
   const LoopRun none = train_mlp(options_for(OffloadMode::kNone, dir.path()), 16, checkpoint);
-  const LoopRun plan = train_mlp(options_for(OffloadMode::kPlan, dir.path()), 16, checkpoint);
+  SessionOptions so = options_for(OffloadMode::kPlan, dir.path());
+  so.strict_meter = false;  // between steps it loads a second copy of the model: over any wall
+  const LoopRun plan = train_mlp(so, 16, checkpoint);
   EXPECT_EQ(none.losses, plan.losses);
   EXPECT_EQ(plan.stats.state, SessionState::kExecuting) << plan.stats.plan_summary;
   EXPECT_GT(plan.stats.bytes_written, 0u) << plan.stats.plan_summary;
@@ -336,6 +339,10 @@ TEST_P(FaultMatrix, WritesKeepTheTensorReadsStopTheStepLatencyOnlyCostsTime) {
   so.hardware_overrides.ssd =
       plan::parse_ssd_spec("1x2/1.5GB/s");  // no measurement: the faults hit training's I/O
   so.activations.adaptive = false;  // keep offloading even where it does not pay: reads happen
+  // A store that fails every write cannot take memory off the device: under a wall this loop
+  // would stop with out of memory, as on a GPU (saying why). What is tested here is that the
+  // failed writes keep the tensors and the losses.
+  if (c.on_write && c.fault != Fault::kLatency) so.strict_meter = false;
   const bool expect_error = !c.on_write && c.fault != Fault::kLatency;
   if (expect_error) {
     const char* says = c.fault == Fault::kEio      ? "Input/output error"

@@ -45,6 +45,10 @@ RunResult train(const std::string& model, OffloadMode mode, const std::string& d
   so.activations.adaptive = false;
   so.executor.min_bytes = 16 * 1024;
   so.budget_fraction = 0.5;
+  // Not the strict meter: these tiny models miss the 50% budget with the default resident step
+  // boundary and run at the least peak a plan reaches, which the executor does not hold to the
+  // byte (a composite op's inner allocations; tensors under min_bytes). What is tested here is
+  // the losses; loops_test and test_strict_meter.py run plan mode under the wall.
   so.peak_bytes = [&meter] { return meter.peak_bytes(); };
   so.reset_peak = [&meter] { meter.reset_peak(); };
   so.model_name = model;

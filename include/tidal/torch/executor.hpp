@@ -103,6 +103,9 @@ struct ExecutorStats {
   std::uint64_t evicted_bytes = 0;
   /// The most an op would have taken the meter over the budget without evictions.
   std::uint64_t eviction_overshoot = 0;
+  /// Of evicted_bytes, those written out for the strict meter (reclaim), inside an allocation
+  /// that the trace did not foresee.
+  std::uint64_t reclaimed_bytes = 0;
   int shape = -1;                ///< the step shape (add_shape order) the step ran to its end
   int shape_switches = 0;        ///< times the step left one known shape for another
   bool diverged = false;         ///< the op sequence matched no known shape: on-demand from there
@@ -173,6 +176,11 @@ class PlanExecutor final : public OpListener, public StepObserver {
   /// Before a step: when the tensors held now already exceed the budget (the first step after
   /// profiling, which ran without a plan), writes out those used latest until they fit.
   void fit_budget();
+
+  /// The strict meter's reclaimer (set_cpu_memory_reclaimer): writes out resident tensors that
+  /// the running op does not read, the one used again latest first, until `bytes` are freed or
+  /// none is left; returns the bytes freed. Runs inside an allocation; any thread.
+  std::uint64_t reclaim(std::uint64_t bytes);
 
   /// Changes the hard budget (0: none). Call between steps.
   void set_budget(std::uint64_t bytes);

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <string>
 
 namespace tidal::torch_layer {
 
@@ -61,6 +62,9 @@ using MemoryReclaimer = std::function<std::uint64_t(std::uint64_t bytes)>;
 /// clear_cpu_memory_reclaimer, which removes it only if it is still the one set. Thread-safe.
 std::uint64_t set_cpu_memory_reclaimer(MemoryReclaimer reclaimer);
 void clear_cpu_memory_reclaimer(std::uint64_t token);
+/// From inside a reclaimer: why it could not free more (a failing store, say). The refusal's
+/// message carries it.
+void note_reclaim_shortfall(std::string why);
 
 /// Sets the cap for the life of the object and puts the previous one back after.
 class ScopedCpuMemoryCap {

@@ -86,6 +86,14 @@ struct SessionOptions {
   /// end_step() that would have started it (true), or run with the smallest peak a plan can
   /// reach and say why in stats() (false, the default: a training loop is never stopped for it).
   bool strict_budget = false;
+  /// Plan mode on the CPU: the strict meter (set_cpu_memory_cap) at the budget from the first
+  /// executed step on, with the executor as its reclaimer. An allocation that would cross the
+  /// budget writes out tensors the running op does not read, and when none is left is refused
+  /// with c10::OutOfMemoryError, as a GPU with that much memory would refuse it. When no plan
+  /// meets the budget and strict_budget is off, the session runs at the least peak a plan
+  /// reaches (stats().budget_reason says so) and the wall stands there. Tests and benchmarks
+  /// run with it on. (On a GPU the device's memory is the wall.)
+  bool strict_meter = false;
   /// How messages name the budget to the user: the options here, or a front-end's flag (the
   /// CLI sets "--mem-budget").
   std::string budget_option = "SessionOptions::memory_budget or budget_fraction";

@@ -1,0 +1,100 @@
+"""The strict meter: on the CPU a budget is a wall, as a GPU's memory is. An allocation past the
+cap raises torch.OutOfMemoryError; plan mode under it runs bit-identical within its budget."""
+
+import gc
+
+import pytest
+import torch
+
+import tidal
+from conftest import batches, make_mlp
+
+
+def train(data, session=None):
+    model = make_mlp(seed=11)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if callable(session):
+        session = session(model, opt)
+    losses, stats = [], []
+    for x, y in data:
+        if session is not None:
+            session.begin_step()
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        if session is not None:
+            session.end_step()
+            stats.append(session.stats())
+        losses.append(loss.detach().clone())
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters()], stats
+
+
+def test_memory_cap_refuses_past_the_cap_and_comes_off_after():
+    a = torch.rand(256, 1024)  # 1 MiB
+    held = tidal.memory_stats()["current_bytes"]
+    refusals = tidal.memory_stats()["refusals"]
+    with tidal.memory_cap(held + 3 * 2**20):
+        b = torch.rand(256, 1024)  # fits
+        with pytest.raises(torch.OutOfMemoryError, match="strict memory meter"):
+            torch.mm(a.t(), a)  # 4 MiB more: past the cap
+        assert tidal.memory_stats()["current_bytes"] == held + 2**20, "a refusal holds nothing"
+        assert tidal.memory_stats()["refusals"] == refusals + 1
+    assert tidal._C.memory_cap() == 0
+    assert torch.mm(a.t(), b).shape == (1024, 1024)  # no cap any more
+    with pytest.raises(tidal.InvalidArgument):
+        with tidal.memory_cap(0):
+            pass
+
+
+def test_plan_mode_under_the_strict_meter_is_bit_identical_within_its_budget(store_dir):
+    data = batches(seed=12, steps=9)
+    ref_losses, ref_params, _ = train(data)
+    refusals = tidal.memory_stats()["refusals"]
+    holder = {}
+
+    def session(model, opt):
+        holder["s"] = tidal.Session(mode="plan", dirs=[store_dir], budget="50%",
+                                    capacity="512MiB", min_bytes="64KiB", model=model,
+                                    optimizer=opt, between_steps="offloaded", strict=True)
+        return holder["s"]
+
+    losses, params, stats = train(data, session)
+    assert torch.equal(losses, ref_losses), (losses - ref_losses).abs().max()
+    for p, r in zip(params, ref_params):
+        assert torch.equal(p, r)
+    assert tidal.memory_stats()["refusals"] == refusals, "no allocation was refused"
+    budget = stats[-1].memory_budget
+    assert 0 < budget < stats[-1].profiled_peak
+    # Every executed step (the cap was on through each of them) peaked within the budget.
+    assert max(s.step_peak for s in stats[3:]) <= budget
+    assert tidal._C.memory_cap() == budget  # the session keeps the wall up between steps
+    holder.clear()
+    gc.collect()
+    assert tidal._C.memory_cap() == 0, "the cap goes with its session"
+
+
+def test_memory_past_the_wall_between_steps_is_an_out_of_memory_error(store_dir):
+    data = batches(seed=13, steps=6)
+    holder = {}
+
+    def session(model, opt):
+        holder["s"] = tidal.Session(mode="plan", dirs=[store_dir], budget="50%",
+                                    capacity="512MiB", min_bytes="64KiB", model=model,
+                                    optimizer=opt, between_steps="offloaded", strict=True)
+        return holder["s"]
+
+    train(data, session)
+    s = holder["s"]
+    budget = s.stats().memory_budget
+    assert tidal._C.memory_cap() == budget
+    # Code between steps allocating twice the budget: the reclaimer writes out what it can (the
+    # model's state may go to the store), and the rest is refused as on a GPU.
+    with pytest.raises(torch.OutOfMemoryError, match="strict memory meter"):
+        torch.empty(2 * budget, dtype=torch.uint8)
+    small = torch.ones(1024)  # what fits still fits
+    assert small.sum().item() == 1024
+    holder.clear()
+    del s
+    gc.collect()
+    assert tidal._C.memory_cap() == 0, "the cap goes with its session"
