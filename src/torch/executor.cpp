@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <mutex>
 #include <string_view>
 #include <thread>
@@ -52,25 +53,65 @@ std::atomic<PlanExecutor*> g_executor{nullptr};
 // Storages not plainly resident (being written, offloaded, being read), over all executors: the
 // guard's fast path is one load.
 std::atomic<int> g_unsettled{0};
+// While an executor may be asked to reclaim memory (the strict meter) or runs without a plan,
+// the guard records the storages of every op running now, at any depth and on any thread:
+// those are never written out from under it.
+std::atomic<bool> g_track_inputs{false};
+std::mutex g_in_use_mu;
+std::unordered_map<const c10::StorageImpl*, int> g_in_use;
+
+bool in_use_now(const c10::StorageImpl* p) {
+  std::lock_guard<std::mutex> lock(g_in_use_mu);
+  return g_in_use.count(p) != 0;
+}
+
+// Marks an op's storages in use for the life of the object.
+class InUse {
+ public:
+  explicit InUse(c10::ArrayRef<c10::StorageImpl*> storages) : storages_(storages) {
+    if (storages_.empty()) return;
+    std::lock_guard<std::mutex> lock(g_in_use_mu);
+    for (auto* s : storages_) ++g_in_use[s];
+  }
+  ~InUse() {
+    if (storages_.empty()) return;
+    std::lock_guard<std::mutex> lock(g_in_use_mu);
+    for (auto* s : storages_) {
+      auto it = g_in_use.find(s);
+      if (it != g_in_use.end() && --it->second <= 0) g_in_use.erase(it);
+    }
+  }
+  InUse(const InUse&) = delete;
+  InUse& operator=(const InUse&) = delete;
+
+ private:
+  c10::ArrayRef<c10::StorageImpl*> storages_;
+};
 
 // The residency guard (see executor.hpp): runs before every op of a guarded thread, at any
 // depth, and may throw, which a RecordFunction callback may not.
 void residency_guard(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                      torch::jit::Stack* stack) {
-  if (g_unsettled.load(std::memory_order_acquire) > 0) {
+  const bool track = g_track_inputs.load(std::memory_order_acquire);
+  c10::SmallVector<c10::StorageImpl*, 8> storages;
+  if (track || g_unsettled.load(std::memory_order_acquire) > 0) {
     PlanExecutor* ex = g_executor.load(std::memory_order_acquire);
     const auto& schema = op.schema();
-    if (ex != nullptr && !reads_no_data(schema.name())) {
-      c10::SmallVector<c10::StorageImpl*, 8> storages;
+    const bool reads = !reads_no_data(schema.name());
+    if (ex != nullptr && (track || reads)) {
       for (const auto& v : torch::jit::last(*stack, schema.arguments().size())) {
         for_each_tensor(v, [&](const at::Tensor& t) {
           if (t.defined() && t.has_storage())
             storages.push_back(t.storage().unsafeGetStorageImpl());
         });
       }
-      ex->ensure_resident(storages);
+      if (track) ex->note_inputs(storages);
+      if (reads) ex->ensure_resident(storages);
     }
   }
+  // Not written out while the op runs (a view's source included: the view shares its bytes).
+  const InUse in_use(track ? c10::ArrayRef<c10::StorageImpl*>(storages)
+                           : c10::ArrayRef<c10::StorageImpl*>());
   op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kGuardKey), stack);
 }
 
@@ -133,6 +174,16 @@ struct PlanExecutor::Impl {
   std::thread::id guard_thread;
   // The inputs of the op running now (before_op to after_op): never reclaimed from under it.
   std::vector<const c10::StorageImpl*> running_inputs;
+  // Without a plan (before the first one): storages ops have read, with when they were last
+  // read (a count of notes), for writing out the least recently used first.
+  struct Seen {
+    c10::weak_intrusive_ptr<c10::StorageImpl> weak{c10::intrusive_ptr<c10::StorageImpl>()};
+    std::uint64_t last = 0;
+  };
+  std::unordered_map<const c10::StorageImpl*, Seen> seen;
+  std::uint64_t notes = 0;
+  double waited_before = 0;  // I/O waits of the steps before this one (stall + write stall)
+  bool planless() const { return shapes.empty(); }
 
   // Any plan for this trace runs (a wrong one costs time, never correctness): compiled leniently.
   static Shape make_shape(const trace::Trace& trace, const plan::Plan& plan) {
@@ -386,9 +437,9 @@ struct PlanExecutor::Impl {
   // again latest first, until it fits or none is left. A write stall; a later op that needs
   // one reads it back (a miss).
   // `in_use(storage)`: true for the storages op `index` reads (never written out for it).
-  template <typename InUse>
-  void evict_for(std::uint64_t more, trace::OpIndex index, InUse in_use) {
-    if (!over(more) || diverged) return;
+  template <typename InUseFn>
+  void evict_for(std::uint64_t more, trace::OpIndex index, InUseFn in_use) {
+    if (!over(more) || (diverged && !planless())) return;
     stats.eviction_overshoot =
         std::max(stats.eviction_overshoot, meter_bytes() + more - opt.budget);
     evict_while([&] { return over(more); }, index, in_use);
@@ -396,37 +447,68 @@ struct PlanExecutor::Impl {
 
   // Writes out resident bound tensors that `in_use` does not name, the one used again latest
   // first (after op `index`), while `needed()`; returns the bytes freed.
-  template <typename Needed, typename InUse>
-  std::uint64_t evict_while(Needed needed, trace::OpIndex index, InUse in_use) {
+  // A storage that may be written out now: big enough, with bytes, resident, not read by an op
+  // running now, not held.
+  template <typename InUseFn>
+  bool evictable(const c10::intrusive_ptr<c10::StorageImpl>& live, InUseFn in_use) const {
+    if (!live || live->nbytes() < opt.min_bytes || live->allocator() == nullptr ||
+        live->data() == nullptr) {
+      return false;
+    }
+    auto it = slots.find(live.get());
+    if (it != slots.end() && (it->second.state != State::kResident || it->second.error)) {
+      return false;
+    }
+    if (in_use(live.get()) || is_held(live.get())) return false;
+    return !g_track_inputs.load(std::memory_order_acquire) || !in_use_now(live.get());
+  }
+
+  // The next victim: with a plan, the bound tensor used again latest (after op `index`);
+  // without one, the storage ops read least recently.
+  template <typename InUseFn>
+  c10::intrusive_ptr<c10::StorageImpl> pick_victim(trace::OpIndex index, InUseFn in_use) {
+    c10::intrusive_ptr<c10::StorageImpl> victim;
+    if (planless()) {
+      std::uint64_t oldest = std::numeric_limits<std::uint64_t>::max();
+      for (auto it = seen.begin(); it != seen.end();) {
+        auto live = it->second.weak.lock();
+        if (!live) {
+          it = seen.erase(it);
+          continue;
+        }
+        if (it->second.last < oldest && evictable(live, in_use)) {
+          oldest = it->second.last;
+          victim = std::move(live);
+        }
+        ++it;
+      }
+      return victim;
+    }
     const plan::Schedule& sched = shape().sched;
     const auto n_ops = static_cast<std::int64_t>(sched.num_ops);
+    std::int64_t best = -1;
+    for (std::size_t id = 0; id < bound.size() && id < sched.uses_of.size(); ++id) {
+      auto live = bound[id].lock();
+      if (!evictable(live, in_use)) continue;
+      // Distance to the next use in this step, or past its end (used next step, or never).
+      const auto& u = sched.uses_of[id];
+      auto next = std::upper_bound(u.begin(), u.end(), index);
+      const std::int64_t distance = next != u.end() ? *next - index : n_ops + 1;
+      if (distance > best) {
+        best = distance;
+        victim = std::move(live);
+      }
+    }
+    return victim;
+  }
+
+  template <typename Needed, typename InUseFn>
+  std::uint64_t evict_while(Needed needed, trace::OpIndex index, InUseFn in_use) {
     const auto t0 = Clock::now();
     bool evicted = false;
     std::uint64_t freed = 0;
     while (needed()) {
-      c10::intrusive_ptr<c10::StorageImpl> victim;
-      std::int64_t best = -1;
-      for (std::size_t id = 0; id < bound.size() && id < sched.uses_of.size(); ++id) {
-        auto live = bound[id].lock();
-        if (!live || live->nbytes() < opt.min_bytes || live->allocator() == nullptr ||
-            live->data() == nullptr) {
-          continue;
-        }
-        auto it = slots.find(live.get());
-        if (it != slots.end() && (it->second.state != State::kResident || it->second.error)) {
-          continue;
-        }
-        if (in_use(live.get())) continue;
-        if (is_held(live.get())) continue;
-        // Distance to the next use in this step, or past its end (used next step, or never).
-        const auto& u = sched.uses_of[id];
-        auto next = std::upper_bound(u.begin(), u.end(), index);
-        const std::int64_t distance = next != u.end() ? *next - index : n_ops + 1;
-        if (distance > best) {
-          best = distance;
-          victim = std::move(live);
-        }
-      }
+      c10::intrusive_ptr<c10::StorageImpl> victim = pick_victim(index, in_use);
       if (!victim) break;
       Slot& s = slots[victim.get()];
       s.weak = c10::weak_intrusive_ptr<c10::StorageImpl>(victim);
@@ -592,6 +674,46 @@ PlanExecutor::PlanExecutor(std::shared_ptr<io::TensorStore> store, const trace::
                "another PlanExecutor is active in this process");
 }
 
+PlanExecutor::PlanExecutor(std::shared_ptr<io::TensorStore> store, ExecutorOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  TIDAL_EXPECT(store != nullptr, "PlanExecutor needs a TensorStore");
+  impl_->store = std::move(store);
+  impl_->opt = options;
+  PlanExecutor* expected = nullptr;
+  TIDAL_EXPECT(g_executor.compare_exchange_strong(expected, this),
+               "another PlanExecutor is active in this process");
+  g_track_inputs.store(true, std::memory_order_release);
+}
+
+bool PlanExecutor::planless() const {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  return impl_->planless();
+}
+
+void PlanExecutor::track_inputs(bool on) { g_track_inputs.store(on, std::memory_order_release); }
+
+void PlanExecutor::note_inputs(c10::ArrayRef<c10::StorageImpl*> storages, bool recent) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  Impl& m = *impl_;
+  if (!m.planless()) return;
+  for (c10::StorageImpl* p : storages) {
+    if (p == nullptr || p->nbytes() < m.opt.min_bytes || p->allocator() == nullptr) continue;
+    auto& e = m.seen[p];
+    const bool fresh = e.weak.expired();
+    if (fresh) {
+      e.weak = c10::weak_intrusive_ptr<c10::StorageImpl>(
+          c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(p));
+      e.last = 0;
+    }
+    if (recent) e.last = ++m.notes;
+  }
+}
+
+double PlanExecutor::io_wait_seconds() const {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  return impl_->waited_before + impl_->stats.stall_seconds + impl_->stats.write_stall_seconds;
+}
+
 PlanExecutor::~PlanExecutor() {
   try {
     restore_all();
@@ -608,6 +730,7 @@ PlanExecutor::~PlanExecutor() {
     impl_->slots.clear();
   }
   if (impl_->guard_thread == std::this_thread::get_id()) set_residency_guard(false);
+  g_track_inputs.store(false, std::memory_order_release);
   g_executor.store(nullptr);
 }
 
@@ -615,6 +738,7 @@ int PlanExecutor::add_shape(const trace::Trace& trace, const plan::Plan& plan) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   impl_->shapes.push_back(Impl::make_shape(trace, plan));
   impl_->grow_bound(trace.tensors.size());
+  impl_->seen.clear();  // a plan picks victims from here on
   return static_cast<int>(impl_->shapes.size()) - 1;
 }
 
@@ -708,9 +832,6 @@ void PlanExecutor::fit_budget() {
 void PlanExecutor::ensure_resident(c10::ArrayRef<c10::StorageImpl*> storages) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   Impl& m = *impl_;
-  // An op inside the running one (or one the tracer does not see) reads these: the strict
-  // meter's reclaimer must not take them either, until the running op ends.
-  m.running_inputs.insert(m.running_inputs.end(), storages.begin(), storages.end());
   // Reads the op needs at once (misses) take memory too: room is made for them first, never by
   // writing out another tensor this op uses.
   std::uint64_t missing = 0;
@@ -810,6 +931,10 @@ void PlanExecutor::step_end(trace::OpIndex index, const std::vector<TensorRef>& 
     }
   }
   m.deferred.clear();
+  if (m.planless()) {
+    if (first) std::rethrow_exception(first);
+    return;
+  }
   const plan::Schedule& sched = m.shape().sched;
   if (!m.diverged && index >= 0 && static_cast<std::size_t>(index) < sched.issued_after.size()) {
     for (std::int32_t i : sched.issued_after[static_cast<std::size_t>(index)]) {
@@ -823,9 +948,10 @@ void PlanExecutor::step_end(trace::OpIndex index, const std::vector<TensorRef>& 
 void PlanExecutor::begin_step(std::int64_t /*step*/, const std::vector<torch::Tensor>& /*in*/) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   Impl& m = *impl_;
+  m.waited_before += m.stats.stall_seconds + m.stats.write_stall_seconds;
   m.stats = ExecutorStats{};
   m.step_base += static_cast<std::int64_t>(m.ops_run);
-  m.diverged = false;
+  m.diverged = m.planless();  // without a plan every op is served on demand
   m.ops_run = 0;
   m.held.clear();
   m.current = m.last_completed;
@@ -845,6 +971,10 @@ void PlanExecutor::end_step(std::int64_t /*step*/) {
   Impl& m = *impl_;
   m.holds.clear();  // a hold lasts at most to the end of its step
   m.poll();
+  if (m.planless()) {
+    m.last = m.stats;
+    return;
+  }
   const auto& shape = m.shapes[static_cast<std::size_t>(m.current)];
   if (!m.diverged && m.ops_run != shape.op_names.size()) {
     // The step stopped early: it is the prefix of a known shape, or a shape of its own.

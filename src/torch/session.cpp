@@ -123,9 +123,20 @@ struct Session::Impl {
     if (opt.reset_peak) opt.reset_peak();
   }
 
+  // The wall stands from step 0 (strict meter, a budget in bytes, on the CPU): the warm-up and
+  // profiled steps run under an executor without a plan, which writes out the storages ops read
+  // least recently whenever an allocation would cross the budget.
+  bool walled_from_start() const {
+    return opt.mode == OffloadMode::kPlan && opt.strict_meter && opt.memory_budget > 0 &&
+           opt.device.is_cpu();
+  }
+
   void start_profiling() {
-    lift_cap();
-    executor.reset();  // brings every moved tensor back
+    const bool keep = executor && executor->planless();
+    if (!keep) {
+      lift_cap();
+      executor.reset();  // brings every moved tensor back
+    }
     tracer.reset();
     Tracer::Options to;
     to.model = opt.model_name;
@@ -136,6 +147,10 @@ struct Session::Impl {
     to.peak_bytes = opt.peak_bytes;
     to.reset_peak = opt.reset_peak;
     to.device = opt.device;
+    if (keep) {
+      PlanExecutor* ex = executor.get();
+      to.io_wait_seconds = [ex] { return ex->io_wait_seconds(); };
+    }
     tracer = std::make_unique<Tracer>(to);
     for (const auto& r : persistent) tracer->register_persistent(r.tensor, r.name, r.cls);
     tracer->start();
@@ -284,17 +299,23 @@ struct Session::Impl {
     s.peak_live = static_cast<double>(trace::analyze_lifetimes(s.trace).summary.peak_live_bytes);
     s.capacity = capacity_for(s);
     s.plan = plan_for(s, s.capacity, s.at_floor);
-    if (executor) {
+    const bool first = !executor || executor->planless();
+    if (executor && !first) {
       executor->add_shape(s.trace, s.plan);
       ++stats.replans;
       set_wall(executor_budget(s));
     } else {
-      ExecutorOptions eo = opt.executor;
-      eo.budget = executor_budget(s);  // hard: the executor waits rather than go over
-      wall = eo.budget;
-      eo.current_bytes = opt.current_bytes;
-      eo.host = host;
-      executor = std::make_unique<PlanExecutor>(store, s.trace, s.plan, eo);
+      if (executor) {  // it ran the steps before this plan under the wall: it takes the plan
+        executor->add_shape(s.trace, s.plan);
+        set_wall(executor_budget(s));
+      } else {
+        ExecutorOptions eo = opt.executor;
+        eo.budget = executor_budget(s);  // hard: the executor waits rather than go over
+        wall = eo.budget;
+        eo.current_bytes = opt.current_bytes;
+        eo.host = host;
+        executor = std::make_unique<PlanExecutor>(store, s.trace, s.plan, eo);
+      }
       executor->bind_alive(tracer->alive_tensors());
       tracer->set_keep_iterations(false);
       tracer->set_listener(executor.get());
@@ -342,11 +363,13 @@ struct Session::Impl {
     cap_previous = cpu_memory_cap();
     PlanExecutor* ex = executor.get();
     reclaimer_token = set_cpu_memory_reclaimer([ex](std::uint64_t b) { return ex->reclaim(b); });
+    PlanExecutor::track_inputs(true);
     set_cpu_memory_cap(wall);
     cap_on = true;
   }
   void lift_cap() {
     if (!cap_on) return;
+    PlanExecutor::track_inputs(false);
     set_cpu_memory_cap(cap_previous);
     clear_cpu_memory_reclaimer(reclaimer_token);
     cap_on = false;
@@ -510,6 +533,15 @@ Session::Session(SessionOptions options) : impl_(std::make_unique<Impl>()) {
     m.state = SessionState::kExecuting;
   } else {
     m.state = SessionState::kWarmup;
+    if (m.walled_from_start()) {
+      ExecutorOptions eo = m.opt.executor;
+      eo.budget = m.opt.memory_budget;
+      eo.current_bytes = m.opt.current_bytes;
+      eo.host = m.host;
+      m.executor = std::make_unique<PlanExecutor>(m.store, eo);
+      m.wall = m.opt.memory_budget;
+      m.stats.memory_budget = m.opt.memory_budget;
+    }
   }
 }
 
@@ -543,6 +575,18 @@ void Session::begin_step(std::int64_t step, const std::vector<torch::Tensor>& in
   m.in_step = true;
   step_ = step;
   next_step_ = step + 1;
+  // Without a plan yet, the model's state is what the executor may write out first.
+  if (m.executor && m.executor->planless()) {
+    std::vector<c10::StorageImpl*> state;
+    for (const auto& r : m.persistent) {
+      if (r.tensor.defined() && r.tensor.has_storage()) {
+        state.push_back(r.tensor.storage().unsafeGetStorageImpl());
+      }
+      const auto& g = r.tensor.grad();
+      if (g.defined() && g.has_storage()) state.push_back(g.storage().unsafeGetStorageImpl());
+    }
+    m.executor->note_inputs(state, /*recent=*/false);
+  }
   // A step starts within the budget (the first one after profiling holds everything).
   if (m.executor) m.executor->fit_budget();
   m.apply_cap();
@@ -616,6 +660,12 @@ void Session::end_step(std::int64_t step) {
     }
   } else if (m.offloader && m.reference_peak == 0 && m.steps_in_state > m.opt.warmup_steps) {
     m.reference_peak = std::max<std::uint64_t>(peak, 1);
+  }
+  if (m.executor && m.executor->planless()) {
+    // The wall stood from step 0: what the executor without a plan moved to keep it.
+    const ExecutorStats e = m.executor->last_step();
+    take_io_stats(s, e);
+    s.write_stall_seconds = e.write_stall_seconds;
   }
   if (m.state == SessionState::kProfiling) {
     s.profiled_peak = std::max(s.profiled_peak, peak);

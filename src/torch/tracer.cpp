@@ -136,7 +136,10 @@ void Tracer::stop() {
 }
 
 double Tracer::now() const {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - iteration_start_).count();
+  const double wall =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - iteration_start_).count();
+  if (!options_.io_wait_seconds) return wall;
+  return wall - (options_.io_wait_seconds() - io_wait_at_start_);
 }
 
 TensorId Tracer::add_tensor(const c10::Storage& storage, const c10::Device& device,
@@ -476,6 +479,7 @@ void Tracer::begin_step(std::int64_t step, const std::vector<torch::Tensor>& inp
   layer_.store(-1);
   busy_.store(false);
   iteration_start_ = std::chrono::steady_clock::now();
+  io_wait_at_start_ = options_.io_wait_seconds ? options_.io_wait_seconds() : 0;
   recording_.store(started_, std::memory_order_release);
 }
 

@@ -150,6 +150,11 @@ class PlanExecutor final : public OpListener, public StepObserver {
   /// Throws tidal::InvalidArgument when `plan` was not made for `trace`.
   PlanExecutor(std::shared_ptr<io::TensorStore> store, const trace::Trace& trace,
                const plan::Plan& plan, ExecutorOptions options = {});
+  /// Without a plan yet (the warm-up and profiled steps of a session whose budget is a wall
+  /// from step 0): every op is served on demand, and memory is made under the budget by writing
+  /// out the storages ops read least recently (fit_budget, reclaim, a read that needs room).
+  /// The first add_shape() gives it a plan.
+  PlanExecutor(std::shared_ptr<io::TensorStore> store, ExecutorOptions options);
   ~PlanExecutor() override;
   PlanExecutor(const PlanExecutor&) = delete;
   PlanExecutor& operator=(const PlanExecutor&) = delete;
@@ -181,6 +186,21 @@ class PlanExecutor final : public OpListener, public StepObserver {
   /// the running op does not read, the one used again latest first, until `bytes` are freed or
   /// none is left; returns the bytes freed. Runs inside an allocation; any thread.
   std::uint64_t reclaim(std::uint64_t bytes);
+
+  /// True until the first add_shape() of an executor made without a plan.
+  [[nodiscard]] bool planless() const;
+  /// The residency guard's note of the storages an op reads (without a plan: for least
+  /// recently used order). recent = false adds storages not yet known as the least recent
+  /// (the model's state, before any op has read it). Any thread.
+  void note_inputs(c10::ArrayRef<c10::StorageImpl*> storages, bool recent = true);
+  /// Seconds ops have waited for this executor's I/O (reads they needed, writes that had to
+  /// finish to make room), over all steps: the tracer takes them out of the op times it
+  /// records, so that a profile made under the wall times the ops, not the waits.
+  [[nodiscard]] double io_wait_seconds() const;
+  /// Makes the residency guard record the storages of every running op (at any depth, on any
+  /// thread) so that no eviction or reclaim writes one out from under it. On while an executor
+  /// without a plan exists; the session turns it on with the strict meter.
+  static void track_inputs(bool on);
 
   /// Changes the hard budget (0: none). Call between steps.
   void set_budget(std::uint64_t bytes);

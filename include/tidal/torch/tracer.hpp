@@ -73,6 +73,9 @@ class Tracer : public StepObserver {
     std::function<std::uint64_t()> current_bytes;
     std::function<std::uint64_t()> peak_bytes;
     std::function<void()> reset_peak;
+    /// Seconds ops have waited for offloading I/O so far (a session whose budget is a wall
+    /// from step 0 moves tensors while it profiles): left out of the op times recorded.
+    std::function<double()> io_wait_seconds;
     /// The device the step computes on. On a GPU an op returns once its kernels are queued:
     /// while iterations are kept (profiling), the tracer waits for the device's current stream
     /// before and after every op, so that an op's time is its device time (profiling steps run
@@ -206,6 +209,7 @@ class Tracer : public StepObserver {
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> nested_outputs_;
   std::map<std::int64_t, std::int32_t> forward_seq_layer_;  // autograd seq at op start -> layer
   std::chrono::steady_clock::time_point iteration_start_;
+  double io_wait_at_start_ = 0;  // Options::io_wait_seconds at iteration_start_
   std::int32_t extern_count_ = 0;
   // Tensors crossing the iteration boundary (a gradient made in backward that a deferred
   // optimizer step reads in the next forward): what the last iteration's ops made and left
