@@ -32,6 +32,7 @@ class SessionStats:
     host_stall_seconds: float
     planned_bytes_to_ssd: int
     planned_bytes_to_host: int
+    planned_step_seconds: float
     stall_seconds: float
     write_stall_seconds: float
     misses: int

@@ -683,6 +683,7 @@ void Session::end_step(std::int64_t step) {
       const plan::PlanSummary& ps = m.shapes[static_cast<std::size_t>(e.shape)].plan.summary;
       s.planned_bytes_to_ssd = ps.bytes_to_ssd;
       s.planned_bytes_to_host = ps.bytes_to_host;
+      s.planned_step_seconds = ps.compute_seconds + ps.planned_stall_seconds;
     }
     if (!error) m.plan_or_stop([&] { m.after_executed_step(e, peak); });
     s.within_budget = s.steps_measured > 0 && m.all_within && s.steps_over_budget == 0;

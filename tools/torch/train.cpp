@@ -46,6 +46,7 @@ struct TrainArgs {
   std::string save_plan;
   std::string between_steps = "resident";
   bool strict_budget = false;
+  bool strict_meter = false;
   std::string host_mem = "0";
   std::string checkpoint;  // directory checkpoints are written to
   int checkpoint_every = 0;
@@ -163,6 +164,7 @@ void run_train(const TrainArgs& args) {
   so.between_steps = args.between_steps == "resident" ? torch_layer::BetweenSteps::kResident
                                                       : torch_layer::BetweenSteps::kOffloaded;
   so.strict_budget = args.strict_budget;
+  so.strict_meter = args.strict_meter;
   so.host_memory = parse_bytes(args.host_mem);
   TIDAL_EXPECT_AS(InvalidArgument,
                   so.host_memory == 0 || so.mode == torch_layer::OffloadMode::kPlan,
@@ -388,6 +390,8 @@ void run_train(const TrainArgs& args) {
       j["memory_budget"] = st.memory_budget;
       j["profiled_peak_bytes"] = st.profiled_peak;
       j["plan_summary"] = st.plan_summary;
+      j["planned_step_seconds"] = st.planned_step_seconds;
+      j["strict_meter"] = so.strict_meter;
       j["replans"] = st.replans;
       j["budget_replans"] = st.tightenings;
       j["within_budget"] = st.within_budget;
@@ -447,6 +451,10 @@ void add_train_command(CLI::App& app) {
                   "any code) or offloaded (more memory saved)")
       ->check(CLI::IsMember({"resident", "offloaded"}))
       ->capture_default_str();
+  cmd->add_flag("--strict-meter", args->strict_meter,
+                "plan mode on the CPU: the budget is a wall, as a GPU's memory is: an allocation "
+                "past it has tensors written out, or fails with out of memory; with a budget in "
+                "bytes it stands from step 0 (warm-up and profiling included)");
   cmd->add_flag("--strict-budget", args->strict_budget,
                 "plan mode: stop with an error when no plan can meet the budget (default: run "
                 "with the smallest peak a plan reaches and say why)");

@@ -135,6 +135,9 @@ struct SessionStats {
   /// to compare with the executed ones above).
   std::uint64_t planned_bytes_to_ssd = 0;
   std::uint64_t planned_bytes_to_host = 0;
+  /// Plan mode: the step time the plan predicts (the profiled op times plus the stalls it
+  /// accepts), for the shape the last step ran; 0 before a plan.
+  double planned_step_seconds = 0;
   double stall_seconds = 0;             ///< last step: time computation waited for reads
   double write_stall_seconds = 0;       ///< last step, plan mode: time ops waited for writes to
                                         ///< free memory rather than cross the budget
