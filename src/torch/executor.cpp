@@ -94,10 +94,12 @@ void residency_guard(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                      torch::jit::Stack* stack) {
   const bool track = g_track_inputs.load(std::memory_order_acquire);
   c10::SmallVector<c10::StorageImpl*, 8> storages;
+  PlanExecutor* ex = nullptr;
+  bool reads = false;
   if (track || g_unsettled.load(std::memory_order_acquire) > 0) {
-    PlanExecutor* ex = g_executor.load(std::memory_order_acquire);
+    ex = g_executor.load(std::memory_order_acquire);
     const auto& schema = op.schema();
-    const bool reads = !reads_no_data(schema.name());
+    reads = !reads_no_data(schema.name());
     if (ex != nullptr && (track || reads)) {
       for (const auto& v : torch::jit::last(*stack, schema.arguments().size())) {
         for_each_tensor(v, [&](const at::Tensor& t) {
@@ -105,14 +107,28 @@ void residency_guard(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
             storages.push_back(t.storage().unsafeGetStorageImpl());
         });
       }
-      if (track) ex->note_inputs(storages);
-      if (reads) ex->ensure_resident(storages);
     }
   }
-  // Not written out while the op runs (a view's source included: the view shares its bytes).
+  // Not written out while the op runs, nor while its inputs are read back below (a read takes
+  // memory, and the reclaimer must not make it by writing out an input read a moment before);
+  // a view's source included: the view shares its bytes.
   const InUse in_use(track ? c10::ArrayRef<c10::StorageImpl*>(storages)
                            : c10::ArrayRef<c10::StorageImpl*>());
+  if (!storages.empty()) {
+    if (track) ex->note_inputs(storages);
+    if (reads) ex->ensure_resident(storages);
+  }
   op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kGuardKey), stack);
+  if (track && ex != nullptr) {
+    // What the op made may be written out too (a gradient no op has read yet, say).
+    c10::SmallVector<c10::StorageImpl*, 4> made;
+    for (const auto& v : torch::jit::last(*stack, op.schema().returns().size())) {
+      for_each_tensor(v, [&](const at::Tensor& t) {
+        if (t.defined() && t.has_storage()) made.push_back(t.storage().unsafeGetStorageImpl());
+      });
+    }
+    if (!made.empty()) ex->note_inputs(made);
+  }
 }
 
 }  // namespace

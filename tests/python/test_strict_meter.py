@@ -98,3 +98,40 @@ def test_memory_past_the_wall_between_steps_is_an_out_of_memory_error(store_dir)
     del s
     gc.collect()
     assert tidal._C.memory_cap() == 0, "the cap goes with its session"
+
+
+def test_a_model_twice_the_budget_trains_within_it_from_step_0(store_dir):
+    """The model's state (parameters, gradients, Adam's moments) is about twice the budget:
+    with the strict meter and a budget in bytes, the warm-up and profiled steps run under the
+    wall too (state written out least recently used first), and every step stays within it."""
+    data = batches(seed=14, steps=8)
+    model = make_mlp(seed=11)
+    state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
+    ref_losses, ref_params, _ = train(data)
+    # The budget is for the whole process: what it holds already (the data, the reference run's
+    # parameters) plus half the model's state.
+    budget = tidal.memory_stats()["current_bytes"] + state // 2
+    refusals = tidal.memory_stats()["refusals"]
+    holder = {}
+
+    def session(model, opt):
+        holder["s"] = tidal.Session(mode="plan", dirs=[store_dir], budget=budget,
+                                    capacity="1GiB", min_bytes="64KiB", model=model,
+                                    optimizer=opt, between_steps="offloaded", strict=True)
+        return holder["s"]
+
+    losses, params, stats = train(data, session)
+    assert torch.equal(losses, ref_losses), (losses - ref_losses).abs().max()
+    for p, r in zip(params, ref_params):
+        assert torch.equal(p, r)
+    assert tidal.memory_stats()["refusals"] == refusals, "no allocation was refused"
+    # Every step, step 0 included, within the budget; the warm-up and profiled steps moved
+    # state through the store to stay there.
+    assert [s.state for s in stats[:3]] == ["warmup", "profiling", "executing"]
+    assert all(s.step_peak <= budget for s in stats), [s.step_peak for s in stats]
+    assert stats[0].bytes_written > 0 and stats[1].bytes_read > 0
+    assert all(s.memory_budget == budget for s in stats)
+    holder.clear()
+    gc.collect()
+    assert tidal._C.memory_cap() == 0
