@@ -122,13 +122,13 @@ py::dict store_stats_dict(const tidal::io::StoreStats& s) {
 }
 
 py::dict session_stats_dict(const tt::SessionStats& s) {
-  return TIDAL_FIELDS_DICT(s, mode, state, bytes_written, bytes_read, bytes_to_host,
-                           bytes_from_host, host_stall_seconds, planned_bytes_to_ssd,
-                           planned_bytes_to_host, planned_step_seconds, stall_seconds,
-                           write_stall_seconds, misses, write_failures, store_full_writes,
-                           write_error, step_peak, memory_budget, untouched_bytes, profiled_peak,
-                           within_budget, steps_measured, steps_over_budget, budget_reason, shapes,
-                           shape, replans, tightenings, executed_peak, plan_summary, notice);
+  return TIDAL_FIELDS_DICT(
+      s, mode, state, bytes_written, bytes_read, bytes_to_host, bytes_from_host, host_stall_seconds,
+      planned_bytes_to_ssd, planned_bytes_to_host, planned_step_seconds, between_steps,
+      stall_seconds, write_stall_seconds, misses, write_failures, store_full_writes, write_error,
+      step_peak, memory_budget, untouched_bytes, profiled_peak, within_budget, steps_measured,
+      steps_over_budget, budget_reason, shapes, shape, replans, tightenings, executed_peak,
+      plan_summary, notice);
 }
 
 py::dict activation_stats_dict(const tt::ActivationStats& s) {
@@ -242,14 +242,17 @@ PYBIND11_MODULE(_C, m) {
       .def_property(
           "between_steps",
           [](const SessionOptions& o) {
-            return std::string(o.between_steps == tt::BetweenSteps::kResident ? "resident"
-                                                                              : "offloaded");
+            return std::string(o.between_steps == tt::BetweenSteps::kResident    ? "resident"
+                               : o.between_steps == tt::BetweenSteps::kOffloaded ? "offloaded"
+                                                                                 : "auto");
           },
           [](SessionOptions& o, const std::string& s) {
-            TIDAL_EXPECT_AS(tidal::InvalidArgument, s == "resident" || s == "offloaded",
-                            "between_steps is 'resident' or 'offloaded', not '", s, "'");
-            o.between_steps =
-                s == "resident" ? tt::BetweenSteps::kResident : tt::BetweenSteps::kOffloaded;
+            TIDAL_EXPECT_AS(tidal::InvalidArgument,
+                            s == "resident" || s == "offloaded" || s == "auto",
+                            "between_steps is 'auto', 'resident' or 'offloaded', not '", s, "'");
+            o.between_steps = s == "resident"    ? tt::BetweenSteps::kResident
+                              : s == "offloaded" ? tt::BetweenSteps::kOffloaded
+                                                 : tt::BetweenSteps::kAuto;
           });
   def_fields(
       session_options, TIDAL_FIELD(SessionOptions, store), TIDAL_FIELD(SessionOptions, activations),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import weakref
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
@@ -33,6 +34,7 @@ class SessionStats:
     planned_bytes_to_ssd: int
     planned_bytes_to_host: int
     planned_step_seconds: float
+    between_steps: str
     stall_seconds: float
     write_stall_seconds: float
     misses: int
@@ -62,6 +64,15 @@ class SessionStats:
             line += (f", budget {b(self.memory_budget)} "
                      f"({'met' if self.within_budget else 'not met yet'})")
         return line
+
+
+def _distributed(model) -> bool:
+    """A DDP-wrapped model, or one with FSDP2-sharded (DTensor) parameters."""
+    if model is None:
+        return False
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(model, DistributedDataParallel) or _fsdp.uses_dtensors(model)
 
 
 class Session:
@@ -105,7 +116,7 @@ class Session:
                  profile_steps: int = 2,
                  strict_budget: bool = False,
                  strict: bool = False,
-                 between_steps: str = "resident",
+                 between_steps: str = "auto",
                  adaptive: bool = True,
                  checksum: bool = True,
                  hardware: str = "cpu-here",
@@ -139,6 +150,10 @@ class Session:
         opt.profile_steps = profile_steps
         opt.strict_budget = strict_budget
         opt.strict_meter = strict
+        if between_steps == "auto" and _distributed(model):
+            # DDP's and FSDP2's collectives read parameters and gradients as raw buffers, which
+            # no hook brings back from the SSD: their step boundary stays resident.
+            between_steps = "resident"
         opt.between_steps = between_steps
         opt.hardware = hardware
         opt.model_name = name or (type(model).__name__ if model is not None else "")
@@ -158,6 +173,24 @@ class Session:
             for n, b in model.named_buffers():
                 self._register(b, n, "parameter")
         self._register_optimizer()
+        if mode == "plan":
+            self._hook_state_dicts(model, optimizer)
+
+    def _hook_state_dicts(self, model, optimizer) -> None:
+        # With the step boundary offloaded, the model's state may be on the SSD between steps:
+        # state_dict() (and so torch.save of it) reads raw bytes, so it brings them back first.
+        # A weak reference: the hooks must not keep the session alive.
+        ref = weakref.ref(self)
+
+        def restore(*_args, **_kwargs):
+            session = ref()
+            if session is not None and not session._in_step:
+                session._session.make_resident()
+
+        if model is not None:
+            model.register_state_dict_pre_hook(restore)
+        if optimizer is not None and hasattr(optimizer, "register_state_dict_pre_hook"):
+            optimizer.register_state_dict_pre_hook(restore)
 
     # -- steps ------------------------------------------------------------------------------
 

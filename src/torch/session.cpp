@@ -142,7 +142,8 @@ struct Session::Impl {
     to.model = opt.model_name;
     to.batch = opt.batch;
     to.seq = opt.seq;
-    to.step_end_op = opt.between_steps == BetweenSteps::kResident;
+    // kAuto profiles with the step-end op: the first plan decides whether to keep it.
+    to.step_end_op = opt.between_steps != BetweenSteps::kOffloaded && boundary != 1;
     to.current_bytes = opt.current_bytes;
     to.peak_bytes = opt.peak_bytes;
     to.reset_peak = opt.reset_peak;
@@ -291,9 +292,56 @@ struct Session::Impl {
     return static_cast<std::uint64_t>(reachable);
   }
 
+  // kAuto: -1 until the first plan, then 0 (resident) or 1 (offloaded).
+  int boundary = -1;
+  bool boundary_offloaded() const {
+    return opt.between_steps == BetweenSteps::kOffloaded ||
+           (opt.between_steps == BetweenSteps::kAuto && boundary == 1);
+  }
+
+  // A trace recorded with the step-end op, made into one without it (the boundary offloaded).
+  static void strip_step_end(trace::Trace& t) {
+    if (t.ops.empty() || t.ops.back().name != kStepEndOp) return;
+    t.ops.pop_back();
+    const auto last = static_cast<trace::OpIndex>(t.ops.size()) - 1;
+    for (auto& x : t.tensors) {
+      if (x.freed_after != trace::kNoOp && x.freed_after > last) x.freed_after = last;
+    }
+  }
+
+  // kAuto, at the first plan: the step boundary stays resident when a plan meets the budget so
+  // (nothing changes for code between steps); otherwise the tensors may stay out across it.
+  void choose_boundary(const trace::Trace& t) {
+    Shape probe;
+    probe.trace = t;
+    probe.peak_live =
+        static_cast<double>(trace::analyze_lifetimes(probe.trace).summary.peak_live_bytes);
+    probe.capacity = capacity_for(probe);
+    bool floor = true;
+    try {
+      (void)plan_for(probe, probe.capacity, floor);
+    } catch (const InvalidArgument&) {
+      floor = true;  // strict_budget: no plan meets it with the boundary resident
+    }
+    boundary = floor ? 1 : 0;
+    if (boundary == 1) {
+      stats.budget_reason.clear();  // the resident attempt's: the offloaded plan says its own
+      tracer->set_step_end_op(false);
+      stats.notice =
+          "the model's tensors stay on the SSD between steps where the budget needs it (no plan "
+          "meets it with all of them in memory at each step's end): ATen ops bring them back "
+          "by themselves, and code that reads raw bytes between steps (torch::save, data_ptr) "
+          "calls make_resident() first (Python's state_dict() of the session's model and "
+          "optimizer does it); the between-steps option chooses explicitly";
+    }
+  }
+
   // A new step shape: plan it and hand it to the executor (made on the first).
   void add_shape(trace::Trace t) {
     refuse_compiled_code(t);
+    if (opt.between_steps == BetweenSteps::kAuto && boundary < 0) choose_boundary(t);
+    if (boundary_offloaded()) strip_step_end(t);
+    stats.between_steps = boundary_offloaded() ? "offloaded" : "resident";
     Shape s;
     s.trace = std::move(t);
     s.peak_live = static_cast<double>(trace::analyze_lifetimes(s.trace).summary.peak_live_bytes);

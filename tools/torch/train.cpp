@@ -44,7 +44,7 @@ struct TrainArgs {
   std::string ssd;  // planner's SSD figures, e.g. "1x2.0/1.5GB/s"
   std::string save_trace;
   std::string save_plan;
-  std::string between_steps = "resident";
+  std::string between_steps = "auto";
   bool strict_budget = false;
   bool strict_meter = false;
   std::string host_mem = "0";
@@ -161,8 +161,9 @@ void run_train(const TrainArgs& args) {
   so.peak_bytes = [&meter] { return meter.peak_bytes(); };
   so.current_bytes = [&meter] { return meter.current_bytes(); };
   so.reset_peak = [&meter] { meter.reset_peak(); };
-  so.between_steps = args.between_steps == "resident" ? torch_layer::BetweenSteps::kResident
-                                                      : torch_layer::BetweenSteps::kOffloaded;
+  so.between_steps = args.between_steps == "resident"    ? torch_layer::BetweenSteps::kResident
+                     : args.between_steps == "offloaded" ? torch_layer::BetweenSteps::kOffloaded
+                                                         : torch_layer::BetweenSteps::kAuto;
   so.strict_budget = args.strict_budget;
   so.strict_meter = args.strict_meter;
   so.host_memory = parse_bytes(args.host_mem);
@@ -392,6 +393,7 @@ void run_train(const TrainArgs& args) {
       j["plan_summary"] = st.plan_summary;
       j["planned_step_seconds"] = st.planned_step_seconds;
       j["strict_meter"] = so.strict_meter;
+      j["between_steps"] = st.between_steps;
       j["replans"] = st.replans;
       j["budget_replans"] = st.tightenings;
       j["within_budget"] = st.within_budget;
@@ -447,9 +449,10 @@ void add_train_command(CLI::App& app) {
                 "activation checkpointing: recompute each block in backward instead of keeping "
                 "its activations");
   cmd->add_option("--between-steps", args->between_steps,
-                  "plan mode: where the step's tensors are between steps: resident (readable by "
-                  "any code) or offloaded (more memory saved)")
-      ->check(CLI::IsMember({"resident", "offloaded"}))
+                  "plan mode: where the step's tensors are between steps: auto (resident where "
+                  "a plan meets the budget so, else offloaded), resident (readable by any code) "
+                  "or offloaded (more memory saved)")
+      ->check(CLI::IsMember({"auto", "resident", "offloaded"}))
       ->capture_default_str();
   cmd->add_flag("--strict-meter", args->strict_meter,
                 "plan mode on the CPU: the budget is a wall, as a GPU's memory is: an allocation "

@@ -58,6 +58,11 @@ enum class BetweenSteps : std::uint8_t {
   /// boundary), but only ATen ops on the session's thread bring them back by themselves; code
   /// that reads raw bytes (torch::save, data_ptr) must call Session::make_resident() first.
   kOffloaded,
+  /// The planner's choice (the CLI's and Python's default): resident where a plan meets the
+  /// budget so, offloaded where only that meets it (a model whose state is larger than the
+  /// budget). Chosen once, at the first plan; stats().between_steps says which, and a notice
+  /// says what it means for code between steps.
+  kAuto,
 };
 
 struct SessionOptions {
@@ -97,6 +102,9 @@ struct SessionOptions {
   /// How messages name the budget to the user: the options here, or a front-end's flag (the
   /// CLI sets "--mem-budget").
   std::string budget_option = "SessionOptions::memory_budget or budget_fraction";
+  /// kResident here, for a C++ loop may read raw bytes between steps (torch::save) where no
+  /// hook can bring them back; the CLI and Python, which make their own raw readers (state_dict,
+  /// checkpoints) bring tensors back first, default to kAuto.
   BetweenSteps between_steps = BetweenSteps::kResident;
   /// How messages name the kOffloaded choice to the user (a budget a resident step boundary
   /// cannot meet suggests it); the CLI sets "--between-steps offloaded".
@@ -138,6 +146,9 @@ struct SessionStats {
   /// Plan mode: the step time the plan predicts (the profiled op times plus the stalls it
   /// accepts), for the shape the last step ran; 0 before a plan.
   double planned_step_seconds = 0;
+  /// Plan mode: "resident" or "offloaded" once known (with kAuto: the planner's choice, from
+  /// the first plan on), else empty.
+  std::string between_steps;
   double stall_seconds = 0;             ///< last step: time computation waited for reads
   double write_stall_seconds = 0;       ///< last step, plan mode: time ops waited for writes to
                                         ///< free memory rather than cross the budget

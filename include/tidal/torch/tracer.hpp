@@ -113,6 +113,11 @@ class Tracer : public StepObserver {
   /// Keep each recorded iteration (the default, for profiling) or only check it against the
   /// first and drop it (while executing a plan for many steps).
   void set_keep_iterations(bool keep) { keep_iterations_ = keep; }
+  /// Changes Options::step_end_op for the iterations that start from now on (between steps).
+  void set_step_end_op(bool on) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    options_.step_end_op = on;
+  }
 
   /// The traced tensors still alive after the last end_step, by trace id (weak references):
   /// what a plan executor made after profiling needs to know before its first step's ops have
