@@ -64,6 +64,11 @@ inline tidal::torch_layer::SessionOptions session_options(const Args& args) {
   options.activations.min_bytes = 64 * 1024;
   options.executor.min_bytes = 64 * 1024;
   options.budget_fraction = args.mem_budget;
+  // These loops read no raw bytes between steps: the planner may leave tensors out across the
+  // step boundary where the budget needs it.
+  options.between_steps = tidal::torch_layer::BetweenSteps::kAuto;
+  // A budget on the CPU is a wall here, as a GPU's memory would be.
+  options.strict_meter = true;
   if (options.mode != tidal::torch_layer::OffloadMode::kNone) {
     std::filesystem::create_directories(args.dir);
   }
@@ -116,6 +121,7 @@ class Report {
         static_cast<unsigned long long>(misses_), timed_ > 0 ? seconds_ / timed_ : 0.0,
         static_cast<unsigned long long>(steady_peak_), tidal::torch_layer::blas_library().c_str());
     if (!s.notice.empty()) std::printf("note: %s\n", s.notice.c_str());
+    if (!within && !s.budget_reason.empty()) std::printf("budget: %s\n", s.budget_reason.c_str());
   }
 
  private:
