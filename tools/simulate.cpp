@@ -7,6 +7,7 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
 #include "commands.hpp"
@@ -18,6 +19,7 @@
 #include "tidal/plan/hardware.hpp"
 #include "tidal/plan/model_trace.hpp"
 #include "tidal/plan/policies.hpp"
+#include "tidal/plan/profiling_phase.hpp"
 #include "tidal/plan/simulator.hpp"
 #include "tidal/trace/io.hpp"
 #include "trace_source.hpp"
@@ -48,6 +50,7 @@ struct SimulateArgs {
   std::uint64_t min_bytes = 0;
   std::string min_bytes_text;
   std::string plan_file;
+  int profile_steps = 3;
 };
 
 std::string pct(double x) {
@@ -232,6 +235,27 @@ void run_simulate(const SimulateArgs& a) {
                 pct(r.sim.host_write_utilisation).c_str(), pct(r.sim.host_read_utilisation).c_str(),
                 life);
   }
+  // The steps before the plan: warm-up and profiling under the budget, on demand.
+  std::optional<plan::ProfilingPhase> phase;
+  for (const auto& r : results) {
+    if (r.policy != plan::Policy::kTidal || !r.plan || a.profile_steps <= 0) continue;
+    phase = plan::simulate_profiling_phase(tr, hw, a.profile_steps, r.sim.iteration_seconds,
+                                           r.planning_seconds);
+    std::printf(
+        "\nbefore the plan (%d warm-up and profiled steps, on demand under the budget, the "
+        "model's state starting on the SSDs): step 0 %s, then %s a step (%s read, %s written); "
+        "%s in all, %s more than as many planned steps with the planning; the plan pays that "
+        "back after %s planned steps%s%s\n",
+        phase->steps, format_seconds(phase->first_step_seconds).c_str(),
+        format_seconds(phase->step_seconds).c_str(),
+        format_bytes(static_cast<double>(phase->bytes_read)).c_str(),
+        format_bytes(static_cast<double>(phase->bytes_written)).c_str(),
+        format_seconds(phase->total_seconds).c_str(), format_seconds(phase->extra_seconds).c_str(),
+        phase->payback_steps < 0
+            ? "no (it is not faster)"
+            : std::to_string(static_cast<long long>(std::ceil(phase->payback_steps))).c_str(),
+        phase->fits ? "" : "; does not fit: ", phase->note.c_str());
+  }
   if (!a.svg.empty()) {
     std::ofstream out(a.svg);
     TIDAL_EXPECT(out.good(), "cannot write the plot to '", a.svg, "'");
@@ -265,6 +289,20 @@ void run_simulate(const SimulateArgs& a) {
       ps[plan::to_string(r.policy)] = x;
     }
     j["policies"] = ps;
+    if (phase) {
+      j["before_plan"] = {{"steps", phase->steps},
+                          {"fits", phase->fits},
+                          {"note", phase->note},
+                          {"first_step_seconds", phase->first_step_seconds},
+                          {"step_seconds", phase->step_seconds},
+                          {"bytes_read", phase->bytes_read},
+                          {"bytes_written", phase->bytes_written},
+                          {"total_seconds", phase->total_seconds},
+                          {"planned_step_seconds", phase->planned_step_seconds},
+                          {"planning_seconds", phase->planning_seconds},
+                          {"extra_seconds", phase->extra_seconds},
+                          {"payback_steps", phase->payback_steps}};
+    }
     std::printf("%s\n", j.dump().c_str());
   }
 }
@@ -283,6 +321,10 @@ void add_simulate_command(CLI::App& app) {
                   "comma-separated list, or all")
       ->capture_default_str();
   cmd->add_flag("--json", args->json, "print one JSON object as the last line");
+  cmd->add_option("--profile-steps", args->profile_steps,
+                  "steps before tidal's plan (warm-up + profiled), simulated on demand under the "
+                  "budget (0: not simulated)")
+      ->capture_default_str();
   cmd->add_flag("--prefer-host", args->prefer_host,
                 "tidal: host memory before SSDs where both have the bandwidth (fewer SSD writes)");
   cmd->add_option("--svg", args->svg, "write a plot of memory over the iteration");

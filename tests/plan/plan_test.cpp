@@ -16,6 +16,7 @@
 #include "tidal/plan/model_trace.hpp"
 #include "tidal/plan/planner.hpp"
 #include "tidal/plan/policies.hpp"
+#include "tidal/plan/profiling_phase.hpp"
 #include "tidal/plan/simulator.hpp"
 #include "tidal/trace/io.hpp"
 #include "tidal/trace/lifetime.hpp"
@@ -1321,6 +1322,58 @@ TEST(PlannerFuzz, NoPlanThatFitsBeatsTheStallBound) {
   });
   expect_count_above("checked", checked, 300);
   expect_count_above("positive", positive, 40);
+}
+
+}  // namespace
+}  // namespace tidal::plan
+
+namespace tidal::plan {
+namespace {
+
+// The steps before the plan, on demand under the budget: with room for everything only step 0
+// reads (the state starts on the SSDs) and later steps move nothing; with less room each step
+// reads and writes and takes longer than its compute; with less than one op's own tensors the
+// phase does not fit and says which op.
+TEST(ProfilingPhase, OnDemandStepsUnderTheBudget) {
+  Hardware hw = hardware_preset("h100-4ssd");
+  const trace::Trace t = transformer_trace(three_blocks("gpt2-small"), 2, 128, hw);
+  std::uint64_t state = 0;
+  for (const auto& x : t.tensors) state += x.persistent ? x.bytes : 0;
+  const auto la = trace::analyze_lifetimes(t);
+  const auto peak = la.summary.peak_live_bytes;
+  std::uint64_t one_op = 0;  // the most one op needs at once
+  for (std::size_t k = 0; k < t.ops.size(); ++k) {
+    one_op = std::max(one_op, la.active_bytes[k] + t.ops[k].workspace_bytes);
+  }
+  ASSERT_LT(one_op + one_op / 4, peak);
+
+  hw.device_memory = 4 * peak;
+  const ProfilingPhase roomy = simulate_profiling_phase(t, hw, 3);
+  EXPECT_TRUE(roomy.fits) << roomy.note;
+  EXPECT_EQ(roomy.bytes_read, 0u);
+  EXPECT_EQ(roomy.bytes_written, 0u);
+  EXPECT_NEAR(roomy.step_seconds, t.compute_seconds(), 1e-9);
+  EXPECT_NEAR(roomy.first_step_seconds - t.compute_seconds(),
+              static_cast<double>(state) / hw.ssd_read_total(), 1e-6);
+
+  hw.device_memory = one_op + one_op / 4;
+  const ProfilingPhase tight = simulate_profiling_phase(t, hw, 3, t.compute_seconds() * 1.1, 0.5);
+  EXPECT_TRUE(tight.fits) << tight.note;
+  EXPECT_GT(tight.bytes_read, 0u);
+  EXPECT_GT(tight.bytes_written, 0u);
+  const double io = static_cast<double>(tight.bytes_read) / hw.ssd_read_total() +
+                    static_cast<double>(tight.bytes_written) / hw.ssd_write_total();
+  EXPECT_NEAR(tight.step_seconds, t.compute_seconds() + io, 1e-6);
+  EXPECT_NEAR(tight.total_seconds, tight.first_step_seconds + 2 * tight.step_seconds, 1e-9);
+  ASSERT_GT(tight.payback_steps, 0);
+  EXPECT_NEAR(tight.payback_steps * (tight.step_seconds - t.compute_seconds() * 1.1),
+              tight.extra_seconds, 1e-6);
+
+  hw.device_memory = 1 << 20;
+  const ProfilingPhase tiny = simulate_profiling_phase(t, hw, 3);
+  EXPECT_FALSE(tiny.fits);
+  EXPECT_NE(tiny.note.find("needs"), std::string::npos) << tiny.note;
+  EXPECT_THROW(simulate_profiling_phase(t, hw, 0), InvalidArgument);
 }
 
 }  // namespace
