@@ -41,7 +41,7 @@ ProfilingPhase simulate_profiling_phase(const trace::Trace& trace, const Hardwar
     if (l.live_end == trace::kNoOp || l.live_begin == trace::kNoOp) continue;
     if (t.persistent && !t.has_gap()) continue;
     if (static_cast<std::size_t>(l.live_end) < n_ops)
-      ends[static_cast<std::size_t>(l.live_end)].push_back(id);
+      ends[static_cast<std::size_t>(l.live_end)].push_back(static_cast<trace::TensorId>(id));
   }
 
   // The model made outside the budget: its state starts on the SSD.
@@ -64,7 +64,7 @@ ProfilingPhase simulate_profiling_phase(const trace::Trace& trace, const Hardwar
       use.insert(use.end(), op.outputs.begin(), op.outputs.end());
       std::sort(use.begin(), use.end());
       use.erase(std::unique(use.begin(), use.end()), use.end());
-      double more = static_cast<double>(op.workspace_bytes);
+      auto more = static_cast<double>(op.workspace_bytes);
       for (trace::TensorId id : use) {
         needed[static_cast<std::size_t>(id)] = 1;
         if (where[static_cast<std::size_t>(id)] != Where::kResident) {
