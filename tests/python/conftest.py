@@ -31,6 +31,29 @@ def make_mlp(seed: int, width: int = 1024) -> torch.nn.Module:
         torch.nn.Linear(width, 10))
 
 
+def train_mlp(data, session=None, seed: int = 3):
+    """make_mlp(seed) trained with Adam on `data`, an ordinary loop; `session` is a
+    tidal.Session or a function (model, optimizer) -> Session, called once the model exists.
+    Returns the losses (a tensor), the final parameters and the session's stats after each step."""
+    model = make_mlp(seed=seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if callable(session):
+        session = session(model, opt)
+    losses, stats = [], []
+    for x, y in data:
+        if session is not None:
+            session.begin_step()
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        if session is not None:
+            session.end_step()
+            stats.append(session.stats())
+        losses.append(loss.detach().clone())
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters()], stats
+
+
 def batches(seed: int, steps: int, batch: int = 128):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(batch, 256, generator=g), torch.randint(0, 10, (batch,), generator=g))

@@ -5,29 +5,13 @@ import pytest
 import torch
 
 import tidal
-from conftest import batches, make_mlp
+from conftest import batches, make_mlp, train_mlp
 
 STEPS = 9  # plan mode: 1 warm-up + 2 profiled steps, then 6 executed
 
 
 def train(data, session=None):
-    model = make_mlp(seed=3)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    if callable(session):
-        session = session(model, opt)
-    losses, stats = [], []
-    for x, y in data:
-        if session is not None:
-            session.begin_step()
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        if session is not None:
-            session.end_step()
-            stats.append(session.stats())
-        losses.append(loss.detach().clone())
-    return torch.stack(losses), [p.detach().clone() for p in model.parameters()], stats
+    return train_mlp(data, session, seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -8,27 +8,23 @@ import pytest
 import torch
 
 import tidal
-from conftest import batches, make_mlp
+from conftest import batches, make_mlp, train_mlp
 
 
 def train(data, session=None):
-    model = make_mlp(seed=11)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    if callable(session):
-        session = session(model, opt)
-    losses, stats = [], []
-    for x, y in data:
-        if session is not None:
-            session.begin_step()
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        if session is not None:
-            session.end_step()
-            stats.append(session.stats())
-        losses.append(loss.detach().clone())
-    return torch.stack(losses), [p.detach().clone() for p in model.parameters()], stats
+    return train_mlp(data, session, seed=11)
+
+
+def plan_session(holder, store_dir, **options):
+    """A session factory for train(): a plan-mode session under the strict meter, kept in
+    `holder["s"]` (with the model and optimizer) so that the test can look at it and end it."""
+    def make(model, opt):
+        holder["s"] = tidal.Session(mode="plan", dirs=[store_dir], capacity="1GiB",
+                                    min_bytes="64KiB", model=model, optimizer=opt, strict=True,
+                                    **options)
+        holder["model"], holder["opt"] = model, opt
+        return holder["s"]
+    return make
 
 
 def test_memory_cap_refuses_past_the_cap_and_comes_off_after():
@@ -54,11 +50,7 @@ def test_plan_mode_under_the_strict_meter_is_bit_identical_within_its_budget(sto
     refusals = tidal.memory_stats()["refusals"]
     holder = {}
 
-    def session(model, opt):
-        holder["s"] = tidal.Session(mode="plan", dirs=[store_dir], budget="50%",
-                                    capacity="512MiB", min_bytes="64KiB", model=model,
-                                    optimizer=opt, between_steps="offloaded", strict=True)
-        return holder["s"]
+    session = plan_session(holder, store_dir, budget="50%", between_steps="offloaded")
 
     losses, params, stats = train(data, session)
     assert torch.equal(losses, ref_losses), (losses - ref_losses).abs().max()
@@ -79,11 +71,7 @@ def test_memory_past_the_wall_between_steps_is_an_out_of_memory_error(store_dir)
     data = batches(seed=13, steps=6)
     holder = {}
 
-    def session(model, opt):
-        holder["s"] = tidal.Session(mode="plan", dirs=[store_dir], budget="50%",
-                                    capacity="512MiB", min_bytes="64KiB", model=model,
-                                    optimizer=opt, between_steps="offloaded", strict=True)
-        return holder["s"]
+    session = plan_session(holder, store_dir, budget="50%", between_steps="offloaded")
 
     train(data, session)
     s = holder["s"]
@@ -116,11 +104,7 @@ def test_a_model_twice_the_budget_trains_within_it_from_step_0(store_dir):
     refusals = tidal.memory_stats()["refusals"]
     holder = {}
 
-    def session(model, opt):
-        holder["s"] = tidal.Session(mode="plan", dirs=[store_dir], budget=budget,
-                                    capacity="1GiB", min_bytes="64KiB", model=model,
-                                    optimizer=opt, between_steps="offloaded", strict=True)
-        return holder["s"]
+    session = plan_session(holder, store_dir, budget=budget, between_steps="offloaded")
 
     losses, params, stats = train(data, session)
     assert torch.equal(losses, ref_losses), (losses - ref_losses).abs().max()
@@ -146,12 +130,7 @@ def test_the_planner_chooses_the_step_boundary_and_state_dict_reads_true_bytes(s
     ref_losses, ref_params, _ = train(data)
     holder = {}
 
-    def session(model, opt):
-        holder["s"] = tidal.Session(mode="plan", dirs=[store_dir], budget="50%",
-                                    capacity="1GiB", min_bytes="64KiB", model=model,
-                                    optimizer=opt, strict=True)
-        holder["model"], holder["opt"] = model, opt
-        return holder["s"]
+    session = plan_session(holder, store_dir, budget="50%")
 
     losses, params, stats = train(data, session)
     assert torch.equal(losses, ref_losses)
@@ -182,7 +161,7 @@ def test_the_planner_keeps_the_boundary_resident_when_that_meets_the_budget(stor
     data = batches(seed=16, steps=6)
     ref_losses, _, _ = train(data)
 
-    def session(model, opt):
+    def session(model, opt):  # not strict: the default loop, nothing but the budget
         return tidal.Session(mode="plan", dirs=[store_dir], budget="95%", capacity="1GiB",
                              min_bytes="64KiB", model=model, optimizer=opt)
 
