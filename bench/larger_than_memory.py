@@ -65,7 +65,7 @@ def cli_runs(args, store):
     for ratio in (2, 4):
         budget = state // ratio
         r = run(["--offload", "plan", "--mem-budget", str(budget),
-                 "--strict-meter", "--min-offload", "64KiB", "--dir", store])
+                 "--strict-meter", "--dir", store])
         peaks = r["step_peak_bytes"]
         print(f"  tidal GPT {ratio}x: step boundary {r.get('between_steps', 'not said')}")
         ok &= row("tidal GPT", f"{ratio}x", budget, state, peaks[:FIRST], peaks[FIRST:], 0,
@@ -81,7 +81,7 @@ def python_run(args, corpus, store=None, budget=0):
     session = None
     if budget:
         session = tidal.Session(mode="plan", dirs=[store], budget=budget, capacity="4GiB",
-                                min_bytes="64KiB", model=model, optimizer=opt, strict=True)
+                                model=model, optimizer=opt, strict=True)
     g = torch.Generator().manual_seed(args.seed + 1)
     losses, seconds, peaks, planned, boundary = [], [], [], 0.0, ""
 
@@ -136,9 +136,9 @@ def main():
     p.add_argument("--dir", default=os.environ.get("TIDAL_BENCH_DIR", "/var/tmp"))
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cli-hidden", type=int, default=256)
+    p.add_argument("--cli-hidden", type=int, default=512)
     p.add_argument("--cli-layers", type=int, default=6)
-    p.add_argument("--py-d", type=int, default=256)
+    p.add_argument("--py-d", type=int, default=512)
     p.add_argument("--py-layers", type=int, default=4)
     p.add_argument("--text", default=os.path.join(HERE, "..", "README.md"))
     args = p.parse_args()
