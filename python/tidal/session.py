@@ -175,6 +175,8 @@ class Session:
         self._register_optimizer()
         if mode == "plan":
             self._hook_state_dicts(model, optimizer)
+            if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
+                self._split_multi_tensor_steps(optimizer)
 
     def _hook_state_dicts(self, model, optimizer) -> None:
         # With the step boundary offloaded, the model's state may be on the SSD between steps:
@@ -192,11 +194,68 @@ class Session:
         if optimizer is not None and hasattr(optimizer, "register_state_dict_pre_hook"):
             optimizer.register_state_dict_pre_hook(restore)
 
+    def _split_multi_tensor_steps(self, optimizer) -> None:
+        # A foreach or fused optimizer step is one op over every parameter of a group, with its
+        # gradient and state: no plan can bring less than all of them in at once. For the step,
+        # each group is split into groups of at most an eighth of the budget (the same
+        # hyperparameters; the state is kept by parameter): the same elementwise arithmetic, bit
+        # for bit, in pieces that fit. The groups come back after the step.
+        ref = weakref.ref(self)
+
+        def piece_bytes() -> int:
+            session = ref()
+            budget = session._session.stats()["memory_budget"] if session is not None else 0
+            return max(1 << 20, budget // 8) if budget else 256 << 20
+
+        def multi_tensor(group) -> bool:
+            if group.get("fused") or group.get("foreach"):
+                return True
+            # foreach=None: torch picks foreach where every tensor is on a GPU.
+            return group.get("foreach", False) is None and group.get("fused") is None and any(
+                p.is_cuda for p in group["params"])
+
+        def split(opt, _args, _kwargs):
+            if getattr(opt, "_tidal_groups", None) is not None:
+                return
+            if not any(multi_tensor(g) for g in opt.param_groups):
+                return
+            limit = piece_bytes()
+            groups = []
+            for g in opt.param_groups:
+                if not multi_tensor(g):
+                    groups.append(g)
+                    continue
+                chunk, size = [], 0
+                for p in g["params"]:
+                    # the parameter, its gradient and (Adam) two moments
+                    b = 4 * p.numel() * p.element_size()
+                    if chunk and size + b > limit:
+                        groups.append({**g, "params": chunk})
+                        chunk, size = [], 0
+                    chunk.append(p)
+                    size += b
+                if chunk:
+                    groups.append({**g, "params": chunk})
+            opt._tidal_groups = opt.param_groups
+            opt.param_groups = groups
+
+        def restore(opt, _args=None, _kwargs=None):
+            saved = getattr(opt, "_tidal_groups", None)
+            if saved is not None:
+                opt.param_groups = saved
+                opt._tidal_groups = None
+
+        optimizer.register_step_pre_hook(split)
+        optimizer.register_step_post_hook(restore)
+        self._restore_groups = lambda: restore(optimizer)
+
     # -- steps ------------------------------------------------------------------------------
 
     def begin_step(self) -> None:
         """A step starts (forward, backward and the optimizer step follow)."""
         self._register_optimizer()
+        # A step that raised inside optimizer.step() left its groups split: put them back.
+        getattr(self, "_restore_groups", lambda: None)()
         self._session.begin_step()
         self._in_step = True
 

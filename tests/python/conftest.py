@@ -31,12 +31,12 @@ def make_mlp(seed: int, width: int = 1024) -> torch.nn.Module:
         torch.nn.Linear(width, 10))
 
 
-def train_mlp(data, session=None, seed: int = 3):
+def train_mlp(data, session=None, seed: int = 3, **adam):
     """make_mlp(seed) trained with Adam on `data`, an ordinary loop; `session` is a
     tidal.Session or a function (model, optimizer) -> Session, called once the model exists.
     Returns the losses (a tensor), the final parameters and the session's stats after each step."""
     model = make_mlp(seed=seed)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, **adam)
     if callable(session):
         session = session(model, opt)
     losses, stats = [], []

@@ -169,3 +169,32 @@ def test_the_planner_keeps_the_boundary_resident_when_that_meets_the_budget(stor
     assert torch.equal(losses, ref_losses)
     assert stats[-1].between_steps == "resident"
     assert stats[-1].notice == ""
+
+
+def test_a_foreach_optimizer_step_runs_in_pieces_that_fit(store_dir, monkeypatch):
+    """Adam(foreach=True) updates every parameter in one op, with all the gradients and state:
+    at half the state that one op cannot fit. The session splits each group for the step, so
+    the same elementwise arithmetic runs in pieces: bit-identical, within the wall."""
+    data = batches(seed=17, steps=6)
+    model = make_mlp(seed=11)
+    state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
+    ref_losses, ref_params, _ = train_mlp(data, seed=11, foreach=True)
+    budget = tidal.memory_stats()["current_bytes"] + state // 2
+    holder = {}
+    losses, params, stats = train_mlp(data, plan_session(holder, store_dir, budget=budget),
+                                      seed=11, foreach=True)
+    assert torch.equal(losses, ref_losses)
+    for p, r in zip(params, ref_params):
+        assert torch.equal(p, r)
+    assert all(s.step_peak <= budget for s in stats)
+    assert len(holder["opt"].param_groups) == 1, "the groups come back after each step"
+    holder.clear()
+    gc.collect()
+    # Without the pieces the one foreach op is over the wall, as it would be on a GPU.
+    monkeypatch.setattr(tidal.Session, "_split_multi_tensor_steps", lambda self, opt: None)
+    with pytest.raises(torch.OutOfMemoryError):
+        train_mlp(data, plan_session(holder, store_dir, budget=budget), seed=11, foreach=True)
+    holder.clear()
+    gc.collect()
+    assert tidal._C.memory_cap() == 0
