@@ -319,12 +319,15 @@ void run_train(const TrainArgs& args) {
         stderr,
         "budget %s (of a profiled peak of %s; %s of it untouched by any step), %s over "
         "the %lld step(s) of the current plan (%lld earlier step(s) over it; %d re-plan(s) "
-        "for memory); %s\n",
+        "for memory); step boundary %s%s; %s\n",
         format_bytes(static_cast<double>(st.memory_budget)).c_str(),
         format_bytes(static_cast<double>(st.profiled_peak)).c_str(),
         format_bytes(static_cast<double>(st.untouched_bytes)).c_str(),
         st.within_budget ? "kept" : "EXCEEDED", static_cast<long long>(st.steps_measured),
-        static_cast<long long>(st.steps_over_budget), st.tightenings, st.plan_summary.c_str());
+        static_cast<long long>(st.steps_over_budget), st.tightenings,
+        st.between_steps.empty() ? "not chosen yet" : st.between_steps.c_str(),
+        so.between_steps == torch_layer::BetweenSteps::kAuto ? " (the planner's choice)" : "",
+        st.plan_summary.c_str());
     if (!st.within_budget && !st.budget_reason.empty()) {
       std::fprintf(stderr, "why: %s\n", st.budget_reason.c_str());
     }
