@@ -1,5 +1,6 @@
 """Shared fixtures of the Python tests: a store directory on a real disk, a small model."""
 
+import gc
 import os
 import shutil
 import tempfile
@@ -12,6 +13,19 @@ import tidal  # noqa: F401  (before any model: the memory meter counts from here
 
 # Store directories go where the C++ tests put them: a real disk, not tmpfs.
 STORE_ROOT = os.environ.get("TIDAL_TEST_DIR", "/var/tmp/tidal")
+
+
+@pytest.fixture(autouse=True)
+def no_cap_left_behind():
+    """A session under the strict meter lifts its cap when it goes: one kept alive past its test
+    (by a traceback, say) would fail every later test with out of memory. The test that left it
+    fails instead, and the cap comes off."""
+    yield
+    if tidal._C.memory_cap() != 0:
+        gc.collect()
+    if tidal._C.memory_cap() != 0:
+        tidal._C.set_memory_cap(0)
+        pytest.fail("the strict meter's cap was still on after this test")
 
 
 @pytest.fixture
