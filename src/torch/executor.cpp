@@ -57,6 +57,8 @@ std::atomic<int> g_unsettled{0};
 // the guard records the storages of every op running now, at any depth and on any thread:
 // those are never written out from under it.
 std::atomic<bool> g_track_inputs{false};
+// While the executor has no plan: the guard also notes what each op reads and makes (LRU order).
+std::atomic<bool> g_note_lru{false};
 std::mutex g_in_use_mu;
 std::unordered_map<const c10::StorageImpl*, int> g_in_use;
 
@@ -114,12 +116,13 @@ void residency_guard(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
   // a view's source included: the view shares its bytes.
   const InUse in_use(track ? c10::ArrayRef<c10::StorageImpl*>(storages)
                            : c10::ArrayRef<c10::StorageImpl*>());
+  const bool note = track && g_note_lru.load(std::memory_order_acquire);
   if (!storages.empty()) {
-    if (track) ex->note_inputs(storages);
+    if (note) ex->note_inputs(storages);
     if (reads) ex->ensure_resident(storages);
   }
   op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kGuardKey), stack);
-  if (track && ex != nullptr) {
+  if (note) {
     // What the op made may be written out too (a gradient no op has read yet, say).
     c10::SmallVector<c10::StorageImpl*, 4> made;
     for (const auto& v : torch::jit::last(*stack, op.schema().returns().size())) {
@@ -461,8 +464,6 @@ struct PlanExecutor::Impl {
     evict_while([&] { return over(more); }, index, in_use);
   }
 
-  // Writes out resident bound tensors that `in_use` does not name, the one used again latest
-  // first (after op `index`), while `needed()`; returns the bytes freed.
   // A storage that may be written out now: big enough, with bytes, resident, not read by an op
   // running now, not held.
   template <typename InUseFn>
@@ -518,6 +519,8 @@ struct PlanExecutor::Impl {
     return victim;
   }
 
+  // Writes out resident tensors that `in_use` does not name (pick_victim's order) while
+  // `needed()`; returns the bytes freed.
   template <typename Needed, typename InUseFn>
   std::uint64_t evict_while(Needed needed, trace::OpIndex index, InUseFn in_use) {
     const auto t0 = Clock::now();
@@ -679,26 +682,22 @@ struct PlanExecutor::Impl {
 
 PlanExecutor::PlanExecutor(std::shared_ptr<io::TensorStore> store, const trace::Trace& trace,
                            const plan::Plan& plan, ExecutorOptions options)
-    : impl_(std::make_unique<Impl>()) {
-  TIDAL_EXPECT(store != nullptr, "PlanExecutor needs a TensorStore");
-  impl_->shapes.push_back(Impl::make_shape(trace, plan));
-  impl_->grow_bound(trace.tensors.size());
-  impl_->store = std::move(store);
-  impl_->opt = options;
-  PlanExecutor* expected = nullptr;
-  TIDAL_EXPECT(g_executor.compare_exchange_strong(expected, this),
-               "another PlanExecutor is active in this process");
+    : PlanExecutor(std::move(store), std::move(options)) {
+  add_shape(trace, plan);  // with a plan from the start: the guard tracks nothing
+  g_track_inputs.store(false, std::memory_order_release);
 }
 
 PlanExecutor::PlanExecutor(std::shared_ptr<io::TensorStore> store, ExecutorOptions options)
     : impl_(std::make_unique<Impl>()) {
   TIDAL_EXPECT(store != nullptr, "PlanExecutor needs a TensorStore");
   impl_->store = std::move(store);
-  impl_->opt = options;
+  impl_->opt = std::move(options);
   PlanExecutor* expected = nullptr;
   TIDAL_EXPECT(g_executor.compare_exchange_strong(expected, this),
                "another PlanExecutor is active in this process");
+  // Without a plan: the guard tracks what runs, in LRU order (add_shape stops the order).
   g_track_inputs.store(true, std::memory_order_release);
+  g_note_lru.store(true, std::memory_order_release);
 }
 
 bool PlanExecutor::planless() const {
@@ -747,6 +746,7 @@ PlanExecutor::~PlanExecutor() {
   }
   if (impl_->guard_thread == std::this_thread::get_id()) set_residency_guard(false);
   g_track_inputs.store(false, std::memory_order_release);
+  g_note_lru.store(false, std::memory_order_release);
   g_executor.store(nullptr);
 }
 
@@ -755,6 +755,7 @@ int PlanExecutor::add_shape(const trace::Trace& trace, const plan::Plan& plan) {
   impl_->shapes.push_back(Impl::make_shape(trace, plan));
   impl_->grow_bound(trace.tensors.size());
   impl_->seen.clear();  // a plan picks victims from here on
+  g_note_lru.store(false, std::memory_order_release);
   return static_cast<int>(impl_->shapes.size()) - 1;
 }
 
