@@ -32,6 +32,10 @@
 # part before its "# Python:" line) runs; it installs only what is missing (apt, as root or with
 # sudo). The CUDA toolkit (nvcc) must be there: torch's CMake config requires it.
 #
+# A GPU machine without network (the device tool's): make the Debian libraries travel with
+# `bash bench/gpu_deps.sh` here (into .gpudeps, which gpu.sh then uses; TIDAL_GPU_DEPS=DIR for
+# another folder) and carry that folder.
+#
 # Knobs: TIDAL_GPU_MODEL (model flags for every run, e.g. "--model gpt2-small --batch 8 --seq
 # 1024"; default gpt2-small at seq 1024 with the batch a 2-step probe run sizes to TIDAL_GPU_FILL,
 # default 0.5, of the GPU's memory), TIDAL_GPU_STEPS (offloaded steps per mode, default 3),
@@ -111,9 +115,17 @@ note "machine: $gpu_info"
 # ---- (a) build against this machine's torch ---------------------------------------------------
 want_python=1
 pydeps=$root/$build/pydeps
+deps=${TIDAL_GPU_DEPS:-}
+[ -z "$deps" ] && [ -f "$root/.gpudeps/env.sh" ] && deps=$root/.gpudeps
+if [ -n "$deps" ]; then
+  [ -f "$deps/env.sh" ] || die "TIDAL_GPU_DEPS=$deps has no env.sh (make it with bench/gpu_deps.sh)"
+  # shellcheck disable=SC1091
+  source "$deps/env.sh"
+  note "the build's Debian libraries from $deps (bench/gpu_deps.sh), not the machine's"
+fi
 if [ "${TIDAL_GPU_BUILD:-1}" != 0 ]; then
   # Debian packages the build needs (a subset of scripts/setup.sh's list).
-  if command -v dpkg-query >/dev/null; then
+  if [ -z "$deps" ] && command -v dpkg-query >/dev/null; then
     missing=()
     for p in build-essential cmake ninja-build pkg-config liburing-dev libxxhash-dev \
       nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev; do
@@ -157,7 +169,7 @@ if [ "${TIDAL_GPU_BUILD:-1}" != 0 ]; then
   [ "$device" = cuda ] || cuda_flag=AUTO
   s=$(limit_for 300 250)
   note "build into $build ($targets; at most $s s): TIDAL_PYTHON=$py"
-  BUILD_DIR=$build TIDAL_TARGETS=$targets timeout "$s" bash scripts/build.sh \
+  BUILD_TYPE=${BUILD_TYPE:-Release} BUILD_DIR=$build TIDAL_TARGETS=$targets timeout "$s" bash scripts/build.sh \
     -DTIDAL_PYTHON="$py" -DTIDAL_WITH_TORCH=ON -DTIDAL_WITH_CUDA=$cuda_flag \
     -DTIDAL_BUILD_PYTHON=$python_flag -DTIDAL_BUILD_EXAMPLES=OFF -DTIDAL_BUILD_BENCH=OFF \
     -DTIDAL_INSTALL=OFF >"$out/build.log" 2>&1 ||
