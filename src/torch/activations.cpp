@@ -164,7 +164,10 @@ torch::autograd::Engine* g_previous_engine = nullptr;
 class TidalEngine final : public torch::autograd::Engine {
  public:
   TidalEngine() = default;
-  ~TidalEngine() override { stop(); }
+  ~TidalEngine() override {
+    device_ready_queues_.clear();  // the replaced engine's: its threads are not ours to stop
+    stop();
+  }
 
   std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks() override {
     // Hooks of the engine tidal's replaced come first: in a Python process that is PyTorch's
@@ -198,8 +201,31 @@ class TidalEngine final : public torch::autograd::Engine {
       Running() { ++g_backward_running; }
       ~Running() { --g_backward_running; }
     } running;
+    share_device_threads();
     return Engine::execute(roots, inputs, keep_graph, create_graph, accumulate_grad, outputs);
   }
+
+ private:
+  // PyTorch 2.x starts the autograd engine's device threads (one per GPU) once per process,
+  // for whichever engine runs a backward first: an engine installed after a backward has none,
+  // and its first CUDA backward fails an internal assert in Engine::ready_queue. So tidal's
+  // engine works through the threads of the engine it replaced (started here if no backward
+  // has run yet): their ready queues and the pool for reentrant backwards. Those threads run
+  // the same Engine code; tidal's overrides act on the calling thread. (Where a torch keeps the
+  // flag per engine, Engine::execute then starts this engine's own threads over these.)
+  void share_device_threads() {
+    std::call_once(shared_, [this] {
+      if (g_previous_engine == nullptr) return;
+      g_previous_engine->initialize_device_threads_pool();
+      // Members of the replaced engine, reached through pointers to members formed here.
+      constexpr auto queues = &TidalEngine::device_ready_queues_;
+      constexpr auto pool = &TidalEngine::thread_pool_shared_;
+      if (device_ready_queues_.empty()) device_ready_queues_ = g_previous_engine->*queues;
+      if (!thread_pool_shared_) thread_pool_shared_ = g_previous_engine->*pool;
+    });
+  }
+
+  std::once_flag shared_;
 };
 
 torch::autograd::Engine& tidal_engine() {

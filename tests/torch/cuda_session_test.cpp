@@ -8,6 +8,7 @@
 #include "io/test_dir.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/models/trainer.hpp"
+#include "tidal/torch/activations.hpp"
 #include "tidal/torch/memory.hpp"
 #include "tidal/torch/session.hpp"
 #include "torch/test_models.hpp"
@@ -84,6 +85,35 @@ TEST(CudaSession, TheMeterIsTheCachingAllocators) {
   EXPECT_GE(meter.peak_bytes(), before + (4u << 20));
   t.reset();
   EXPECT_LT(meter.current_bytes(), before + (4u << 20));
+}
+
+// tidal's autograd engine is installed by the first activation offloader, often after
+// backwards have run on PyTorch's (warm-up steps, a run without offloading): a CUDA backward on
+// it must still find the engine's device threads (PyTorch 2.x starts them once a process).
+TEST(CudaSession, BackwardOnCudaAfterTidalsEngineIsInstalledLate) {
+  TIDAL_SKIP_WITHOUT_CUDA();
+  const torch::Device cuda(torch::kCUDA, 0);
+  const auto grad_of = [&](int seed) {
+    torch::manual_seed(seed);
+    auto x = torch::randn({64, 64}, torch::TensorOptions().device(cuda).requires_grad(true));
+    (x.matmul(x).sin().sum()).backward();
+    return std::make_pair(x.detach().cpu(), x.grad().cpu());
+  };
+  const auto before = grad_of(3);  // on PyTorch's engine: it starts the device threads
+  install_autograd_engine();
+  const auto after = grad_of(3);  // on tidal's
+  EXPECT_TRUE(torch::equal(after.first, before.first));
+  EXPECT_TRUE(torch::allclose(after.second, before.second));
+  EXPECT_GT(after.second.abs().sum().item<double>(), 0.0);
+}
+
+// A meter made before the first tensor on the device (tidal train makes it first): the
+// caching allocator is initialized by the meter, not assumed.
+TEST(CudaSession, AMeterBeforeAnyTensorReadsZeroNotAnError) {
+  TIDAL_SKIP_WITHOUT_CUDA();
+  MemoryMeter meter(torch::Device(torch::kCUDA, 0));
+  EXPECT_NO_THROW((void)meter.current_bytes());
+  EXPECT_NO_THROW(meter.reset_peak());
 }
 
 }  // namespace
