@@ -177,6 +177,13 @@ if [ "${TIDAL_GPU_BUILD:-1}" != 0 ]; then
 fi
 [ -x "$bin" ] || die "no tidal binary at $bin after the build"
 [ -f "$build/python/tidal/__init__.py" ] || want_python=0
+# Each binary over libtorch must load the shared libstdc++ (CMakeLists.txt names it by path): a
+# static copy beside torch's crashed the Python module at its first formatted number.
+for f in "$build"/tidal-torch "$build"/tests/tidal_torch_tests "$build"/python/tidal/_C*.so; do
+  [ -f "$f" ] || continue
+  readelf -d "$f" 2>/dev/null | grep -q 'NEEDED.*libstdc++\.so' ||
+    note "WARNING: $f does not load libstdc++.so.6 (a static libstdc++): expect crashes"
+done
 grep -q "TIDAL_WITH_CUDA" "$build/compile_commands.json" 2>/dev/null || [ "$device" != cuda ] ||
   note "WARNING: $build was built without the CUDA backend (TIDAL_WITH_CUDA): device memory goes nowhere"
 

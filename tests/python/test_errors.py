@@ -1,6 +1,7 @@
 """Bad input reaches Python as tidal's exceptions, with the C++ message and the option named."""
 
 import os
+import re
 
 import pytest
 
@@ -60,6 +61,15 @@ def test_bad_sizes_and_mode(store_dir):
     with pytest.raises(tidal.InvalidArgument):
         tidal.parse_bytes("12 parsecs")
     assert tidal.parse_bytes("1.5GiB") == 3 << 29
+
+
+def test_an_error_message_formats_its_numbers():
+    # tidal's messages end with "(at file.cpp:LINE)", written with the C++ library's number
+    # formatting. A module that carried its own static copy of libstdc++ beside the one torch
+    # loads lost the numbers (here) or crashed (Ubuntu 24.04 with a GPU) at the first one.
+    with pytest.raises(tidal.InvalidArgument) as info:
+        tidal.parse_bytes("12 parsecs")
+    assert re.search(r"\(at [\w.]+\.cpp:[1-9][0-9]*\)$", str(info.value)), str(info.value)
 
 
 def test_capacity_too_small_for_the_disk(store_dir):
