@@ -85,6 +85,49 @@ else
   echo "ok   --resume of a truncated checkpoint says it cannot be read"
 fi
 
+# One bit flipped in the middle of a checkpoint (tensor data): a clear error, not a resumed run
+# that trains on wrong weights.
+mkdir -p "$tmp/ck-flip" && cp "$tmp/ck-none/checkpoint.pt" "$tmp/ck-flip/checkpoint.pt"
+"$py" - "$tmp/ck-flip/checkpoint.pt" <<'PY'
+import os, sys
+path = sys.argv[1]
+with open(path, "r+b") as f:
+    f.seek(os.path.getsize(path) // 2)
+    b = f.read(1)
+    f.seek(-1, 1)
+    f.write(bytes([b[0] ^ 0x10]))
+PY
+out=$("$tidal" train --model gpt-tiny --batch 4 --seq 32 --steps 12 --resume "$tmp/ck-flip" 2>&1)
+rc=$?
+if ((rc == 0 || rc > 2)) || ! grep -q "is damaged" <<<"$out"; then
+  echo "FAIL --resume of a checkpoint with a flipped bit (rc $rc): $out"; failures=$((failures + 1))
+else
+  echo "ok   --resume of a checkpoint with a flipped bit says it is damaged"
+fi
+
+# The disk fills while the checkpoint is written (a file size limit: EFBIG where a full disk
+# gives ENOSPC): an error that says so, exit 1 or 2 (not an abort), no temporary file left.
+out=$(trap '' XFSZ; ulimit -f 64; "$tidal" train --model gpt-tiny --batch 4 --seq 32 --steps 2 \
+  --checkpoint "$tmp/ck-full" 2>&1)
+rc=$?
+if ((rc == 0 || rc > 2)) || ! grep -q "untouched" <<<"$out"; then
+  echo "FAIL a checkpoint on a full disk (rc $rc): $(tail -n 2 <<<"$out")"; failures=$((failures + 1))
+elif ls "$tmp/ck-full" | grep -q '\.tmp\.'; then
+  echo "FAIL a checkpoint on a full disk left a temporary file"; failures=$((failures + 1))
+else
+  echo "ok   a checkpoint on a full disk fails with the reason and leaves nothing behind"
+fi
+
+# --checkpoint naming a file: the option and the reason, not a filesystem exception.
+touch "$tmp/a-file"
+out=$("$tidal" train --model gpt-tiny --batch 4 --seq 32 --steps 2 --checkpoint "$tmp/a-file" 2>&1)
+rc=$?
+if ((rc == 0 || rc > 2)) || ! grep -q -- "--checkpoint '$tmp/a-file' cannot be made a directory" <<<"$out"; then
+  echo "FAIL --checkpoint on a file (rc $rc): $out"; failures=$((failures + 1))
+else
+  echo "ok   --checkpoint on a file names the option"
+fi
+
 if ((failures > 0)); then
   echo "$failures failure(s)"
   exit 1

@@ -2,10 +2,14 @@
 // offloaded restores a run that continues bit for bit, for tidal's trainer and for a user's own
 // loop (torch::nn + torch::optim), and bad checkpoints give errors that say what is wrong.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <torch/torch.h>
 
+#include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <string>
+#include <vector>
 
 #include "io/test_dir.hpp"
 #include "tidal/common/error.hpp"
@@ -141,6 +145,45 @@ TEST(Resume, UserLoopCheckpointWrittenWhileOffloadedContinuesBitForBit) {
   for (int i = 6; i < 9; ++i) EXPECT_EQ(resumed.step(data[i]), after[i - 6]) << "step " << i;
 }
 
+// A process whose file writes fail past `bytes` (RLIMIT_FSIZE: EFBIG, as a full disk gives
+// ENOSPC), for the scope of the object.
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(rlim_t bytes) {
+    ::getrlimit(RLIMIT_FSIZE, &saved_);
+    old_handler_ = std::signal(SIGXFSZ, SIG_IGN);  // else the kernel ends the process
+    rlimit lim = saved_;
+    lim.rlim_cur = bytes;
+    ::setrlimit(RLIMIT_FSIZE, &lim);
+  }
+  ~FileSizeLimit() {
+    ::setrlimit(RLIMIT_FSIZE, &saved_);
+    std::signal(SIGXFSZ, old_handler_);
+  }
+  FileSizeLimit(const FileSizeLimit&) = delete;
+  FileSizeLimit& operator=(const FileSizeLimit&) = delete;
+
+ private:
+  rlimit saved_{};
+  void (*old_handler_)(int) = SIG_DFL;
+};
+
+std::vector<std::string> temporary_files(const std::string& dir) {
+  std::vector<std::string> found;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    if (e.path().string().find(".tmp.") != std::string::npos) found.push_back(e.path());
+  }
+  return found;
+}
+
+torch::Tensor read_x(const std::string& path) {
+  torch::serialize::InputArchive in;
+  read_checkpoint(in, path);
+  torch::Tensor x;
+  in.read("x", x);
+  return x;
+}
+
 TEST(Resume, AFailedWriteLeavesThePreviousCheckpointIntact) {
   testing::TestDir dir;
   const std::string path = dir.path() + "/checkpoint.pt";
@@ -149,22 +192,70 @@ TEST(Resume, AFailedWriteLeavesThePreviousCheckpointIntact) {
   write_checkpoint(first, path);
   const auto before = std::filesystem::file_size(path);
   torch::serialize::OutputArchive second;
-  second.write("x", torch::arange(1000));
-  // A directory in the way of the temporary file's rename target makes the write fail late.
+  second.write("x", torch::arange(1 << 16));  // 512 KiB of int64
+  {
+    // The same path, failing half-way through the tensor's bytes (a disk that fills up): an
+    // IoError, not the end of the process.
+    FileSizeLimit limit(256 * 1024);
+    try {
+      write_checkpoint(second, path);
+      ADD_FAILURE() << "a write past the file size limit succeeded";
+    } catch (const IoError& e) {
+      EXPECT_NE(std::string(e.what()).find("untouched"), std::string::npos) << e.what();
+    }
+  }
   EXPECT_THROW(write_checkpoint(second, dir.path() + "/missing/checkpoint.pt"), IoError);
+  // A directory in the way of the rename makes the write fail at its very end.
   std::filesystem::create_directory(dir.path() + "/blocked.pt");
   std::filesystem::create_directory(dir.path() + "/blocked.pt/inside");
   EXPECT_THROW(write_checkpoint(second, dir.path() + "/blocked.pt"), IoError);
   EXPECT_EQ(std::filesystem::file_size(path), before);
-  for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
-    EXPECT_EQ(e.path().string().find(".tmp."), std::string::npos)
-        << "temporary file left: " << e.path();
+  EXPECT_TRUE(temporary_files(dir.path()).empty()) << temporary_files(dir.path()).front();
+  EXPECT_TRUE(torch::equal(read_x(path), torch::arange(10)));
+  // And the same archive, with room, is written whole.
+  write_checkpoint(second, path);
+  EXPECT_TRUE(torch::equal(read_x(path), torch::arange(1 << 16)));
+}
+
+TEST(Resume, ADamagedCheckpointIsAClearErrorNotWrongTraining) {
+  testing::TestDir dir;
+  const std::string path = dir.path() + "/checkpoint.pt";
+  torch::manual_seed(5);
+  const torch::Tensor x = torch::randn({1 << 14});
+  torch::serialize::OutputArchive out;
+  out.write("x", x);
+  write_checkpoint(out, path);
+  EXPECT_TRUE(torch::equal(read_x(path), x));  // the control: undamaged, it reads back
+  const auto size = std::filesystem::file_size(path);
+  std::vector<char> bytes(size);
+  {
+    std::ifstream f(path, std::ios::binary);
+    f.read(bytes.data(), static_cast<std::streamsize>(size));
   }
-  torch::serialize::InputArchive in;
-  read_checkpoint(in, path);
-  torch::Tensor x;
-  in.read("x", x);
-  EXPECT_TRUE(torch::equal(x, torch::arange(10)));
+  // One bit of the tensor's data (the bulk of the file), then one of the archive's start.
+  for (const std::size_t at : {size / 2, std::size_t{40}}) {
+    auto damaged = bytes;
+    damaged[at] = static_cast<char>(damaged[at] ^ 0x10);
+    {
+      std::ofstream f(path, std::ios::binary | std::ios::trunc);
+      f.write(damaged.data(), static_cast<std::streamsize>(size));
+    }
+    try {
+      (void)read_x(path);
+      ADD_FAILURE() << "a checkpoint with byte " << at << " flipped was read";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("damaged"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(Resume, ACheckpointWithoutChecksumIsReadAsBefore) {
+  testing::TestDir dir;
+  const std::string path = dir.path() + "/plain.pt";
+  torch::serialize::OutputArchive out;
+  out.write("x", torch::arange(7));
+  out.save_to(path);  // torch's own writer: no trailer
+  EXPECT_TRUE(torch::equal(read_x(path), torch::arange(7)));
 }
 
 }  // namespace

@@ -30,6 +30,16 @@
 namespace tidal::cli {
 namespace {
 
+// Makes `dir` (and its parents) a directory, or says which option names a path that cannot be.
+void make_directory(const std::string& dir, const char* what) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  TIDAL_EXPECT_AS(InvalidArgument, !ec && std::filesystem::is_directory(dir), what, " '", dir,
+                  "' cannot be made a directory: ",
+                  ec ? ec.message() : std::string("a file of that name is in the way"),
+                  " (give a directory you can write to)");
+}
+
 struct TrainArgs {
   ModelArgs model;
   bool json = false;
@@ -108,7 +118,7 @@ void run_train(const TrainArgs& args) {
     so.store.dirs = split_list(args.dirs);
     if (so.store.dirs.empty() && !env().dirs) {
       so.store.dirs = {"/var/tmp/tidal"};  // the default: created if missing
-      std::filesystem::create_directories(so.store.dirs[0]);
+      make_directory(so.store.dirs[0], "the default store directory");
     }
     so.store.capacity = parse_bytes(args.capacity);
   }
@@ -126,7 +136,7 @@ void run_train(const TrainArgs& args) {
                   "--checkpoint-every needs --checkpoint DIR (where to write them)");
   std::string checkpoint_path;
   if (!args.checkpoint.empty()) {
-    std::filesystem::create_directories(args.checkpoint);
+    make_directory(args.checkpoint, "--checkpoint");
     checkpoint_path = (std::filesystem::path(args.checkpoint) / kCheckpointFile).string();
   }
   const std::string probe_checkpoint = checkpoint_path.empty() ? "" : checkpoint_path + ".probe";
