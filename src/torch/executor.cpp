@@ -468,10 +468,7 @@ struct PlanExecutor::Impl {
   // running now, not held.
   template <typename InUseFn>
   bool evictable(const c10::intrusive_ptr<c10::StorageImpl>& live, InUseFn in_use) const {
-    if (!live || live->nbytes() < opt.min_bytes || live->allocator() == nullptr ||
-        live->data() == nullptr) {
-      return false;
-    }
+    if (!live || live->nbytes() < opt.min_bytes || !movable_storage(*live)) return false;
     auto it = slots.find(live.get());
     if (it != slots.end() && (it->second.state != State::kResident || it->second.error)) {
       return false;
@@ -587,10 +584,7 @@ struct PlanExecutor::Impl {
       return;
     }
     if (m.kind == plan::ActionKind::kOffload) {
-      if (impl->nbytes() < opt.min_bytes || impl->allocator() == nullptr ||
-          impl->data() == nullptr) {
-        return;
-      }
+      if (impl->nbytes() < opt.min_bytes || !movable_storage(*impl)) return;
       if (is_held(impl.get())) return;
       Slot& s = slots[impl.get()];
       if (s.state != State::kResident || s.error) return;
@@ -705,6 +699,12 @@ bool PlanExecutor::planless() const {
   return impl_->planless();
 }
 
+bool movable_storage(const c10::StorageImpl& storage) {
+  const c10::Allocator* alloc = storage.allocator();
+  return alloc != nullptr && storage.data() != nullptr &&
+         storage.data_ptr().get_deleter() == alloc->raw_deleter();
+}
+
 void PlanExecutor::track_inputs(bool on) { g_track_inputs.store(on, std::memory_order_release); }
 
 void PlanExecutor::note_inputs(c10::ArrayRef<c10::StorageImpl*> storages, bool recent) {
@@ -712,7 +712,7 @@ void PlanExecutor::note_inputs(c10::ArrayRef<c10::StorageImpl*> storages, bool r
   Impl& m = *impl_;
   if (!m.planless()) return;
   for (c10::StorageImpl* p : storages) {
-    if (p == nullptr || p->nbytes() < m.opt.min_bytes || p->allocator() == nullptr) continue;
+    if (p == nullptr || p->nbytes() < m.opt.min_bytes || !movable_storage(*p)) continue;
     auto& e = m.seen[p];
     const bool fresh = e.weak.expired();
     if (fresh) {

@@ -4,6 +4,7 @@ cap raises torch.OutOfMemoryError; plan mode under it runs bit-identical within 
 import gc
 import io
 
+import numpy as np
 import pytest
 import torch
 
@@ -198,3 +199,35 @@ def test_a_foreach_optimizer_step_runs_in_pieces_that_fit(store_dir, monkeypatch
     holder.clear()
     gc.collect()
     assert tidal._C.memory_cap() == 0
+
+
+def test_memory_that_is_not_the_allocators_is_never_moved(store_dir):
+    # torch's legacy record_function handle is a 344-byte uint8 tensor whose storage holds a C++
+    # object, checked by its deleter when the handle is used; a tensor of numpy's memory aliases
+    # the array. Neither may be moved out and given new bytes. With min_bytes=0 and a budget a
+    # quarter of the step's, every other storage is moved at some point.
+    data = batches(seed=14, steps=8)
+    ref_losses, _, _ = train(data)
+    model = make_mlp(seed=11)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    s = tidal.Session(mode="plan", dirs=[store_dir], capacity="1GiB", min_bytes=0, model=model,
+                      optimizer=opt, strict=True, budget="25%")
+    array = np.arange(4096, dtype=np.float32)
+    shared = torch.from_numpy(array)
+    losses = []
+    for x, y in data:
+        with s.step():
+            handle = torch.ops.profiler._record_function_enter("a user's region", None)
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y) + 0 * shared.sum()
+            loss.backward()
+            opt.step()
+            torch.ops.profiler._record_function_exit(handle)  # raised once the handle moved
+            shared.add_(1)
+        losses.append(loss.detach().clone())
+    moved = s.stats().bytes_written
+    del s
+    gc.collect()
+    assert torch.equal(torch.stack(losses), ref_losses)
+    assert moved > 0, "nothing was moved: the test would prove nothing"
+    assert array[0] == len(data), "torch.from_numpy's tensor no longer aliases the array"

@@ -235,4 +235,11 @@ class PlanExecutor final : public OpListener, public StepObserver {
 /// begin_step; exposed for tests and for code that runs ops on tidal's tensors between steps.
 void set_residency_guard(bool on);
 
+/// Whether the executor may move a storage's bytes out and give it new ones later: it has
+/// bytes, and they came from its allocator (the DataPtr's deleter is the allocator's). Not
+/// movable: memory of someone else (torch.from_numpy, from_blob), and storages whose DataPtr
+/// was replaced (the legacy record_function handle keeps a C++ object there, checked by its
+/// deleter when the handle is used: moved, it failed "Expected temporary cpp type wrapper").
+bool movable_storage(const c10::StorageImpl& storage);
+
 }  // namespace tidal::torch_layer
