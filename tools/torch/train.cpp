@@ -293,8 +293,16 @@ void run_train(const TrainArgs& args) {
       so.mode == torch_layer::OffloadMode::kPlan ? session.stats().executed_peak : mem.peak_bytes;
   const double tps = tokens_per_step * static_cast<double>(seconds.size()) / total;
   const auto st = session.stats();
+  // Plan mode measures its peak over the steps its final plan ran; where re-plans took every
+  // executed step there is no such step, and the peak is not measured (not 0 B).
+  const bool peak_measured = so.mode != torch_layer::OffloadMode::kPlan || st.steps_measured > 0;
+  const std::string not_measured =
+      "not measured (no step ran under the final plan: each executed step was followed by a "
+      "re-plan; run more --steps)";
   std::fprintf(stderr, "final loss %.4f, %.0f tokens/s, peak tensor memory %s\n", losses.back(),
-               tps, format_bytes(static_cast<double>(offload_peak)).c_str());
+               tps,
+               peak_measured ? format_bytes(static_cast<double>(offload_peak)).c_str()
+                             : not_measured.c_str());
   if (so.mode != torch_layer::OffloadMode::kNone) {
     std::fprintf(stderr,
                  "offload %s: %s written, %s read, %llu misses, %.3f s stalled, %llu failed "
@@ -333,9 +341,11 @@ void run_train(const TrainArgs& args) {
         format_bytes(static_cast<double>(st.memory_budget)).c_str(),
         format_bytes(static_cast<double>(st.profiled_peak)).c_str(),
         format_bytes(static_cast<double>(st.untouched_bytes)).c_str(),
-        st.within_budget ? "kept" : "EXCEEDED", static_cast<long long>(st.steps_measured),
-        static_cast<long long>(st.steps_over_budget), st.tightenings,
-        st.between_steps.empty() ? "not chosen yet" : st.between_steps.c_str(),
+        !peak_measured     ? "not measured"
+        : st.within_budget ? "kept"
+                           : "EXCEEDED",
+        static_cast<long long>(st.steps_measured), static_cast<long long>(st.steps_over_budget),
+        st.tightenings, st.between_steps.empty() ? "not chosen yet" : st.between_steps.c_str(),
         so.between_steps == torch_layer::BetweenSteps::kAuto ? " (the planner's choice)" : "",
         st.plan_summary.c_str());
     if (!st.within_budget && !st.budget_reason.empty()) {
@@ -381,7 +391,8 @@ void run_train(const TrainArgs& args) {
     j["checkpoints_written"] = checkpoints_written;
     j["losses"] = losses;
     j["step_seconds"] = seconds;
-    j["peak_bytes"] = offload_peak;
+    j["peak_bytes"] = peak_measured ? nlohmann::json(offload_peak) : nlohmann::json(nullptr);
+    if (!peak_measured) j["peak_not_measured"] = not_measured;
     j["step_peak_bytes"] = step_peaks;
     j["tokens_per_second"] = tps;
     j["offload_mode"] = args.offload;
@@ -409,7 +420,8 @@ void run_train(const TrainArgs& args) {
       j["between_steps"] = st.between_steps;
       j["replans"] = st.replans;
       j["budget_replans"] = st.tightenings;
-      j["within_budget"] = st.within_budget;
+      j["within_budget"] =
+          peak_measured ? nlohmann::json(st.within_budget) : nlohmann::json(nullptr);
       j["steps_measured"] = st.steps_measured;
       j["steps_over_budget"] = st.steps_over_budget;
       j["untouched_bytes"] = st.untouched_bytes;
