@@ -284,6 +284,7 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("tensor"), py::arg("name"), py::arg("cls"))
       .def("make_resident", &tt::Session::make_resident, py::call_guard<py::gil_scoped_release>())
+      .def("close", &tt::Session::close, py::call_guard<py::gil_scoped_release>())
       .def("hold", &tt::Session::hold, py::arg("tensor"), py::call_guard<py::gil_scoped_release>())
       .def("release", &tt::Session::release, py::arg("tensor"),
            py::call_guard<py::gil_scoped_release>())

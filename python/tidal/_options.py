@@ -75,8 +75,9 @@ def store_dirs(dirs: Optional[Union[str, Sequence[str]]]) -> list[str]:
 
     `dirs` (or TIDAL_DIRS, comma-separated, when dirs is None) may name `{rank}` and
     `{local_rank}`. In a job of several ranks a directory without a placeholder gets a
-    `rank<N>` subdirectory, so that no two ranks share a directory. Directories made from a
-    placeholder or for a rank are created when their parent exists.
+    `rank<N>` subdirectory, so that no two ranks share a directory, unless it is one already
+    (its last component is this rank's `rank<N>`). Directories made from a placeholder or for a
+    rank are created when their parent exists.
     """
     if dirs is None:
         env = os.environ.get("TIDAL_DIRS", "")
@@ -91,8 +92,13 @@ def store_dirs(dirs: Optional[Union[str, Sequence[str]]]) -> list[str]:
     out = []
     for d in _as_list(dirs):
         d = os.fspath(d)
+        if not d.strip():
+            raise _C.InvalidArgument(
+                f"dirs={dirs!r} has an empty directory: give one directory per SSD, e.g. "
+                "dirs=['/mnt/nvme0/tidal']")
         made = d.replace("{local_rank}", str(local_rank)).replace("{rank}", str(rank))
-        if made == d and world > 1:
+        own = os.path.basename(made.rstrip("/")) == f"rank{rank}"  # the user's per-rank directory
+        if made == d and world > 1 and not own:
             made = os.path.join(d, f"rank{rank}")
         if made != d and os.path.isdir(os.path.dirname(made.rstrip("/")) or "."):
             os.makedirs(made, exist_ok=True)

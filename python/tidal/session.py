@@ -98,6 +98,8 @@ class Session:
 
     Use `with session.step():` around forward, backward and the optimizer step, or
     `begin_step()` / `end_step()`. Call it from the thread that runs the loop.
+    `close()` (or leaving `with tidal.Session(...) as session:`) ends it: every tensor it moved
+    comes back into memory, and its store's files and disk reservation are given back.
     Errors raise tidal.Error (tidal.InvalidArgument for a bad option, tidal.IoError for a failing
     store) with the C++ message.
     """
@@ -158,6 +160,7 @@ class Session:
         opt.hardware = hardware
         opt.model_name = name or (type(model).__name__ if model is not None else "")
         self._session = _C.Session(opt)
+        self._hooks: list = []  # handles of the hooks this session put on the model and optimizer
         self._mode = mode
         self._model = model
         self._optimizer = optimizer
@@ -186,13 +189,13 @@ class Session:
 
         def restore(*_args, **_kwargs):
             session = ref()
-            if session is not None and not session._in_step:
+            if session is not None and not session._in_step and session._session is not None:
                 session._session.make_resident()
 
         if model is not None:
-            model.register_state_dict_pre_hook(restore)
+            self._hooks.append(model.register_state_dict_pre_hook(restore))
         if optimizer is not None and hasattr(optimizer, "register_state_dict_pre_hook"):
-            optimizer.register_state_dict_pre_hook(restore)
+            self._hooks.append(optimizer.register_state_dict_pre_hook(restore))
 
     def _split_multi_tensor_steps(self, optimizer) -> None:
         # A foreach or fused optimizer step is one op over every parameter of a group, with its
@@ -204,7 +207,8 @@ class Session:
 
         def piece_bytes() -> int:
             session = ref()
-            budget = session._session.stats()["memory_budget"] if session is not None else 0
+            live = session is not None and session._session is not None
+            budget = session._session.stats()["memory_budget"] if live else 0
             return max(1 << 20, budget // 8) if budget else 256 << 20
 
         def multi_tensor(group) -> bool:
@@ -245,9 +249,47 @@ class Session:
                 opt.param_groups = saved
                 opt._tidal_groups = None
 
-        optimizer.register_step_pre_hook(split)
-        optimizer.register_step_post_hook(restore)
+        self._hooks.append(optimizer.register_step_pre_hook(split))
+        self._hooks.append(optimizer.register_step_post_hook(restore))
         self._restore_groups = lambda: restore(optimizer)
+
+    # -- the session's life -----------------------------------------------------------------
+
+    def _live(self):
+        if self._session is None:
+            raise _C.Error("this tidal.Session was closed (make a new one to offload again)")
+        return self._session
+
+    def close(self) -> None:
+        """Ends the session: every tensor it moved comes back into memory, its hooks come off
+        the model and optimizer, and its store's files and disk reservation are given back.
+        stats() still answers. Call it between steps; calling it again does nothing. A DDP model keeps the communication
+        hook plan mode installed (DDP cannot remove one): it holds the store until the model
+        goes."""
+        if self._session is None:
+            return
+        if self._in_step:
+            raise _C.Error("close() inside a step: end the step first (end_step(), or leave "
+                           "`with session.step():`)")
+        getattr(self, "_restore_groups", lambda: None)()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        session, self._session, self._fsdp = self._session, None, None
+        session.close()
+        self._final_stats = SessionStats(**session.stats())
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        if self._in_step:  # an exception left a step open: end it, keep the exception
+            self._in_step = False
+            try:
+                self._session.end_step()
+            except _C.Error:
+                pass
+        self.close()
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -256,14 +298,14 @@ class Session:
         self._register_optimizer()
         # A step that raised inside optimizer.step() left its groups split: put them back.
         getattr(self, "_restore_groups", lambda: None)()
-        self._session.begin_step()
+        self._live().begin_step()
         self._in_step = True
 
     def end_step(self) -> None:
         """The step's ops have run. Plan mode may plan here. Raises tidal.IoError when a tensor
         cannot be read back."""
         self._in_step = False
-        self._session.end_step()
+        self._live().end_step()
 
     @contextlib.contextmanager
     def step(self) -> Iterator["Session"]:
@@ -283,21 +325,23 @@ class Session:
     def phase(self, name: str) -> None:
         """Optional: the step enters "forward", "backward" or "optimizer" (labels the trace;
         starts activation prefetching at "backward")."""
-        self._session.begin_phase(name)
+        self._live().begin_phase(name)
 
     def make_resident(self) -> None:
         """Plan mode with between_steps="offloaded": bring every moved tensor back now (before
         code that reads raw bytes, e.g. torch.save)."""
-        self._session.make_resident()
+        self._live().make_resident()
 
     # -- what it did ------------------------------------------------------------------------
 
     def stats(self) -> SessionStats:
-        return SessionStats(**self._session.stats())
+        if self._session is None and getattr(self, "_final_stats", None) is not None:
+            return self._final_stats  # a closed session's last word
+        return SessionStats(**self._live().stats())
 
     def store_stats(self) -> Optional[dict]:
         """The store's counters since it opened (None in mode "none")."""
-        return self._session.store_stats()
+        return self._live().store_stats()
 
     @property
     def mode(self) -> str:
@@ -306,20 +350,20 @@ class Session:
     @property
     def trace(self) -> Optional[dict]:
         """Plan mode: the profiled trace in use (docs/trace-format.md), None before planning."""
-        text = self._session.trace_json()
+        text = self._live().trace_json()
         return None if text is None else json.loads(text)
 
     @property
     def plan(self) -> Optional[dict]:
         """Plan mode: the plan in use (docs/plan-format.md), None before planning."""
-        text = self._session.plan_json()
+        text = self._live().plan_json()
         return None if text is None else json.loads(text)
 
     def trace_json(self) -> Optional[str]:
-        return self._session.trace_json()
+        return self._live().trace_json()
 
     def plan_json(self) -> Optional[str]:
-        return self._session.plan_json()
+        return self._live().plan_json()
 
     # -- registration -----------------------------------------------------------------------
 
@@ -327,7 +371,7 @@ class Session:
         if not isinstance(t, torch.Tensor) or id(t) in self._registered:
             return
         self._registered.add(id(t))
-        self._session.register_persistent(_fsdp.local_tensor(t).detach(), name, cls)
+        self._live().register_persistent(_fsdp.local_tensor(t).detach(), name, cls)
 
     def _register_optimizer(self) -> None:
         # Adam's state is made at its first step: looked for again at every step's start.
@@ -340,4 +384,6 @@ class Session:
                     self._register(value, f"{base}.{key}", "optimizer_state")
 
     def __repr__(self) -> str:
+        if self._session is None:
+            return f"tidal.Session(mode={self._mode!r}, closed)"
         return f"tidal.Session(mode={self._mode!r}, state={self.stats().state!r})"

@@ -482,6 +482,11 @@ at::Tensor ActivationOffloader::Impl::unpack(Record& r, const c10::TensorOptions
       ++stats.forwarded;
     }
   }
+  // end_step freed the step's bytes on the SSD: a graph kept past it cannot be run backward.
+  TIDAL_EXPECT(r.state != Record::State::kOffloaded || r.ticket.valid(),
+               "backward used a saved activation after its step ended (end_step, or the end of "
+               "the offload_activations context, gave its bytes on the SSD back): call backward "
+               "inside the step that ran the forward");
   switch (r.state) {
     case Record::State::kKept:
     case Record::State::kQueued:

@@ -88,6 +88,7 @@ struct Session::Impl {
   std::optional<plan::Plan> plan;
   int steps_in_state = 0;
   bool in_step = false;
+  bool closed = false;  // close(): nothing more runs
   SessionStats stats;
 
   // One step shape: its ops, its profile, the capacity its plan was made for and the plan.
@@ -601,6 +602,22 @@ Session::~Session() {
   impl_->tracer.reset();
 }
 
+void Session::close() {
+  Impl& m = *impl_;
+  if (m.closed) return;
+  TIDAL_EXPECT(!m.in_step, "close() inside step ", step_, ": end the step first");
+  if (m.tracer) m.tracer->set_listener(nullptr);
+  m.lift_cap();
+  m.executor.reset();  // brings every moved tensor back
+  m.tracer.reset();
+  m.offloader.reset();
+  m.persistent.clear();
+  m.host.reset();
+  m.store.reset();  // its files and disk reservation, once nothing else holds it
+  m.closed = true;
+  m.state = SessionState::kOff;
+}
+
 void Session::register_persistent(const std::vector<torch::Tensor>& tensors, trace::TensorClass cls,
                                   const std::string& name_prefix) {
   for (std::size_t i = 0; i < tensors.size(); ++i) {
@@ -618,6 +635,7 @@ void Session::register_persistent(const torch::Tensor& tensor, const std::string
 
 void Session::begin_step(std::int64_t step, const std::vector<torch::Tensor>& inputs) {
   Impl& m = *impl_;
+  TIDAL_EXPECT(!m.closed, "begin_step(", step, ") on a closed session (make a new one)");
   TIDAL_EXPECT(!m.in_step, "begin_step(", step, ") while step ", step_,
                " is still open: call end_step() first");
   m.in_step = true;

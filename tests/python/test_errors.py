@@ -2,8 +2,10 @@
 
 import os
 import re
+import time
 
 import pytest
+import torch
 
 import tidal
 
@@ -98,7 +100,34 @@ def test_store_dirs_per_rank(monkeypatch, store_dir):
     # Without a placeholder, a job of several ranks gets one subdirectory per rank, made here.
     assert store_dirs(store_dir) == [store_dir + "/rank3"]
     assert os.path.isdir(store_dir + "/rank3")
+    # A user's own per-rank directory gets no second level.
+    assert store_dirs([f"{store_dir}/mine/rank3"]) == [f"{store_dir}/mine/rank3"]
     monkeypatch.setenv("TIDAL_DIRS", f"{store_dir}/a{{rank}},{store_dir}/b{{rank}}")
     assert store_dirs(None) == [store_dir + "/a3", store_dir + "/b3"]
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert store_dirs([store_dir]) == [store_dir]
+
+
+def test_an_empty_store_directory_is_named():
+    for dirs in ("", [""], ["  "]):
+        with pytest.raises(tidal.InvalidArgument, match="empty directory"):
+            tidal.Session(mode="activations", dirs=dirs)
+
+
+def test_backward_after_the_step_ended_says_so(store_dir):
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
+                                torch.nn.Linear(1024, 10))
+    session = tidal.Session(mode="activations", dirs=[store_dir], capacity="256MiB",
+                            min_bytes="64KiB", adaptive=False, model=model)
+    for _ in range(3):  # the warm-up and reference steps keep everything; the third writes
+        session.begin_step()
+        loss = model(torch.randn(128, 256)).sum()
+        wait = 50
+        while session.store_stats()["writes"] == 0 and wait:
+            time.sleep(0.02)
+            wait -= 1
+        session.end_step()
+    assert session.store_stats()["writes"] > 0, "nothing was written: the test would prove nothing"
+    with pytest.raises(RuntimeError, match="after its step ended"):  # through autograd
+        loss.backward()
+    session.close()

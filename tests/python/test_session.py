@@ -1,6 +1,9 @@
 """tidal.Session from Python: plan and activation modes give the losses of training without
 tidal, bit for bit, and report what they did."""
 
+import shutil
+import time
+
 import pytest
 import torch
 
@@ -125,3 +128,71 @@ def test_step_closes_on_error_and_the_error_wins(store_dir):
     with pytest.raises(tidal.Error, match="still open"):
         session.begin_step()
         session.begin_step()
+
+
+def _reserved_mib(store_dir, free_before):
+    return (free_before - shutil.disk_usage(store_dir).free) >> 20
+
+
+def _wait_for_space(store_dir, free_before, at_most_mib, seconds=20.0):
+    # A closed file's blocks return to the file system's free count a moment later.
+    deadline = time.monotonic() + seconds
+    while _reserved_mib(store_dir, free_before) > at_most_mib and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _reserved_mib(store_dir, free_before)
+
+
+def test_close_gives_everything_back_and_the_model_trains_on(reference, store_dir):
+    data, ref_losses, ref_params = reference
+    model = make_mlp(seed=3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    free_before = shutil.disk_usage(store_dir).free
+    session = tidal.Session(mode="plan", dirs=[store_dir], capacity="512MiB", min_bytes="64KiB",
+                            budget="50%", between_steps="offloaded", model=model, optimizer=opt)
+    assert _reserved_mib(store_dir, free_before) >= 256, "the store reserves its capacity"
+    losses = []
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach().clone())
+
+    half = len(data) // 2
+    for x, y in data[:half]:
+        with session.step():
+            step(x, y)
+    assert session.stats().bytes_written > 0, "nothing was moved: the test would prove nothing"
+    session.close()
+    session.close()  # a second call does nothing
+    assert "closed" in repr(session)
+    with pytest.raises(tidal.Error, match="closed"):
+        session.begin_step()
+    assert session.stats().bytes_written > 0  # its last stats stay
+    # Every moved tensor is back: the loop goes on without the session, bit for bit.
+    for x, y in data[half:]:
+        step(x, y)
+    assert torch.equal(torch.stack(losses), ref_losses)
+    for p, r in zip(model.parameters(), ref_params):
+        assert torch.equal(p, r)
+    # The store's disk reservation is given back.
+    assert _wait_for_space(store_dir, free_before, 64) <= 64
+
+
+def test_a_session_as_a_context_manager_closes_even_on_error(store_dir):
+    model = make_mlp(seed=5)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    free_before = shutil.disk_usage(store_dir).free
+    with pytest.raises(ValueError, match="the user's"):
+        with tidal.Session(mode="activations", dirs=[store_dir], capacity="512MiB",
+                           model=model, optimizer=opt) as session:
+            session.begin_step()
+            model(torch.randn(8, 256)).sum().backward()
+            raise ValueError("the user's error")
+    assert "closed" in repr(session)
+    assert _wait_for_space(store_dir, free_before, 64) <= 64
+    with pytest.raises(tidal.Error, match="inside a step"):
+        s = tidal.Session(mode="none")
+        s.begin_step()
+        s.close()

@@ -218,6 +218,12 @@ class Session final : public StepObserver {
   void hold(const torch::Tensor& tensor);
   void release(const torch::Tensor& tensor);
 
+  /// Ends the session before its destruction: every moved tensor comes back into memory, the
+  /// strict meter's cap comes off, and the store (its files, its disk reservation) is closed
+  /// once nothing else holds it. stats() still answers; begin_step() throws. Between steps;
+  /// a second call does nothing.
+  void close();
+
   [[nodiscard]] SessionStats stats() const;
   /// Plan mode: the trace and plan in use (nullopt before planning).
   [[nodiscard]] const std::optional<trace::Trace>& trace() const;
