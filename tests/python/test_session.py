@@ -86,16 +86,17 @@ def test_activation_mode_is_bit_identical(reference, store_dir):
     data, ref_losses, ref_params = reference
 
     def session(model, opt):
+        # adaptive=False: every step after the reference step offloads, whatever the disk's
+        # speed, so the comparison below is of steps that did offload.
         return tidal.Session(mode="activations", dirs=[store_dir], capacity="256MiB",
-                             min_bytes="64KiB", model=model, optimizer=opt)
+                             min_bytes="64KiB", model=model, optimizer=opt, adaptive=False)
 
     losses, params, stats = train(data, session)
     assert torch.equal(losses, ref_losses)
     for p, r in zip(params, ref_params):
         assert torch.equal(p, r)
     assert all(s.state == "executing" for s in stats)
-    # After the warm-up and the reference step, the session offloaded (or said why it stopped).
-    assert sum(s.bytes_written for s in stats) > 0 or stats[-1].notice
+    assert all(s.bytes_written > 0 for s in stats[2:]), [s.bytes_written for s in stats]
 
 
 def test_step_context_manager_and_mode_none(reference):
