@@ -128,6 +128,22 @@ else
   echo "ok   --checkpoint on a file names the option"
 fi
 
+# SIGTERM (a batch system's notice) once a checkpoint exists: the run dies of the signal and says
+# which step the checkpoint holds and how to continue.
+"$tidal" train --model gpt-tiny --batch 4 --seq 32 --steps 100000 --checkpoint "$tmp/ck-term" \
+  --checkpoint-every 1 >/dev/null 2>"$tmp/term.err" &
+pid=$!
+for _ in $(seq 1 300); do [ -f "$tmp/ck-term/checkpoint.pt" ] && break; sleep 0.1; done
+sleep 0.3
+kill -TERM "$pid"
+wait "$pid"
+rc=$?
+if ((rc != 143)) || ! grep -q "interrupted during step .*: the last checkpoint is after step [0-9]*, in '$tmp/ck-term' (continue with --resume" "$tmp/term.err"; then
+  echo "FAIL SIGTERM during a run (rc $rc): $(tail -c 300 "$tmp/term.err")"; failures=$((failures + 1))
+else
+  echo "ok   SIGTERM during a run says what the checkpoint holds ($(grep -o 'after step [0-9]*' "$tmp/term.err"))"
+fi
+
 if ((failures > 0)); then
   echo "$failures failure(s)"
   exit 1
