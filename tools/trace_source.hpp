@@ -5,12 +5,14 @@
 #include <CLI/CLI.hpp>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "hardware_flags.hpp"
+#include "store_flags.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/text.hpp"
 #include "tidal/common/units.hpp"
@@ -35,7 +37,7 @@ struct TraceSource {
   std::string precision = "fp32";
   std::string hardware = "h100-4ssd";
   HardwareFlags hw;
-  std::string measure_dirs;     ///< measure these store directories for the SSD figures
+  std::optional<std::string> measure_dirs;  ///< measure these store directories (SSD figures)
   std::string io_compute_cost;  ///< "<write>/<read>/<host>" ns of compute per byte moved
 };
 
@@ -121,17 +123,17 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
 inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSource& s) {
   plan::Hardware hw = plan::hardware_preset(s.hardware);
   plan::HardwareOverrides overrides = parse_hardware_flags(s.hw);
-  if (!s.measure_dirs.empty()) {
+  if (s.measure_dirs) {
     TIDAL_EXPECT_AS(InvalidArgument, !s.hw.ssd, "give either --ssd or --measure-dir, not both");
     io::StoreOptions so;
-    so.dirs = split_list(s.measure_dirs);
+    so.dirs = parse_dir_flag("--measure-dir", *s.measure_dirs);
     so.capacity = (320ull << 20) * so.dirs.size();
     io::TensorStore store(so);
     const auto m = io::measure_bandwidth(store);
     const std::string spec = io::ssd_spec(m, so.dirs.size());
     overrides.ssd = plan::parse_ssd_spec(spec);
     std::fprintf(stderr, "measured %s: write %s, read %s (O_DIRECT) -> --ssd %s\n",
-                 s.measure_dirs.c_str(), format_bandwidth(m.write_bytes_per_second).c_str(),
+                 s.measure_dirs->c_str(), format_bandwidth(m.write_bytes_per_second).c_str(),
                  format_bandwidth(m.read_bytes_per_second).c_str(), spec.c_str());
   }
   TIDAL_EXPECT_AS(InvalidArgument, hw.device_memory > 0 || overrides.device_memory,
@@ -160,6 +162,12 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
                   "4096)");
   TIDAL_EXPECT_AS(InvalidArgument, s.batch > 0 && s.seq > 0,
                   "--model needs --batch and --seq (positive)");
+  // The library checks every size against what a trace can hold; this names the flags for the
+  // product that would wrap first.
+  std::int64_t tokens = 0;
+  TIDAL_EXPECT_AS(InvalidArgument, !__builtin_mul_overflow(s.batch, s.seq, &tokens), "--batch ",
+                  s.batch, " x --seq ", s.seq,
+                  " tokens overflows a 64-bit count; give a smaller --batch or --seq");
   TIDAL_EXPECT_AS(InvalidArgument, s.data_parallel >= 1 && s.batch % s.data_parallel == 0,
                   "--data-parallel ", s.data_parallel, " must be at least 1 and divide --batch ",
                   s.batch);
