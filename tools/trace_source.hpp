@@ -67,6 +67,46 @@ inline void apply_io_compute_cost(plan::Hardware& hw, const std::string& text) {
   hw.compute_seconds_per_byte[plan::index_of(plan::Channel::kHostRead)] = ns[2] * 1e-9;
 }
 
+/// Memory this machine can give now (MemAvailable), or 0 when unknown.
+inline std::uint64_t available_memory() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  unsigned long long kib = 0;
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    if (std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
+  }
+  std::fclose(f);
+  return static_cast<std::uint64_t>(kib) * 1024;
+}
+
+/// Refuses an analytic trace too large to hold and plan here, before it is built (a million
+/// layers ended in std::bad_alloc after minutes), and says when planning it will take long.
+/// The figure per op and tensor is what `tidal plan` held at its peak for Llama3-8B with 200 to
+/// 800 layers (about 0.9 KiB: the trace, its lifetimes, the planner's trees, the plan).
+inline void check_trace_fits(const plan::AnalyticTraceSize& size,
+                             const plan::TransformerConfig& cfg) {
+  constexpr double kBytesPerItem = 1024;
+  const double need = kBytesPerItem * static_cast<double>(size.ops + size.tensors);
+  const std::uint64_t avail = available_memory();
+  TIDAL_EXPECT_AS(
+      InvalidArgument, avail == 0 || need <= static_cast<double>(avail), "--layers ", cfg.layers,
+      ": the trace of ", cfg.name, " would have ", size.ops, " ops and ", size.tensors,
+      " tensors; planning it needs about ", format_bytes(need), " of memory, more than the ",
+      format_bytes(static_cast<double>(avail)),
+      " available here: give fewer layers (--layers; about ",
+      static_cast<long long>(static_cast<double>(cfg.layers) * static_cast<double>(avail) / need),
+      " fit) or run on a machine with more memory");
+  // The planner's least-stall stage and the lower bound grow with the square of the ops (about
+  // 25 s for 20,000 ops on one core): say so before a long wait, with the way out.
+  if (size.ops > 50000) {
+    std::fprintf(stderr,
+                 "note: %lld ops; planning time grows with the square of the ops, so this may "
+                 "take long (progress shows on a terminal; Ctrl-C stops it)\n",
+                 static_cast<long long>(size.ops));
+  }
+}
+
 inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
   cmd->add_option("--trace", s.trace_path, "trace JSON from `tidal profile`");
   cmd->add_option("--model", s.model,
@@ -186,6 +226,7 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
   topt.data_parallel = s.data_parallel;
   topt.tensor_parallel = s.tensor_parallel;
   topt.precision = plan::precision_from_string(s.precision);
+  check_trace_fits(plan::analytic_trace_size(cfg, s.batch, s.seq, hw, topt), cfg);
   return {hw, plan::transformer_trace(cfg, s.batch, s.seq, hw, topt)};
 }
 

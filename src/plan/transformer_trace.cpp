@@ -2,6 +2,7 @@
 // training iteration, built block by block from a table of the model's parts.
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -690,9 +691,36 @@ void check_arguments(const TransformerConfig& cfg, std::int64_t batch, std::int6
 
 }  // namespace
 
+AnalyticTraceSize analytic_trace_size(const TransformerConfig& cfg, std::int64_t batch,
+                                      std::int64_t seq, const Hardware& hw,
+                                      const AnalyticTraceOptions& options) {
+  check_arguments(cfg, batch, seq, hw, options);
+  TransformerConfig small = cfg;
+  AnalyticTraceSize one;
+  AnalyticTraceSize two;
+  for (int layers : {1, 2}) {
+    small.layers = layers;
+    const trace::Trace t = TransformerTraceBuilder(small, batch, seq, hw, options).build();
+    AnalyticTraceSize& s = layers == 1 ? one : two;
+    s.ops = static_cast<std::int64_t>(t.ops.size());
+    s.tensors = static_cast<std::int64_t>(t.tensors.size());
+  }
+  const auto blocks = static_cast<std::int64_t>(cfg.layers) - 1;
+  AnalyticTraceSize out{one.ops + blocks * (two.ops - one.ops),
+                        one.tensors + blocks * (two.tensors - one.tensors)};
+  constexpr std::int64_t kMaxIndex = std::numeric_limits<std::int32_t>::max();
+  TIDAL_EXPECT_AS(InvalidArgument, out.ops <= kMaxIndex && out.tensors <= kMaxIndex,
+                  "an analytic trace of ", cfg.name, " with ", cfg.layers, " layers would have ",
+                  out.ops, " ops and ", out.tensors,
+                  " tensors, more than a trace can index (2^31): give fewer layers");
+  return out;
+}
+
 trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch, std::int64_t seq,
                                const Hardware& hw, const AnalyticTraceOptions& options) {
   check_arguments(cfg, batch, seq, hw, options);
+  // Beyond a few blocks, the index limits are checked before anything is allocated.
+  if (cfg.layers > 2) (void)analytic_trace_size(cfg, batch, seq, hw, options);
   trace::Trace t = TransformerTraceBuilder(cfg, batch, seq, hw, options).build();
   t.model = cfg.name;
   t.device = "cuda:0";

@@ -60,5 +60,44 @@ expect "give a smaller hidden" simulate --model llama3-8b --batch 1 --seq 64 --h
 expect "the read bandwidth of each SSD" plan --model gpt2-small --batch 1 --seq 64 --ssd 4x6/0GB/s
 expect "<count>x<write>/<read>" plan --model gpt2-small --batch 1 --seq 64 --ssd 4x0/0GB/s
 
+# A trace too large to hold is refused at once, with its size and what to do (it once ran for
+# minutes and ended in std::bad_alloc).
+start=$(date +%s%N)
+expect "give fewer layers (--layers" plan --model llama3-8b --batch 1 --seq 512 --layers 1000000
+ms=$((($(date +%s%N) - start) / 1000000))
+((ms < 5000)) || fail "--layers 1000000 took $ms ms to be refused" ""
+
+# A long plan shows its progress on a terminal (script(1) gives it one) ...
+if command -v script >/dev/null; then
+  out=$(script -qec "$tidal plan --model llama3-8b --batch 1 --seq 512 --layers 40" /dev/null 2>&1)
+  if grep -q "planning .*%" <<<"$out" && grep -q "lower bound .*%" <<<"$out"; then
+    echo "ok   plan shows its progress on a terminal"
+  else
+    fail "plan shows no progress on a terminal" "$out"
+  fi
+else
+  echo "skip progress on a terminal: no script(1) here"
+fi
+# ... and Ctrl-C stops it at once, saying so, with exit status 130. A background job of a script
+# starts with SIGINT ignored: the command must install its own handler to be stopped by it.
+"$tidal" plan --model llama3-8b --batch 1 --seq 512 --layers 4000 >"$tmp/int.out" 2>&1 &
+pid=$!
+sleep 1
+kill -INT "$pid"
+for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+if kill -0 "$pid" 2>/dev/null; then
+  kill -KILL "$pid"
+  wait "$pid" 2>/dev/null
+  fail "plan still ran 5 s after SIGINT" "$(cat "$tmp/int.out")"
+else
+  wait "$pid"
+  rc=$?
+  if ((rc == 130)) && grep -q "interrupted" "$tmp/int.out"; then
+    echo "ok   SIGINT stops plan (exit status 130, said)"
+  else
+    fail "SIGINT: exit status $rc (expected 130) or no message" "$(cat "$tmp/int.out")"
+  fi
+fi
+
 ((failures == 0)) && echo "all torch-free CLI checks passed"
 exit $((failures > 0))

@@ -9,6 +9,7 @@
 #include "tidal/common/error.hpp"
 #include "tidal/plan/hardware.hpp"
 #include "tidal/plan/model_trace.hpp"
+#include "tidal/trace/trace.hpp"
 
 namespace tidal::plan {
 namespace {
@@ -75,6 +76,50 @@ TEST(AnalyticTraceSizes, OverflowingDimensionsNameTheOption) {
     EXPECT_NE(msg.find(c.option), std::string::npos) << msg;
     EXPECT_EQ(msg.find("18446744073709"), std::string::npos) << "wrapped: " << msg;
   }
+}
+
+// The size known before building is the size built, for both architectures and the options
+// that add ops (micro-batches, parallelism, schedules); and a size past what a trace can index
+// is refused without allocating it (a million layers once ended in std::bad_alloc).
+TEST(AnalyticTraceSizes, KnownBeforeBuildingAndBoundedByTheIndex) {
+  Hardware hw = hardware_preset("h100-4ssd");
+  hw.gpu_link_bw = 300e9;
+  int checked = 0;
+  for (const char* model : {"gpt2-small", "llama3-8b"}) {
+    for (int layers : {1, 2, 3, 7}) {
+      for (int micro : {1, 2}) {
+        for (int tp : {1, 2}) {
+          for (OptimizerSchedule sched :
+               {OptimizerSchedule::kAfterBackward, OptimizerSchedule::kInBackward}) {
+            TransformerConfig cfg = model_preset(model);
+            ModelOverrides o;
+            o.layers = layers;
+            o.vocab = 32000;  // divisible by the tensor-parallel group (GPT-2's 50257 is not)
+            apply_overrides(cfg, o);
+            AnalyticTraceOptions opt;
+            opt.micro_batches = micro;
+            opt.tensor_parallel = tp;
+            opt.data_parallel = 2;
+            opt.optimizer = sched;
+            const AnalyticTraceSize size = analytic_trace_size(cfg, 4, 64, hw, opt);
+            const trace::Trace t = transformer_trace(cfg, 4, 64, hw, opt);
+            EXPECT_EQ(size.ops, static_cast<std::int64_t>(t.ops.size())) << model << layers;
+            EXPECT_EQ(size.tensors, static_cast<std::int64_t>(t.tensors.size())) << model;
+            ++checked;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 64);
+  TransformerConfig huge = model_preset("llama3-8b");
+  ModelOverrides o;
+  o.layers = 100000000;
+  apply_overrides(huge, o);
+  const std::string msg =
+      invalid_argument_message([&] { (void)transformer_trace(huge, 1, 64, hw); });
+  EXPECT_NE(msg.find("100000000 layers"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("fewer layers"), std::string::npos) << msg;
 }
 
 }  // namespace
