@@ -1,5 +1,6 @@
 // tidal bench-io: write then read random tensors through the TensorStore, verify every byte, and
 // print write and read bandwidth. O_DIRECT unless --buffered (and then it says so).
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -16,6 +17,7 @@
 
 #include "commands.hpp"
 #include "progress.hpp"
+#include "store_flags.hpp"
 #include "tidal/common/aligned_buffer.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/text.hpp"
@@ -118,9 +120,16 @@ void run_bench_io(const BenchIoArgs& a) {
   TIDAL_EXPECT_AS(InvalidArgument, a.depth >= 1 && a.depth <= 1024,
                   "--depth must be from 1 to 1024");
   const std::uint64_t nblocks = size / block;
+  // A ticket per tensor is kept until the read pass: a bound on the count keeps that (and the
+  // store's size below) from overflowing or exhausting memory.
+  constexpr std::uint64_t kMaxTensors = std::uint64_t{1} << 24;
+  TIDAL_EXPECT_AS(InvalidArgument, nblocks <= kMaxTensors, "--size ", a.size,
+                  " in tensors of --block ", a.block, " is ", nblocks,
+                  " tensors; bench-io moves at most ", kMaxTensors,
+                  ": give a larger --block (e.g. 1MiB) or a smaller --size");
 
   io::StoreOptions o;
-  o.dirs = split_list(a.dirs);
+  o.dirs = parse_dir_flag("--dir", a.dirs);
   o.stripe_unit = parse_bytes(a.stripe);
   // Checked here too: the sizing below divides by it before the store sees it.
   TIDAL_EXPECT_AS(InvalidArgument,
@@ -139,8 +148,26 @@ void run_bench_io(const BenchIoArgs& a) {
           : static_cast<int>(std::min<std::uint64_t>(
                 4096,
                 (static_cast<std::uint64_t>(a.depth) * stripes_per_block + nfiles - 1) / nfiles));
-  o.capacity = nblocks * (stripes_per_block * io::kBlockSize + align_up(block, io::kBlockSize)) +
-               nfiles * o.stripe_unit;
+  // Each tensor takes whole 4 KiB blocks per stripe in the store.
+  const std::uint64_t per_tensor =
+      stripes_per_block * io::kBlockSize + align_up(block, io::kBlockSize);
+  o.capacity = nblocks * per_tensor + nfiles * o.stripe_unit;
+  // Said in bench-io's own options: the store would ask for a lower capacity, which bench-io
+  // derives from --size and --block.
+  for (const auto& d : o.dirs) {
+    struct statvfs st {};
+    if (::statvfs(d.c_str(), &st) != 0) continue;  // the store says what is wrong with it
+    const std::uint64_t free = static_cast<std::uint64_t>(st.f_bavail) * st.f_frsize;
+    const std::uint64_t need = o.capacity / nfiles;
+    TIDAL_EXPECT_AS(InvalidArgument, need <= free, "bench-io needs ",
+                    format_bytes(static_cast<double>(need)), " in '", d, "' for --size ", a.size,
+                    " in ", nblocks, " tensors of --block ", a.block, " (each takes ",
+                    format_bytes(static_cast<double>(per_tensor)),
+                    " of store space, whole 4 KiB blocks per stripe), but ",
+                    format_bytes(static_cast<double>(free)),
+                    " is free there: give a smaller --size, a --block that is a multiple of 4KiB, "
+                    "or more directories in --dir (one per SSD)");
+  }
   io::TensorStore store(o);
   const io::StoreStats s0 = store.stats();
 

@@ -30,6 +30,7 @@ struct PlanArgs {
 };
 
 void run_plan(const PlanArgs& a) {
+  stop_on_interrupt("plan");
   auto [hw, tr] = load_trace_source(a.src);
   plan::PlannerOptions opt;
   opt.use_host = !a.no_host;
@@ -68,7 +69,7 @@ void run_plan(const PlanArgs& a) {
               format_seconds(sim.compute_seconds).c_str(),
               format_seconds(sim.stall_seconds).c_str(), gb(sim.peak_bytes).c_str(),
               sim.fits ? "fits" : "DOES NOT FIT");
-  const plan::StallBound bound = plan::stall_lower_bound(tr, hw);
+  const plan::StallBound bound = plan::stall_lower_bound(tr, hw, fraction_progress("lower bound"));
   std::printf("  lower bound, any plan      stall %s, iteration %s (%.1f%% of ideal at best)\n",
               format_seconds(bound.stall_seconds).c_str(),
               format_seconds(bound.iteration_seconds).c_str(),

@@ -2,10 +2,13 @@
 // place; elsewhere (a log, CI) either nothing or a line per update, as the command asks.
 #pragma once
 
+#include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -60,11 +63,43 @@ class Progress {
   int last_ = -1;
 };
 
-/// A planner progress callback (PlannerOptions::progress takes the fraction done).
-inline auto planning_progress() {
-  return [p = std::make_shared<Progress>("planning", 1000, Progress::Style::kPercent)](double f) {
+/// A progress callback for a stage that reports the fraction done (PlannerOptions::progress,
+/// stall_lower_bound's), labelled `label`.
+inline std::function<void(double)> fraction_progress(const char* label) {
+  return [p = std::make_shared<Progress>(label, 1000, Progress::Style::kPercent)](double f) {
     p->update(static_cast<std::int64_t>(f * 1000));
   };
+}
+
+/// A planner progress callback (PlannerOptions::progress takes the fraction done).
+inline std::function<void(double)> planning_progress() { return fraction_progress("planning"); }
+
+namespace detail {
+inline char interrupt_message[160];
+inline std::size_t interrupt_length = 0;
+inline void on_interrupt(int /*signal*/) {
+  // Only async-signal-safe calls here: write(2) and _exit(2).
+  ssize_t ignored = ::write(STDERR_FILENO, interrupt_message, interrupt_length);
+  (void)ignored;
+  ::_exit(130);  // 128 + SIGINT, as a shell reports a process that SIGINT ended
+}
+}  // namespace detail
+
+/// Ctrl-C (SIGINT) ends the command at once with "tidal <command>: interrupted" on stderr and
+/// exit status 130, wherever it is: a large plan spends minutes in loops that call no progress
+/// callback for long. For commands whose only output is written at the end (plan, simulate; a
+/// plan file goes through AtomicFile, whose leftover the next writer removes). Installed over
+/// SIG_IGN too (a shell starts background jobs with SIGINT ignored), so `kill -INT` reaches it.
+inline void stop_on_interrupt(const char* command) {
+  const int n =
+      std::snprintf(detail::interrupt_message, sizeof detail::interrupt_message,
+                    "\ntidal %s: interrupted (SIGINT); nothing more was written\n", command);
+  detail::interrupt_length =
+      n > 0 ? std::min(static_cast<std::size_t>(n), sizeof detail::interrupt_message - 1) : 0;
+  struct sigaction sa {};
+  sa.sa_handler = detail::on_interrupt;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGINT, &sa, nullptr);
 }
 
 }  // namespace tidal::cli

@@ -149,6 +149,7 @@ void run_given_plan(const SimulateArgs& a, const plan::Hardware& hw, const trace
 }
 
 void run_simulate(const SimulateArgs& a) {
+  stop_on_interrupt("simulate");
   auto [hw, tr] = load_trace_source(a.src);
   if (!a.plan_file.empty()) {
     run_given_plan(a, hw, tr);
@@ -168,7 +169,7 @@ void run_simulate(const SimulateArgs& a) {
   opt.planner.progress = planning_progress();
   const auto results = plan::run_policies(policies, tr, hw, opt);
 
-  const plan::StallBound bound = plan::stall_lower_bound(tr, hw);
+  const plan::StallBound bound = plan::stall_lower_bound(tr, hw, fraction_progress("lower bound"));
   const double ideal_seconds = tr.compute_seconds();
   std::uint64_t trace_peak = 0;
   for (const auto& r : results) {

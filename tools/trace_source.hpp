@@ -5,12 +5,14 @@
 #include <CLI/CLI.hpp>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "hardware_flags.hpp"
+#include "store_flags.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/text.hpp"
 #include "tidal/common/units.hpp"
@@ -35,7 +37,7 @@ struct TraceSource {
   std::string precision = "fp32";
   std::string hardware = "h100-4ssd";
   HardwareFlags hw;
-  std::string measure_dirs;     ///< measure these store directories for the SSD figures
+  std::optional<std::string> measure_dirs;  ///< measure these store directories (SSD figures)
   std::string io_compute_cost;  ///< "<write>/<read>/<host>" ns of compute per byte moved
 };
 
@@ -63,6 +65,46 @@ inline void apply_io_compute_cost(plan::Hardware& hw, const std::string& text) {
   hw.compute_seconds_per_byte[plan::index_of(plan::Channel::kSsdRead)] = ns[1] * 1e-9;
   hw.compute_seconds_per_byte[plan::index_of(plan::Channel::kHostWrite)] = ns[2] * 1e-9;
   hw.compute_seconds_per_byte[plan::index_of(plan::Channel::kHostRead)] = ns[2] * 1e-9;
+}
+
+/// Memory this machine can give now (MemAvailable), or 0 when unknown.
+inline std::uint64_t available_memory() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  unsigned long long kib = 0;
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    if (std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
+  }
+  std::fclose(f);
+  return static_cast<std::uint64_t>(kib) * 1024;
+}
+
+/// Refuses an analytic trace too large to hold and plan here, before it is built (a million
+/// layers ended in std::bad_alloc after minutes), and says when planning it will take long.
+/// The figure per op and tensor is what `tidal plan` held at its peak for Llama3-8B with 200 to
+/// 800 layers (about 0.9 KiB: the trace, its lifetimes, the planner's trees, the plan).
+inline void check_trace_fits(const plan::AnalyticTraceSize& size,
+                             const plan::TransformerConfig& cfg) {
+  constexpr double kBytesPerItem = 1024;
+  const double need = kBytesPerItem * static_cast<double>(size.ops + size.tensors);
+  const std::uint64_t avail = available_memory();
+  TIDAL_EXPECT_AS(
+      InvalidArgument, avail == 0 || need <= static_cast<double>(avail), "--layers ", cfg.layers,
+      ": the trace of ", cfg.name, " would have ", size.ops, " ops and ", size.tensors,
+      " tensors; planning it needs about ", format_bytes(need), " of memory, more than the ",
+      format_bytes(static_cast<double>(avail)),
+      " available here: give fewer layers (--layers; about ",
+      static_cast<long long>(static_cast<double>(cfg.layers) * static_cast<double>(avail) / need),
+      " fit) or run on a machine with more memory");
+  // The planner's least-stall stage and the lower bound grow with the square of the ops (about
+  // 25 s for 20,000 ops on one core): say so before a long wait, with the way out.
+  if (size.ops > 50000) {
+    std::fprintf(stderr,
+                 "note: %lld ops; planning time grows with the square of the ops, so this may "
+                 "take long (progress shows on a terminal; Ctrl-C stops it)\n",
+                 static_cast<long long>(size.ops));
+  }
 }
 
 inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
@@ -121,17 +163,17 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
 inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSource& s) {
   plan::Hardware hw = plan::hardware_preset(s.hardware);
   plan::HardwareOverrides overrides = parse_hardware_flags(s.hw);
-  if (!s.measure_dirs.empty()) {
+  if (s.measure_dirs) {
     TIDAL_EXPECT_AS(InvalidArgument, !s.hw.ssd, "give either --ssd or --measure-dir, not both");
     io::StoreOptions so;
-    so.dirs = split_list(s.measure_dirs);
+    so.dirs = parse_dir_flag("--measure-dir", *s.measure_dirs);
     so.capacity = (320ull << 20) * so.dirs.size();
     io::TensorStore store(so);
     const auto m = io::measure_bandwidth(store);
     const std::string spec = io::ssd_spec(m, so.dirs.size());
     overrides.ssd = plan::parse_ssd_spec(spec);
     std::fprintf(stderr, "measured %s: write %s, read %s (O_DIRECT) -> --ssd %s\n",
-                 s.measure_dirs.c_str(), format_bandwidth(m.write_bytes_per_second).c_str(),
+                 s.measure_dirs->c_str(), format_bandwidth(m.write_bytes_per_second).c_str(),
                  format_bandwidth(m.read_bytes_per_second).c_str(), spec.c_str());
   }
   TIDAL_EXPECT_AS(InvalidArgument, hw.device_memory > 0 || overrides.device_memory,
@@ -160,6 +202,12 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
                   "4096)");
   TIDAL_EXPECT_AS(InvalidArgument, s.batch > 0 && s.seq > 0,
                   "--model needs --batch and --seq (positive)");
+  // The library checks every size against what a trace can hold; this names the flags for the
+  // product that would wrap first.
+  std::int64_t tokens = 0;
+  TIDAL_EXPECT_AS(InvalidArgument, !__builtin_mul_overflow(s.batch, s.seq, &tokens), "--batch ",
+                  s.batch, " x --seq ", s.seq,
+                  " tokens overflows a 64-bit count; give a smaller --batch or --seq");
   TIDAL_EXPECT_AS(InvalidArgument, s.data_parallel >= 1 && s.batch % s.data_parallel == 0,
                   "--data-parallel ", s.data_parallel, " must be at least 1 and divide --batch ",
                   s.batch);
@@ -178,6 +226,7 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
   topt.data_parallel = s.data_parallel;
   topt.tensor_parallel = s.tensor_parallel;
   topt.precision = plan::precision_from_string(s.precision);
+  check_trace_fits(plan::analytic_trace_size(cfg, s.batch, s.seq, hw, topt), cfg);
   return {hw, plan::transformer_trace(cfg, s.batch, s.seq, hw, topt)};
 }
 

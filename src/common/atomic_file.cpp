@@ -1,12 +1,14 @@
 #include "tidal/common/atomic_file.hpp"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <string>
 #include <utility>
 
 #include "tidal/common/error.hpp"
@@ -19,9 +21,34 @@ std::string directory_of(const std::string& path) {
   return dir.empty() ? std::string(".") : dir.string();
 }
 
+// Removes `<path>.tmp.<pid>` files left by writers of this path that were killed before
+// commit() or their destructor ran (SIGKILL, a crash): those whose process no longer exists.
+// A live pid's file (another writer, now) is left alone; so is one whose process we may not
+// signal (EPERM: it exists). Pids are this host's: see the header.
+void remove_stale_temps(const std::string& path) {
+  const std::string prefix = std::filesystem::path(path).filename().string() + ".tmp.";
+  const pid_t self = ::getpid();
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(directory_of(path), ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() <= prefix.size() || name.size() > prefix.size() + 10 ||
+        name.compare(0, prefix.size(), prefix) != 0) {
+      continue;
+    }
+    const std::string digits = name.substr(prefix.size());
+    if (digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    const long pid = std::stol(digits);
+    if (pid <= 0 || pid == self) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      ::unlink(entry.path().c_str());  // a race with another cleaner is harmless
+    }
+  }
+}
+
 }  // namespace
 
 AtomicFile::AtomicFile(std::string path) : path_(std::move(path)) {
+  remove_stale_temps(path_);
   temp_ = path_ + ".tmp." + std::to_string(::getpid());
   fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd_ < 0) {

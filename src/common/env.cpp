@@ -25,7 +25,7 @@ Env read_env() {
     try {
       e.stripe_unit = parse_bytes(*v);
     } catch (const Error& err) {
-      TIDAL_FAIL("TIDAL_STRIPE_UNIT: ", err.what());
+      TIDAL_FAIL_AS(InvalidArgument, "TIDAL_STRIPE_UNIT='", *v, "': ", err.what());
     }
   }
   if (auto v = get("TIDAL_QUEUE_DEPTH")) {

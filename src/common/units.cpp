@@ -70,7 +70,11 @@ std::uint64_t parse_bytes(std::string_view text) {
   std::string unit;
   const double value = split_number(lower_trimmed(text), &unit, text, "size (try 64MiB or 2GB)");
   const double bytes = value * byte_multiplier(unit, text);
-  TIDAL_EXPECT_AS(InvalidArgument, bytes < 1.8e19, "'", text, "' is too large");
+  // 1 EiB: more than any memory or disk array, and far enough below 2^63 that sums and signed
+  // differences of sizes downstream cannot overflow (llround of 1e19 wrapped to 2^63).
+  constexpr double kMaxBytes = 1152921504606846976.0;  // 2^60
+  TIDAL_EXPECT_AS(InvalidArgument, bytes <= kMaxBytes, "'", text,
+                  "' is too large: a size is at most 1 EiB (1048576TiB)");
   return static_cast<std::uint64_t>(std::llround(bytes));
 }
 

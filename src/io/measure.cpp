@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -12,10 +13,14 @@
 
 #include "tidal/common/aligned_buffer.hpp"
 #include "tidal/common/error.hpp"
+#include "tidal/common/units.hpp"
 #include "tidal/io/extent_allocator.hpp"
 
 namespace tidal::io {
 namespace {
+
+// Less than this each way measures the request overhead, not the disk.
+constexpr std::uint64_t kMinProbeBytes = 1ull << 20;
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -152,9 +157,25 @@ class Transfers {
 
 }  // namespace
 
-MeasuredBandwidth measure_bandwidth(TensorStore& store, const MeasureOptions& o) {
-  TIDAL_EXPECT_AS(InvalidArgument, o.block > 0 && o.depth > 0 && o.bytes >= o.block,
+MeasuredBandwidth measure_bandwidth(TensorStore& store, const MeasureOptions& asked) {
+  TIDAL_EXPECT_AS(InvalidArgument, asked.block > 0 && asked.depth > 0 && asked.bytes >= asked.block,
                   "measure_bandwidth needs bytes >= block > 0 and depth > 0");
+  // The probe takes at most half of the store's free space, in whole 4 KiB blocks and at least
+  // four requests: it must never fill the store it measures (a refused write would count as the
+  // store's own degradation, store_full, in the user's statistics).
+  const std::uint64_t free = store.free_bytes();
+  const std::uint64_t room = free / 2 / kBlockSize * kBlockSize;
+  MeasureOptions o = asked;
+  o.bytes = std::min(asked.bytes, room);
+  o.block = std::min(asked.block, o.bytes / 4 / kBlockSize * kBlockSize);
+  if (o.bytes < kMinProbeBytes || o.block == 0) {
+    TIDAL_FAIL_IO(
+        ENOSPC, "bandwidth not measured: the store has ", format_bytes(static_cast<double>(free)),
+        " free of ", format_bytes(static_cast<double>(store.stats().capacity)),
+        "; the probe needs at least ", format_bytes(static_cast<double>(2 * kMinProbeBytes)),
+        " free (it takes half, to leave the rest to the store's user): give the store "
+        "more capacity, or the SSD figures yourself");
+  }
   Transfers io(store, o);
   MeasuredBandwidth m;
   m.bytes = io.bytes();

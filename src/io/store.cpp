@@ -83,6 +83,24 @@ void check_store_dir(const std::string& dir, bool allow_memory_fs) {
                   "directory on the SSD, or set TIDAL_MEMORY_STORE=1 to try tidal without one");
 }
 
+// Each directory is one SSD to the store and the planner: the same directory twice, under any
+// spelling ("d" and "d/", a symbolic link, a bind mount), would be planned as two drives' worth
+// of bandwidth. Compared by device and inode, which stat() gives after resolving links.
+void check_distinct_dirs(const std::vector<std::string>& dirs) {
+  std::vector<std::pair<dev_t, ino_t>> ids;
+  for (std::size_t i = 0; i < dirs.size(); ++i) {
+    struct stat st {};
+    if (::stat(dirs[i].c_str(), &st) != 0) continue;  // check_store_dir said why already
+    for (std::size_t j = 0; j < ids.size(); ++j) {
+      TIDAL_EXPECT_AS(InvalidArgument, ids[j] != std::make_pair(st.st_dev, st.st_ino),
+                      "store directories '", dirs[j], "' and '", dirs[i],
+                      "' are the same directory; each store directory is one SSD, so give each "
+                      "directory once (one per SSD)");
+    }
+    ids.emplace_back(st.st_dev, st.st_ino);
+  }
+}
+
 void open_store_file(StoreFile& f, std::uint64_t bytes, bool buffered) {
   struct stat st {};
   TIDAL_EXPECT_AS(InvalidArgument, ::stat(f.dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode),
@@ -131,16 +149,23 @@ void resolve_dirs(StoreOptions& opt, const Env& env) {
   TIDAL_EXPECT_AS(InvalidArgument, !opt.dirs.empty(),
                   "no store directory given: give one directory per SSD (e.g. /mnt/nvme0 and "
                   "/mnt/nvme1) or set TIDAL_DIRS");
+  for (const auto& d : opt.dirs) {
+    TIDAL_EXPECT_AS(InvalidArgument, !d.empty(),
+                    "a store directory is an empty name; give one directory per SSD (e.g. "
+                    "/mnt/nvme0 and /mnt/nvme1)");
+  }
   if (env.memory_store) opt.allow_memory_fs = *env.memory_store;
   for (const auto& d : opt.dirs) check_store_dir(d, opt.allow_memory_fs);
+  check_distinct_dirs(opt.dirs);
 }
 
 void resolve_io_sizes(StoreOptions& opt, const Env& env) {
+  const bool stripe_from_env = opt.stripe_unit == 0 && env.stripe_unit;
   if (opt.stripe_unit == 0) opt.stripe_unit = env.stripe_unit.value_or(kMiB);
   TIDAL_EXPECT_AS(InvalidArgument,
                   opt.stripe_unit >= kBlockSize && opt.stripe_unit <= 256 * kMiB &&
                       (opt.stripe_unit & (opt.stripe_unit - 1)) == 0,
-                  "stripe unit ", opt.stripe_unit,
+                  stripe_from_env ? "TIDAL_STRIPE_UNIT: " : "", "stripe unit ", opt.stripe_unit,
                   " must be a power of two from 4 KiB to 256 MiB (default 1 MiB)");
   if (opt.queue_depth == 0) opt.queue_depth = env.queue_depth.value_or(32);
   TIDAL_EXPECT_AS(InvalidArgument, opt.queue_depth > 0 && opt.queue_depth <= 4096, "queue depth ",
@@ -156,7 +181,13 @@ void resolve_backend_choice(StoreOptions& opt, const Env& env) {
     if (*env.io_backend == "cufile") {
       opt.gds = GdsMode::kOn;
     } else {
-      opt.backend = backend_kind_from_string(*env.io_backend);
+      try {
+        opt.backend = backend_kind_from_string(*env.io_backend);
+      } catch (const InvalidArgument& e) {
+        throw InvalidArgument(::tidal::detail::concat("TIDAL_IO_BACKEND='", *env.io_backend,
+                                                      "' must be auto, io_uring, posix or cufile (",
+                                                      e.what(), ")"));
+      }
     }
   }
   if (opt.gds == GdsMode::kAuto && env.gds) {
@@ -316,7 +347,9 @@ struct TensorStore::Impl {
 };
 
 TensorStore::Impl::Impl(StoreOptions o) : opt(std::move(o)) {
-  const Env& env = tidal::env();
+  // Read at every opening, not cached for the process: a program (or a test) that sets a
+  // variable before opening a store gets what it set.
+  const Env env = read_env();
   resolve_dirs(opt, env);
   resolve_io_sizes(opt, env);
   resolve_backend_choice(opt, env);

@@ -84,8 +84,9 @@ class WindowSearch {
     horizon_ = seconds_to_move(peak, peak);
   }
 
-  StallBound run() {
+  StallBound run(const std::function<void(double)>& progress) {
     for (OpIndex i = 0; i < n_; ++i) {
+      if (progress && (i & 255) == 0) progress(static_cast<double>(i) / n_);
       if (at(best_, i) > at(best_, i + 1)) {  // carry forward before windows from i compete
         at(best_, i + 1) = at(best_, i);
         at(from_, i + 1) = -1;
@@ -206,8 +207,11 @@ class WindowSearch {
 
 }  // namespace
 
-StallBound stall_lower_bound(const trace::Trace& trace, const Hardware& hw) {
-  return WindowSearch(trace, hw).run();
+StallBound stall_lower_bound(const trace::Trace& trace, const Hardware& hw,
+                             const std::function<void(double)>& progress) {
+  StallBound b = WindowSearch(trace, hw).run(progress);
+  if (progress) progress(1.0);
+  return b;
 }
 
 }  // namespace tidal::plan

@@ -93,17 +93,18 @@ Hardware hardware_preset(const std::string& name) {
 }
 
 SsdSpec parse_ssd_spec(const std::string& text) {
+  constexpr const char* kForm = "write <count>x<write>/<read>GB/s, e.g. 4x6.5/6.7GB/s";
   SsdSpec spec;
   const auto x = text.find_first_of("xX");
   TIDAL_EXPECT_AS(InvalidArgument, x != std::string::npos && x > 0, "'", text,
-                  "' is not an SSD array; write <count>x<write>/<read>GB/s, e.g. 4x6.5/6.7GB/s");
+                  "' is not an SSD array; ", kForm);
   try {
     spec.count = std::stoi(text.substr(0, x));
   } catch (const std::exception&) {
     spec.count = 0;
   }
   TIDAL_EXPECT_AS(InvalidArgument, spec.count > 0 && spec.count <= 1024, "'", text,
-                  "': the SSD count before 'x' must be a positive number");
+                  "': the SSD count before 'x' must be a number from 1 to 1024; ", kForm);
   const std::string rest = text.substr(x + 1);
   // "6.5/6.7GB/s": the first '/' followed by a digit separates write from read.
   std::size_t slash = std::string::npos;
@@ -114,32 +115,39 @@ SsdSpec parse_ssd_spec(const std::string& text) {
       break;
     }
   }
-  if (slash == std::string::npos) {
-    spec.write_bw = spec.read_bw = parse_bandwidth(rest);
-  } else {
-    const std::string second = rest.substr(slash + 1);
-    spec.read_bw = parse_bandwidth(second);
-    // The unit of the second figure applies to the first.
-    std::size_t used = 0;
-    double first_num = 0;
-    double second_num = 0;
+  // Each figure parsed on its own, so that a message names the one that is wrong.
+  const auto figure = [&](const std::string& part, const char* which) {
     try {
-      first_num = std::stod(rest.substr(0, slash), &used);
-      second_num = std::stod(second);
-    } catch (const std::exception&) {
-      used = 0;
+      return parse_bandwidth(part);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(detail::concat("'", text, "': the ", which, " bandwidth '", part,
+                                           "' is not a bandwidth (", e.what(), "); ", kForm));
     }
-    TIDAL_EXPECT_AS(InvalidArgument, used > 0 && second_num > 0, "'", text,
-                    "' is not an SSD array; write e.g. 4x6.5/6.7GB/s");
-    const std::string first_unit = rest.substr(used, slash - used);
-    spec.write_bw = first_unit.empty() ? spec.read_bw * first_num / second_num
-                                       : parse_bandwidth(rest.substr(0, slash));
+  };
+  if (slash == std::string::npos) {
+    spec.write_bw = spec.read_bw = figure(rest, "write and read");
+  } else {
+    const std::string first = rest.substr(0, slash);
+    const std::string second = rest.substr(slash + 1);
+    spec.read_bw = figure(second, "read");
+    // The unit of the second figure applies to a first one without a unit ("6.5/6.7GB/s").
+    const bool first_has_unit = first.find_first_not_of("0123456789.eE+- ") != std::string::npos;
+    std::size_t unit_at = second.find_first_not_of("0123456789.eE+- ");
+    if (unit_at == std::string::npos) unit_at = second.size();
+    spec.write_bw = figure(first_has_unit ? first : first + second.substr(unit_at), "write");
   }
   // 1 MB/s to 1 TB/s per drive: outside that, a typo (a unit, an exponent), not an SSD.
-  const auto plausible = [](double bw) { return bw >= 1e6 && bw <= 1e12; };
-  TIDAL_EXPECT_AS(InvalidArgument, plausible(spec.write_bw) && plausible(spec.read_bw), "'", text,
-                  "': each SSD's bandwidth must be from 1MB/s to 1TB/s (tidal bench-io measures "
-                  "it); e.g. 4x6.5/6.7GB/s");
+  const auto check = [&](double bw, const char* which) {
+    TIDAL_EXPECT_AS(InvalidArgument, bw >= 1e6 && bw <= 1e12, "'", text, "': the ", which,
+                    " bandwidth of each SSD is ", format_bandwidth(bw),
+                    "; it must be from 1MB/s to 1TB/s (tidal bench-io measures it); ", kForm);
+  };
+  if (slash == std::string::npos) {
+    check(spec.write_bw, "write and read");
+  } else {
+    check(spec.write_bw, "write");
+    check(spec.read_bw, "read");
+  }
   return spec;
 }
 

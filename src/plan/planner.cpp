@@ -498,7 +498,14 @@ class Planner {
     plan.actions.push_back(off);
     plan.actions.push_back(pre);
     set_times(plan, c);
-    if (opt_.progress && (++commits_ & 255) == 0 && initial_over_time_ > 0) {
+    if ((++commits_ & 255) == 0) report_progress();
+  }
+
+  // The share of the over-target compute time resolved so far, to PlannerOptions::progress. In
+  // the greedy every 256 commits; in the least-stall fallback after each op it relieves (that
+  // stage scans every candidate per op, so it is where large traces spend their time).
+  void report_progress() {
+    if (opt_.progress && initial_over_time_ > 0) {
       opt_.progress(1.0 - over_time_->sum(0, n_ - 1) / initial_over_time_);
     }
   }
@@ -614,6 +621,7 @@ class Planner {
       if (k < 0) break;
       for (int pass = 0; pass < 2 && is_over(k); ++pass) relieve(plan, k, pass == 1);
       if (is_over(k)) fail_to_relieve(k);
+      report_progress();
     }
   }
 

@@ -2,7 +2,9 @@
 // training iteration, built block by block from a table of the model's parts.
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -17,6 +19,17 @@ namespace {
 
 constexpr std::uint64_t kFloat = 4;
 constexpr std::size_t kNone = SIZE_MAX;
+// The most one tensor may hold (trace::validate's limit), and all of them together: far below
+// 2^63, so that the sums of live bytes in the planner and simulator cannot overflow.
+constexpr std::uint64_t kMaxTensorBytes = std::uint64_t{1} << 50;
+constexpr double kMaxTraceBytes = 4611686018427387904.0;  // 2^62
+
+// a x b when it is at most `limit`, else nullopt (overflow included). Both non-negative.
+std::optional<std::uint64_t> product_within(std::uint64_t a, std::uint64_t b, std::uint64_t limit) {
+  std::uint64_t p = 0;
+  if (__builtin_mul_overflow(a, b, &p) || p > limit) return std::nullopt;
+  return p;
+}
 
 // Bytes per element of each tensor class under a precision.
 struct ElementBytes {
@@ -58,6 +71,10 @@ class Builder {
 
   TensorId tensor(const std::string& name, std::uint64_t bytes, TensorClass cls,
                   bool persistent = false) {
+    total_bytes_ += static_cast<double>(bytes);
+    TIDAL_EXPECT_AS(InvalidArgument, total_bytes_ <= kMaxTraceBytes,
+                    "the tensors of the analytic trace add up to more than 4 EiB (at '", name,
+                    "'): the model (layers, hidden, ffn, vocab) or the batch x seq is too large");
     trace::Tensor t;
     t.id = static_cast<TensorId>(trace_.tensors.size());
     t.name = name;
@@ -173,6 +190,7 @@ class Builder {
   const Hardware& hw_;
   std::int64_t tokens_;
   double now_ = 0;
+  double total_bytes_ = 0;
   trace::Trace trace_;
   std::vector<Param> params_;
   std::string prefix_;
@@ -604,6 +622,46 @@ class TransformerTraceBuilder {
   bool last_micro_batch_ = true;
 };
 
+// Every tensor of the trace within kMaxTensorBytes, checked before anything is built, with the
+// dimensions that make it too large named: a weight is at most two dimensions of the shape, an
+// activation at most the tokens of a micro-batch times the widest per-token dimension, each
+// element at most 4 bytes.
+void check_sizes(const TransformerConfig& cfg, std::int64_t batch, std::int64_t seq,
+                 const AnalyticTraceOptions& o) {
+  const auto u = [](std::int64_t v) { return static_cast<std::uint64_t>(v); };
+  struct Dim {
+    const char* name;
+    std::int64_t value;
+  };
+  std::vector<Dim> dims{{"hidden", cfg.hidden}, {"ffn", cfg.ffn}, {"vocab", cfg.vocab}};
+  if (cfg.arch == Architecture::kGpt2) dims.push_back({"max_seq", cfg.max_seq});
+  const Dim& hidden = dims.front();  // every weight has the hidden size as one side
+  for (const Dim& d : dims) {
+    TIDAL_EXPECT_AS(InvalidArgument,
+                    product_within(u(hidden.value), u(d.value), kMaxTensorBytes / kFloat),
+                    "a weight of hidden (", hidden.value, ") x ", d.name, " (", d.value,
+                    ") elements would hold more than 1 PiB: give a smaller ", d.name,
+                    &d == &hidden ? "" : " or hidden");
+  }
+  const std::int64_t per_micro_batch = batch / o.data_parallel / o.micro_batches;
+  const auto tokens = product_within(u(per_micro_batch), u(seq), kMaxTensorBytes);
+  std::int64_t widest = 3 * cfg.hidden;
+  const char* widest_name = "3 x hidden";
+  for (const Dim& d : dims) {
+    if (d.value > widest && std::string(d.name) != "max_seq") {
+      widest = d.value;
+      widest_name = d.name;
+    }
+  }
+  TIDAL_EXPECT_AS(
+      InvalidArgument, tokens && product_within(*tokens, u(widest), kMaxTensorBytes / kFloat),
+      "batch (", batch, ") x seq (", seq, ") makes ",
+      tokens ? std::to_string(*tokens) : std::string("more than 2^50"),
+      " tokens per micro-batch; an activation of that many tokens x ", widest_name, " (", widest,
+      ") would hold more than 1 PiB: give a smaller batch or seq, or more "
+      "micro-batches");
+}
+
 void check_arguments(const TransformerConfig& cfg, std::int64_t batch, std::int64_t seq,
                      const Hardware& hw, const AnalyticTraceOptions& o) {
   TIDAL_EXPECT_AS(InvalidArgument, batch > 0 && seq > 0, "batch and seq must be positive, got ",
@@ -624,6 +682,7 @@ void check_arguments(const TransformerConfig& cfg, std::int64_t batch, std::int6
                   "tensor parallelism over ", tp, " GPUs splits the key/value heads (",
                   cfg.kv_heads, "), the MLP (", cfg.ffn, ") and the vocabulary (", cfg.vocab,
                   "): each must divide evenly");
+  check_sizes(cfg, batch, seq, o);
   TIDAL_EXPECT_AS(InvalidArgument, (dp == 1 && tp == 1) || hw.gpu_link_bw > 0,
                   "more than one GPU needs the bandwidth of the link between them (gpu_link_bw; "
                   "the ",
@@ -632,9 +691,36 @@ void check_arguments(const TransformerConfig& cfg, std::int64_t batch, std::int6
 
 }  // namespace
 
+AnalyticTraceSize analytic_trace_size(const TransformerConfig& cfg, std::int64_t batch,
+                                      std::int64_t seq, const Hardware& hw,
+                                      const AnalyticTraceOptions& options) {
+  check_arguments(cfg, batch, seq, hw, options);
+  TransformerConfig small = cfg;
+  AnalyticTraceSize one;
+  AnalyticTraceSize two;
+  for (int layers : {1, 2}) {
+    small.layers = layers;
+    const trace::Trace t = TransformerTraceBuilder(small, batch, seq, hw, options).build();
+    AnalyticTraceSize& s = layers == 1 ? one : two;
+    s.ops = static_cast<std::int64_t>(t.ops.size());
+    s.tensors = static_cast<std::int64_t>(t.tensors.size());
+  }
+  const auto blocks = static_cast<std::int64_t>(cfg.layers) - 1;
+  AnalyticTraceSize out{one.ops + blocks * (two.ops - one.ops),
+                        one.tensors + blocks * (two.tensors - one.tensors)};
+  constexpr std::int64_t kMaxIndex = std::numeric_limits<std::int32_t>::max();
+  TIDAL_EXPECT_AS(InvalidArgument, out.ops <= kMaxIndex && out.tensors <= kMaxIndex,
+                  "an analytic trace of ", cfg.name, " with ", cfg.layers, " layers would have ",
+                  out.ops, " ops and ", out.tensors,
+                  " tensors, more than a trace can index (2^31): give fewer layers");
+  return out;
+}
+
 trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch, std::int64_t seq,
                                const Hardware& hw, const AnalyticTraceOptions& options) {
   check_arguments(cfg, batch, seq, hw, options);
+  // Beyond a few blocks, the index limits are checked before anything is allocated.
+  if (cfg.layers > 2) (void)analytic_trace_size(cfg, batch, seq, hw, options);
   trace::Trace t = TransformerTraceBuilder(cfg, batch, seq, hw, options).build();
   t.model = cfg.name;
   t.device = "cuda:0";

@@ -30,6 +30,22 @@ TEST(Units, RejectsGarbageWithAHint) {
   }
 }
 
+// A size past what any memory or disk holds is refused with its text, never wrapped: 1e19 bytes
+// once came back as 2^63 (llround out of range), and sizes near 2^64 overflowed the sums
+// downstream.
+TEST(Units, RejectsSizesThatWouldOverflow) {
+  EXPECT_EQ(parse_bytes("1048576TiB"), std::uint64_t{1} << 60);  // 1 EiB, the largest
+  for (const char* text : {"1048577TiB", "1e19", "18446744073709551615", "1e300GB"}) {
+    try {
+      const std::uint64_t got = parse_bytes(text);
+      ADD_FAILURE() << text << " was accepted as " << got;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("too large"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(Units, ParsesBandwidthAndDurations) {
   EXPECT_DOUBLE_EQ(parse_bandwidth("6.5GB/s"), 6.5e9);
   EXPECT_DOUBLE_EQ(parse_bandwidth("800MiB/s"), 800.0 * kMiB);

@@ -72,6 +72,48 @@ TEST(MeasureBandwidth, AFailingStoreThrowsAndKeepsNoTickets) {
   EXPECT_EQ(store.stats().used_bytes, 0u);
 }
 
+// A store smaller than the probe asked for: the probe shrinks to half its free space, so the
+// measurement never fills the user's store (once 64 MiB into a 32 MiB store counted
+// "store_full x16" as the store's own degradation, and the figures were silently not measured).
+TEST(MeasureBandwidth, TheProbeFitsTheStoreAndNeverFillsIt) {
+  testing::TestDir dir;
+  StoreOptions o;
+  o.dirs = {dir.path()};
+  o.capacity = 32 * kMiB;
+  o.backend = BackendKind::kPosix;
+  TensorStore store(o);
+  MeasureOptions mo;
+  mo.bytes = 64 * kMiB;
+  const MeasuredBandwidth m = measure_bandwidth(store, mo);
+  EXPECT_GT(m.bytes, 0u);
+  EXPECT_LE(m.bytes, 16 * kMiB);
+  EXPECT_GT(m.write_bytes_per_second, 0);
+  const StoreStats s = store.stats();
+  EXPECT_EQ(s.store_full.count, 0u) << s.store_full.reason;
+  EXPECT_EQ(s.failed_requests, 0u);
+  EXPECT_EQ(s.tickets, 0u);
+}
+
+// Too small to measure at all: an IoError that says "not measured" and why, and still nothing
+// counted against the store.
+TEST(MeasureBandwidth, AStoreTooSmallToMeasureSaysWhyAndCountsNothing) {
+  testing::TestDir dir;
+  StoreOptions o;
+  o.dirs = {dir.path()};
+  o.capacity = kMiB;
+  o.backend = BackendKind::kPosix;
+  TensorStore store(o);
+  try {
+    (void)measure_bandwidth(store);
+    ADD_FAILURE() << "a 1 MiB store was measured";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("not measured"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("1.00 MiB"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(store.stats().store_full.count, 0u);
+  EXPECT_EQ(store.stats().failed_requests, 0u);
+}
+
 TEST(MeasureBandwidth, SsdSpecIsPerDirectory) {
   MeasuredBandwidth m;
   m.write_bytes_per_second = 4e9;

@@ -13,8 +13,13 @@ namespace tidal {
 /// Move-only; not thread-safe. Errors throw tidal::IoError naming the path.
 class AtomicFile {
  public:
-  /// Creates `<path>.tmp.<pid>` in path's directory (0600). Throws tidal::IoError when the
-  /// directory does not exist or is not writable.
+  /// Creates `<path>.tmp.<pid>` in path's directory (0600). First removes the `<path>.tmp.<pid>`
+  /// files of earlier writers of this path that were killed mid-write (SIGKILL leaves its
+  /// temporary file): those whose pid no longer exists (kill(pid, 0) fails with ESRCH); files
+  /// of live processes are left alone. This assumes every writer of the directory runs on this
+  /// host (a pid names a process here only): on a directory shared over the network, a file of a
+  /// writer on another host whose pid is free here would be removed while it writes. Throws
+  /// tidal::IoError when the directory does not exist or is not writable.
   explicit AtomicFile(std::string path);
   AtomicFile(AtomicFile&& other) noexcept;
   AtomicFile& operator=(AtomicFile&&) = delete;

@@ -24,7 +24,9 @@ struct Env {
 /// Reads the variables now. Throws tidal::InvalidArgument naming the variable on a bad value.
 Env read_env();
 
-/// The variables as read at first call (thread-safe, cached for the process).
+/// The variables as read at first call (thread-safe, cached for the process). The store does not
+/// use it: io::TensorStore calls read_env() each time one opens, so a variable set before that
+/// (setenv in a program or a test) applies to it.
 const Env& env();
 
 }  // namespace tidal

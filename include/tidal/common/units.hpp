@@ -13,7 +13,8 @@ inline constexpr std::uint64_t kGiB = 1024 * kMiB;
 
 /// Parse a byte count: a number with an optional unit B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB
 /// (KB = 1000, KiB = 1024; a bare K/M/G/T is binary). Case-insensitive, spaces allowed,
-/// fractions allowed ("1.5GiB"). Throws tidal::InvalidArgument with a hint on bad input.
+/// fractions allowed ("1.5GiB"). At most 1 EiB (2^60). Throws tidal::InvalidArgument with a hint
+/// on bad input and on a larger size.
 std::uint64_t parse_bytes(std::string_view text);
 
 /// Parse a bandwidth in bytes per second: "<size>/s", e.g. "6.5GB/s", "800MiB/s". A bare size

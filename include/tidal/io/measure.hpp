@@ -32,9 +32,13 @@ struct MeasureOptions {
 };
 
 /// Writes then reads `bytes` (rounded to whole `block`s) through `store` with `depth` requests in
-/// flight and times both. Uses and frees its own tickets; needs that much free capacity.
-/// Throws tidal::IoError if a request fails. Not a benchmark (see `tidal bench-io`): no
-/// verification beyond the store's checksums, a few hundred MiB at most is enough.
+/// flight and times both. Uses and frees its own tickets. The probe fits the store: at most half
+/// of its free space (bytes and block lowered to that, MeasuredBandwidth::bytes says what moved),
+/// so it never fills the store nor counts a store_full against it. Throws tidal::IoError (ENOSPC)
+/// saying "bandwidth not measured" and why when the store has less than 2 MiB free, and
+/// tidal::IoError if a request fails; the caller then says which figures it uses instead. Not a
+/// benchmark (see `tidal bench-io`): no verification beyond the store's checksums, a few hundred
+/// MiB at most is enough.
 MeasuredBandwidth measure_bandwidth(TensorStore& store, const MeasureOptions& options);
 MeasuredBandwidth measure_bandwidth(TensorStore& store, std::uint64_t bytes = 256ull << 20,
                                     std::uint64_t block = 1ull << 20, int depth = 16);

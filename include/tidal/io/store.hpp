@@ -30,7 +30,8 @@ enum class GdsMode : std::uint8_t { kAuto, kOn, kOff };
 
 struct StoreOptions {
   /// One directory per SSD. Each gets one preallocated file of capacity / dirs.size() bytes.
-  /// Empty: TIDAL_DIRS, else an error.
+  /// Empty: TIDAL_DIRS, else an error. Each must be a distinct directory (compared by device and
+  /// inode, so "d", "d/" and a link to d are the same one): the same one twice is an error.
   std::vector<std::string> dirs;
   /// Total bytes over all files. 0: 25% of the free space of the first directory, at most 64 GiB.
   std::uint64_t capacity = 0;
@@ -108,8 +109,10 @@ struct StoreStats {
 /// deletes its files.
 class TensorStore final : public Tier {
  public:
-  /// Opens (creates and preallocates) the store files. Throws tidal::InvalidArgument for bad
-  /// options and tidal::IoError when a directory is unusable, saying which and what to do.
+  /// Opens (creates and preallocates) the store files. The TIDAL_* variables (common/env.hpp)
+  /// are read now, each time a store opens. Throws tidal::InvalidArgument for bad options or
+  /// variables (naming the variable) and tidal::IoError when a directory is unusable, saying
+  /// which and what to do.
   explicit TensorStore(StoreOptions options);
   ~TensorStore() override;
   TensorStore(const TensorStore&) = delete;

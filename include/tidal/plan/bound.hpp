@@ -2,6 +2,7 @@
 // planner can beat, so that "x% of ideal" can be read against what is possible. Torch-free.
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "tidal/plan/hardware.hpp"
@@ -39,6 +40,9 @@ struct StallBound {
 /// independently; the best set of them is found by dynamic programming over all windows
 /// (O(ops^2), cut off where no window can stall any more). Windows do not wrap around the end of
 /// the iteration, which can only make the bound lower.
-StallBound stall_lower_bound(const trace::Trace& trace, const Hardware& hw);
+/// `progress`, when set, is called now and then with the share of window starts searched (0..1),
+/// on the calling thread.
+StallBound stall_lower_bound(const trace::Trace& trace, const Hardware& hw,
+                             const std::function<void(double)>& progress = {});
 
 }  // namespace tidal::plan

@@ -119,6 +119,20 @@ struct AnalyticTraceOptions {
 trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch, std::int64_t seq,
                                const Hardware& hw, const AnalyticTraceOptions& options = {});
 
+/// How many ops and tensors transformer_trace() would make, known before it allocates them.
+struct AnalyticTraceSize {
+  std::int64_t ops = 0;
+  std::int64_t tensors = 0;
+};
+
+/// The size of transformer_trace(cfg, batch, seq, hw, options), found from the traces of the
+/// same model with one and two blocks (both counts grow by the same amount with each block), in
+/// microseconds whatever the number of blocks. Throws what transformer_trace() throws for the
+/// arguments, and tidal::InvalidArgument when the ops or tensors would not fit a 32-bit index.
+AnalyticTraceSize analytic_trace_size(const TransformerConfig& cfg, std::int64_t batch,
+                                      std::int64_t seq, const Hardware& hw,
+                                      const AnalyticTraceOptions& options = {});
+
 /// Reorders a trace into the optimizer-in-backward schedule: every optimizer-phase op that reads
 /// a gradient moves to right after the last non-optimizer op that uses one of its gradients
 /// (the op that completes it); optimizer ops that read no gradient stay where they are, and

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The torch-free commands (plan, simulate, bench-io) on bad or absurd input: a clear error that
+# names the flag and what to do (exit status 1 or 2, never a signal or a wrapped number), early.
+#
+#   tests/cli/core.sh PATH_TO_TIDAL
+set -uo pipefail
+tidal=$1
+tmp=$(mktemp -d /var/tmp/tidal-cli-core-XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+
+fail() {  # fail WHAT OUTPUT
+  echo "FAIL: $1"
+  tail -n 3 <<<"$2" | sed 's/^/    /'
+  failures=$((failures + 1))
+}
+
+expect() {  # expect FRAGMENT ARGS...: `tidal ARGS...` fails cleanly, soon, and prints FRAGMENT
+  local want=$1
+  shift
+  local out rc
+  out=$(timeout 60 "$tidal" "$@" 2>&1)
+  rc=$?
+  if ((rc == 0 || rc > 2)); then
+    fail "(exit status $rc, expected 1 or 2): tidal $*" "$out"
+  elif ! grep -qF -- "$want" <<<"$out"; then
+    fail "(no '$want' in the message): tidal $*" "$out"
+  elif grep -q "18446744073709" <<<"$out"; then
+    fail "(a wrapped size in the message): tidal $*" "$out"
+  else
+    echo "ok   tidal $*"
+  fi
+}
+
+mkdir -p "$tmp/ssd0" "$tmp/ssd1"
+ln -s "$tmp/ssd0" "$tmp/link0"
+bench=(bench-io --size 1MiB --block 64KiB)
+
+# Store directories: an empty --dir is an error, not TIDAL_DIRS or a default without a word;
+# the same directory twice, however spelt, is one SSD, not two.
+TIDAL_DIRS="$tmp/ssd1" expect "--dir '' names no directory" "${bench[@]}" --dir ""
+expect "has an empty name between commas" "${bench[@]}" --dir "$tmp/ssd0,,$tmp/ssd1"
+expect "are the same directory" "${bench[@]}" --dir "$tmp/ssd0,$tmp/ssd0/"
+expect "are the same directory" "${bench[@]}" --dir "$tmp/ssd0,$tmp/link0"
+expect "--measure-dir '' names no directory" plan --model gpt2-small --batch 1 --seq 64 \
+  --measure-dir ""
+# bench-io speaks of its own flags: it has no store capacity to lower.
+expect "give a larger --block" bench-io --dir "$tmp/ssd0" --block 3
+expect "give a smaller --size" bench-io --dir "$tmp/ssd0" --size 512TiB --block 1GiB
+out=$("$tidal" bench-io --dir "$tmp/ssd0" --block 3 2>&1)
+grep -q "store capacity" <<<"$out" && fail "bench-io --block 3 speaks of a store capacity" "$out"
+
+# Sizes that would wrap: named, never printed wrapped.
+expect "--batch 9223372036854775807" plan --model llama3-8b --batch 9223372036854775807 --seq 512
+expect "batch (" plan --model llama3-8b --batch 4294967296 --seq 4096
+expect "too large" plan --model gpt2-small --batch 1 --seq 64 --gpu-mem 1e19
+expect "give a smaller hidden" simulate --model llama3-8b --batch 1 --seq 64 --hidden 1099511627776 \
+  --heads 1 --kv-heads 1 --policy tidal
+# --ssd names the figure that is wrong and the form.
+expect "the read bandwidth of each SSD" plan --model gpt2-small --batch 1 --seq 64 --ssd 4x6/0GB/s
+expect "<count>x<write>/<read>" plan --model gpt2-small --batch 1 --seq 64 --ssd 4x0/0GB/s
+
+# A trace too large to hold is refused at once, with its size and what to do (it once ran for
+# minutes and ended in std::bad_alloc).
+start=$(date +%s%N)
+expect "give fewer layers (--layers" plan --model llama3-8b --batch 1 --seq 512 --layers 1000000
+ms=$((($(date +%s%N) - start) / 1000000))
+((ms < 5000)) || fail "--layers 1000000 took $ms ms to be refused" ""
+
+# A long plan shows its progress on a terminal (script(1) gives it one) ...
+if command -v script >/dev/null; then
+  out=$(script -qec "$tidal plan --model llama3-8b --batch 1 --seq 512 --layers 40" /dev/null 2>&1)
+  if grep -q "planning .*%" <<<"$out" && grep -q "lower bound .*%" <<<"$out"; then
+    echo "ok   plan shows its progress on a terminal"
+  else
+    fail "plan shows no progress on a terminal" "$out"
+  fi
+else
+  echo "skip progress on a terminal: no script(1) here"
+fi
+# ... and Ctrl-C stops it at once, saying so, with exit status 130. A background job of a script
+# starts with SIGINT ignored: the command must install its own handler to be stopped by it.
+"$tidal" plan --model llama3-8b --batch 1 --seq 512 --layers 4000 >"$tmp/int.out" 2>&1 &
+pid=$!
+sleep 1
+kill -INT "$pid"
+for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+if kill -0 "$pid" 2>/dev/null; then
+  kill -KILL "$pid"
+  wait "$pid" 2>/dev/null
+  fail "plan still ran 5 s after SIGINT" "$(cat "$tmp/int.out")"
+else
+  wait "$pid"
+  rc=$?
+  if ((rc == 130)) && grep -q "interrupted" "$tmp/int.out"; then
+    echo "ok   SIGINT stops plan (exit status 130, said)"
+  else
+    fail "SIGINT: exit status $rc (expected 130) or no message" "$(cat "$tmp/int.out")"
+  fi
+fi
+
+((failures == 0)) && echo "all torch-free CLI checks passed"
+exit $((failures > 0))
