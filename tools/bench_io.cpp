@@ -156,7 +156,8 @@ void run_bench_io(const BenchIoArgs& a) {
   // derives from --size and --block.
   for (const auto& d : o.dirs) {
     struct statvfs st {};
-    if (::statvfs(d.c_str(), &st) != 0) continue;  // the store says what is wrong with it
+    // Unreadable, or a file system without blocks (/proc, sysfs): the store says what is wrong.
+    if (::statvfs(d.c_str(), &st) != 0 || st.f_blocks == 0) continue;
     const std::uint64_t free = static_cast<std::uint64_t>(st.f_bavail) * st.f_frsize;
     const std::uint64_t need = o.capacity / nfiles;
     TIDAL_EXPECT_AS(InvalidArgument, need <= free, "bench-io needs ",

@@ -194,8 +194,11 @@ struct Session::Impl {
       measured_ssd = io::ssd_spec(m, store->options().dirs.size());
       io_compute[plan::index_of(plan::Channel::kSsdWrite)] = m.write_compute_seconds_per_byte;
       io_compute[plan::index_of(plan::Channel::kSsdRead)] = m.read_compute_seconds_per_byte;
-    } catch (const IoError&) {
-      measured_ssd.clear();  // a failing store: plan with the preset's figures
+    } catch (const IoError& e) {
+      measured_ssd.clear();  // a failing or too small store: plan with the preset's figures
+      const std::string why = "SSD figures not measured (" + std::string(e.what()) +
+                              "): the plan uses the " + opt.hardware + " preset's";
+      stats.notice = stats.notice.empty() ? why : stats.notice + "; " + why;
     }
     if (on_cpu && opt.host_memory > 0) {
       const double copy = io::measure_copy_compute_cost();

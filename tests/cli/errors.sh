@@ -48,6 +48,8 @@ else
   expect "this libtorch has no CUDA or no GPU is visible" "${train[@]}" --device cuda
 fi
 expect "is not a device" "${train[@]}" --device tpu
+expect "--dir '' names no directory" train --model gpt-tiny --batch 2 --seq 16 --steps 6 \
+  --offload plan --dir ""
 expect "--io-compute-cost '0.5/x/1': give three figures" simulate --model gpt2-small --batch 1 \
   --seq 64 --hardware cpu-here --gpu-mem 1GiB --io-compute-cost 0.5/x/1
 # A budget no plan can meet is reported with the CLI's flag, not the library's option names.

@@ -22,6 +22,7 @@
 #include "hardware_flags.hpp"
 #include "model_options.hpp"
 #include "progress.hpp"
+#include "store_flags.hpp"
 #include "tidal/common/env.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/stats.hpp"
@@ -112,6 +113,7 @@ struct TrainArgs {
   std::string offload = "none";
   std::string mem_budget = "50%";
   std::string dirs;
+  bool dirs_given = false;  // --dir on the command line (an empty one is an error, not a default)
   std::string capacity = "0";
   std::string min_offload = "1MiB";
   int warmup_steps = 1;
@@ -180,7 +182,7 @@ void run_train(const TrainArgs& args) {
       options.device;  // the meter's device, and the planner's (no CPU cost of I/O on a GPU)
   so.mode = torch_layer::offload_mode_from_string(args.offload);
   if (so.mode != torch_layer::OffloadMode::kNone) {
-    so.store.dirs = split_list(args.dirs);
+    so.store.dirs = args.dirs_given ? parse_dir_flag("--dir", args.dirs) : split_list(args.dirs);
     if (so.store.dirs.empty() && !env().dirs) {
       so.store.dirs = {"/var/tmp/tidal"};  // the default: created if missing
       make_directory(so.store.dirs[0], "the default store directory");
@@ -522,9 +524,14 @@ void add_train_command(CLI::App& app) {
                   "plan mode: memory to stay under, bytes (2GiB) or a percentage of the peak "
                   "measured while profiling (50%)")
       ->capture_default_str();
-  cmd->add_option("--dir", args->dirs,
-                  "store directories, comma-separated, one per SSD (default TIDAL_DIRS, else "
-                  "/var/tmp/tidal)");
+  cmd->add_option_function<std::string>(
+      "--dir",
+      [args](const std::string& v) {
+        args->dirs = v;
+        args->dirs_given = true;
+      },
+      "store directories, comma-separated, one per SSD (default TIDAL_DIRS, else "
+      "/var/tmp/tidal)");
   cmd->add_option("--store-capacity", args->capacity,
                   "bytes the store reserves over its directories (0: 25% of the free space, at "
                   "most 64GiB)")
