@@ -35,6 +35,11 @@ run_case() {  # run_case NAME ARGS...
   if ls "$ck" | grep -q '\.tmp\.'; then
     echo "FAIL $name: a temporary checkpoint file was left as the checkpoint"; failures=$((failures + 1))
   fi
+  # The store's files are unnamed (O_TMPFILE): the killed run left nothing in its directory.
+  if [ -n "$(ls -A "$tmp/store")" ]; then
+    echo "FAIL $name: the killed run left files in the store directory: $(ls -A "$tmp/store" | head -3)"
+    failures=$((failures + 1))
+  fi
   "$tidal" "${base[@]}" --resume "$ck" >"$tmp/$name.resumed" 2>"$tmp/$name.resumed.err" || {
     echo "FAIL $name: resumed run failed"; tail -n 3 "$tmp/$name.resumed.err"
     failures=$((failures + 1)); return; }
