@@ -80,15 +80,19 @@ if (($? == 0)) || ! grep -q "written with batch = 4, this run has batch = 2" <<<
 else
   echo "ok   --resume with another batch names it"
 fi
+refused_resume() {  # refused_resume DIR FRAGMENT WHAT: --resume DIR exits 1 or 2 saying FRAGMENT
+  local out rc
+  out=$("$tidal" train --model gpt-tiny --batch 4 --seq 32 --steps 12 --resume "$1" 2>&1)
+  rc=$?
+  if ((rc == 0 || rc > 2)) || ! grep -q "$2" <<<"$out"; then
+    echo "FAIL --resume of $3 (rc $rc): $out"; failures=$((failures + 1))
+  else
+    echo "ok   --resume of $3 says '$2'"
+  fi
+}
 head -c 1000 "$tmp/ck-none/checkpoint.pt" >"$tmp/truncated.pt"
 mkdir -p "$tmp/ck-trunc" && mv "$tmp/truncated.pt" "$tmp/ck-trunc/checkpoint.pt"
-out=$("$tidal" train --model gpt-tiny --batch 4 --seq 32 --steps 12 --resume "$tmp/ck-trunc" 2>&1)
-rc=$?
-if ((rc == 0 || rc > 2)) || ! grep -q "cannot be read" <<<"$out"; then
-  echo "FAIL --resume of a truncated checkpoint (rc $rc): $out"; failures=$((failures + 1))
-else
-  echo "ok   --resume of a truncated checkpoint says it cannot be read"
-fi
+refused_resume "$tmp/ck-trunc" "cannot be read" "a truncated checkpoint"
 
 # One bit flipped in the middle of a checkpoint (tensor data): a clear error, not a resumed run
 # that trains on wrong weights.
@@ -102,13 +106,7 @@ with open(path, "r+b") as f:
     f.seek(-1, 1)
     f.write(bytes([b[0] ^ 0x10]))
 PY
-out=$("$tidal" train --model gpt-tiny --batch 4 --seq 32 --steps 12 --resume "$tmp/ck-flip" 2>&1)
-rc=$?
-if ((rc == 0 || rc > 2)) || ! grep -q "is damaged" <<<"$out"; then
-  echo "FAIL --resume of a checkpoint with a flipped bit (rc $rc): $out"; failures=$((failures + 1))
-else
-  echo "ok   --resume of a checkpoint with a flipped bit says it is damaged"
-fi
+refused_resume "$tmp/ck-flip" "is damaged" "a checkpoint with a flipped bit"
 
 # The disk fills while the checkpoint is written (a file size limit: EFBIG where a full disk
 # gives ENOSPC): an error that says so, exit 1 or 2 (not an abort), no temporary file left.

@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "test_dir.hpp"
 #include "tidal/common/error.hpp"
@@ -11,13 +14,18 @@
 namespace tidal::io {
 namespace {
 
+// A store on the POSIX backend (the store's logic is under test; io_uring blinds TSan).
+StoreOptions posix_store(std::vector<std::string> dirs, std::uint64_t capacity) {
+  StoreOptions o;
+  o.dirs = std::move(dirs);
+  o.capacity = capacity;
+  o.backend = BackendKind::kPosix;
+  return o;
+}
+
 TEST(MeasureBandwidth, MovesWholeBlocksBothWaysAndLeavesTheStoreEmpty) {
   testing::TestDir dir;
-  StoreOptions o;
-  o.dirs = {dir.sub("a"), dir.sub("b")};
-  o.capacity = 64 * kMiB;
-  o.backend = BackendKind::kPosix;  // the store's logic is under test; io_uring blinds TSan
-  TensorStore store(o);
+  TensorStore store(posix_store({dir.sub("a"), dir.sub("b")}, 64 * kMiB));
   const MeasuredBandwidth m = measure_bandwidth(store, 10 * kMiB + 123, kMiB, 4);
   EXPECT_EQ(m.bytes, 10 * kMiB);
   EXPECT_GT(m.write_bytes_per_second, 0);
@@ -32,11 +40,7 @@ TEST(MeasureBandwidth, MovesWholeBlocksBothWaysAndLeavesTheStoreEmpty) {
 
 TEST(MeasureBandwidth, TheComputeCostIsMeasuredOnlyWhenAskedAndLeavesTheStoreEmpty) {
   testing::TestDir dir;
-  StoreOptions o;
-  o.dirs = {dir.path()};
-  o.capacity = 64 * kMiB;
-  o.backend = BackendKind::kPosix;
-  TensorStore store(o);
+  TensorStore store(posix_store({dir.path()}, 64 * kMiB));
   MeasureOptions mo;
   mo.bytes = 8 * kMiB;
   mo.depth = 4;
@@ -61,11 +65,8 @@ TEST(MeasureBandwidth, TheComputeCostIsMeasuredOnlyWhenAskedAndLeavesTheStoreEmp
 
 TEST(MeasureBandwidth, AFailingStoreThrowsAndKeepsNoTickets) {
   testing::TestDir dir;
-  StoreOptions o;
-  o.dirs = {dir.path()};
-  o.capacity = 32 * kMiB;
+  StoreOptions o = posix_store({dir.path()}, 32 * kMiB);
   o.faults.fail_op = 3;
-  o.backend = BackendKind::kPosix;
   TensorStore store(o);
   EXPECT_THROW(measure_bandwidth(store, 8 * kMiB, kMiB, 2), IoError);
   EXPECT_EQ(store.stats().tickets, 0u);
@@ -77,11 +78,7 @@ TEST(MeasureBandwidth, AFailingStoreThrowsAndKeepsNoTickets) {
 // "store_full x16" as the store's own degradation, and the figures were silently not measured).
 TEST(MeasureBandwidth, TheProbeFitsTheStoreAndNeverFillsIt) {
   testing::TestDir dir;
-  StoreOptions o;
-  o.dirs = {dir.path()};
-  o.capacity = 32 * kMiB;
-  o.backend = BackendKind::kPosix;
-  TensorStore store(o);
+  TensorStore store(posix_store({dir.path()}, 32 * kMiB));
   MeasureOptions mo;
   mo.bytes = 64 * kMiB;
   const MeasuredBandwidth m = measure_bandwidth(store, mo);
@@ -98,11 +95,7 @@ TEST(MeasureBandwidth, TheProbeFitsTheStoreAndNeverFillsIt) {
 // counted against the store.
 TEST(MeasureBandwidth, AStoreTooSmallToMeasureSaysWhyAndCountsNothing) {
   testing::TestDir dir;
-  StoreOptions o;
-  o.dirs = {dir.path()};
-  o.capacity = kMiB;
-  o.backend = BackendKind::kPosix;
-  TensorStore store(o);
+  TensorStore store(posix_store({dir.path()}, kMiB));
   try {
     (void)measure_bandwidth(store);
     ADD_FAILURE() << "a 1 MiB store was measured";
