@@ -205,9 +205,22 @@ grep -A1 ': Skipped$' "$out/gtest-cuda.log" | grep -v -e ': Skipped$' -e '^--$' 
   sed 's/^/   skipped: /' >&2 || true
 if ((want_python)); then
   note "pytest tests/python/test_cuda.py"
-  if ! PYTHONPATH=$build/python${PYTHONPATH:+:$PYTHONPATH} timeout "$(limit_for 120 240)" \
-    "$py" -m pytest -q -rs -p no:cacheprovider tests/python/test_cuda.py >"$out/pytest-cuda.log" 2>&1; then
-    failures+=("pytest tests/python/test_cuda.py (log: $out/pytest-cuda.log)")
+  rc=0
+  PYTHONFAULTHANDLER=1 PYTHONPATH=$build/python${PYTHONPATH:+:$PYTHONPATH} \
+    timeout "$(limit_for 120 240)" "$py" -m pytest -q -rs -p no:cacheprovider \
+    tests/python/test_cuda.py >"$out/pytest-cuda.log" 2>&1 || rc=$?
+  if ((rc != 0)); then
+    failures+=("pytest tests/python/test_cuda.py (exit $rc; log: $out/pytest-cuda.log)")
+    # A crash (a signal, or Python's "Fatal Python error"): the native stack, where cuda-gdb is
+    # there (the GPU images have no gdb), first failing test only.
+    if { ((rc > 128 && rc != 137)) || grep -q "Fatal Python error" "$out/pytest-cuda.log"; } &&
+      command -v cuda-gdb >/dev/null; then
+      note "pytest crashed: the native stack under cuda-gdb (log: $out/gdb-pytest.log)"
+      PYTHONPATH=$build/python${PYTHONPATH:+:$PYTHONPATH} timeout "$(limit_for 90 240)" \
+        cuda-gdb -batch -ex run -ex bt --args "$py" -m pytest -x -q -p no:cacheprovider \
+        tests/python/test_cuda.py >"$out/gdb-pytest.log" 2>&1 || true
+      grep -A12 "received signal" "$out/gdb-pytest.log" >&2 || true
+    fi
   fi
   tail -n 12 "$out/pytest-cuda.log" >&2
 else
