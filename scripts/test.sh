@@ -20,7 +20,7 @@ ctest --test-dir build --output-on-failure -j "$(nproc)" --timeout 600
 if [ "${TIDAL_QUICK:-0}" != 1 ]; then
   # The sanitizer builds leave out the libtorch layers: libtorch itself is not instrumented.
   stamp "build with AddressSanitizer+UBSan (torch-free layers)"
-  TIDAL_TARGETS="tidal_common_tests tidal_io_tests tidal_trace_tests tidal_plan_tests" \
+  TIDAL_TARGETS="tidal_common_tests tidal_io_tests tidal_trace_tests tidal_plan_tests tidal_cli" \
     BUILD_DIR=build-asan BUILD_TYPE=Debug bash scripts/build.sh -DTIDAL_WITH_TORCH=OFF \
     -DTIDAL_BUILD_BENCH=OFF -DTIDAL_INSTALL=OFF -DTIDAL_SANITIZE=address,undefined
   stamp "tests under ASan+UBSan"
