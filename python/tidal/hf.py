@@ -25,10 +25,10 @@ except ImportError as e:  # pragma: no cover - the callback needs transformers
 
 
 def _torch_optimizer(optimizer: Any) -> Optional[torch.optim.Optimizer]:
-    # The Trainer hands out Accelerate's wrapper (AcceleratedOptimizer); the session hooks the
-    # torch optimizer inside it.
-    while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = getattr(optimizer, "optimizer", None)
+    # The Trainer hands out Accelerate's wrapper (AcceleratedOptimizer, itself an Optimizer
+    # subclass without the hooks' state); the session hooks the torch optimizer inside it.
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
     return optimizer
 
 
