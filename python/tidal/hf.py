@@ -24,7 +24,8 @@ except ImportError as e:  # pragma: no cover - the callback needs transformers
     raise ImportError("tidal.hf needs transformers (pip install transformers)") from e
 
 
-def _torch_optimizer(optimizer: Any) -> Optional[torch.optim.Optimizer]:
+def unwrap_optimizer(optimizer: Any) -> Optional[torch.optim.Optimizer]:
+    """The torch optimizer inside Accelerate's wrapper (or the optimizer itself)."""
     # The Trainer hands out Accelerate's wrapper (AcceleratedOptimizer, itself an Optimizer
     # subclass without the hooks' state); the session hooks the torch optimizer inside it.
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
@@ -49,7 +50,7 @@ class TidalCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.session is not None:
             self.session.close()
-        self.session = Session(model=model, optimizer=_torch_optimizer(optimizer),
+        self.session = Session(model=model, optimizer=unwrap_optimizer(optimizer),
                                **self.options)
 
     def on_step_begin(self, args, state, control, **kwargs):
