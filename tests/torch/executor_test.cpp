@@ -10,6 +10,7 @@
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/models/trainer.hpp"
+#include "tidal/torch/memory.hpp"
 #include "tidal/torch/tracer.hpp"
 #include "torch/test_models.hpp"
 
@@ -124,6 +125,72 @@ TEST(PlanExecutor, HostActionsUseThePoolAndFallBackToTheSsdWhenItIsFull) {
     EXPECT_GT(r.total.bytes_written, 0u) << "the SSD took the rest, seed " << seed;
     EXPECT_LE(pool->stats().peak_used_bytes, 256 * kKiB);
   }
+}
+
+// The hard budget's safety net alone: under a plan that moves nothing, with a budget below what
+// the step holds at its peak, every byte that leaves memory is an eviction (a tensor the
+// running op does not read, written out at once, read back by the op that needs it). The meter
+// never crosses the budget, and no loss changes.
+TEST(PlanExecutor, EvictionsKeepAHardBudgetThePlanDoesNot) {
+  const int steps = 4;
+  const auto want = plain_losses(steps);
+  testing::TestDir dir;
+  auto store = open_store(dir);
+  MemoryMeter meter;
+  models::Trainer trainer(options());
+  // As a session does: the tracer reads the meter around every op, so that the trace has each
+  // op's workspace, which the executor's budget counts.
+  Tracer::Options to{"gpt-tiny", 4, 32};
+  to.current_bytes = [&meter] { return meter.current_bytes(); };
+  to.peak_bytes = [&meter] { return meter.peak_bytes(); };
+  to.reset_peak = [&meter] { meter.reset_peak(); };
+  Tracer tracer(to);
+  std::vector<double> losses;
+  losses.push_back(trainer.step().loss);  // gradients and optimizer state exist from here on
+  trainer.register_persistent(tracer);
+  tracer.start();
+  trainer.add_observer(&tracer);
+  meter.reset_peak();
+  losses.push_back(trainer.step().loss);  // profiled
+  const std::uint64_t profiled_peak = std::max(meter.peak_bytes(), tracer.step_peak());
+  const trace::Trace tr = tracer.result().trace;
+  plan::Plan keep_all;  // no actions: the plan keeps every tensor in memory
+  keep_all.num_ops = static_cast<std::int32_t>(tr.ops.size());
+  keep_all.num_tensors = static_cast<std::int32_t>(tr.tensors.size());
+  ExecutorOptions eo;
+  eo.min_bytes = 16 * kKiB;
+  eo.budget = profiled_peak * 85 / 100;
+  eo.current_bytes = [&meter] { return meter.current_bytes(); };
+  PlanExecutor ex(store, tr, keep_all, eo);
+  ex.bind_alive(tracer.alive_tensors());
+  tracer.set_keep_iterations(false);
+  tracer.set_listener(&ex);
+  trainer.add_observer(&ex);
+  std::uint64_t worst_peak = 0;
+  ExecutorStats total;
+  for (int i = 2; i < steps; ++i) {
+    ex.fit_budget();
+    meter.reset_peak();
+    losses.push_back(trainer.step().loss);
+    worst_peak = std::max(worst_peak, meter.peak_bytes());
+    const ExecutorStats s = ex.last_step();
+    EXPECT_EQ(s.offloads, s.evictions) << "step " << i << ": the plan moves nothing";
+    EXPECT_EQ(s.prefetches, 0u) << "step " << i;
+    total.evictions += s.evictions;
+    total.evicted_bytes += s.evicted_bytes;
+    total.misses += s.misses;
+    total.write_failures += s.write_failures;
+  }
+  trainer.remove_observer(&ex);
+  trainer.remove_observer(&tracer);
+  tracer.set_listener(nullptr);
+  EXPECT_EQ(losses, want);
+  EXPECT_GT(total.evictions, 0u);
+  EXPECT_GT(total.evicted_bytes, 0u);
+  EXPECT_GT(total.misses, 0u) << "evicted tensors come back when an op needs them";
+  EXPECT_EQ(total.write_failures, 0u);
+  EXPECT_LE(worst_peak, eo.budget)
+      << "profiled peak " << profiled_peak << ", " << total.evicted_bytes << " bytes evicted";
 }
 
 TEST(PlanExecutor, RefusesAPlanForAnotherTrace) {
