@@ -31,19 +31,25 @@ def test_gpt_example_in_three_modes(store_dir):
         assert runs[mode]["summary"]["store_bytes_written"] > 0, mode
 
 
-def test_hf_finetune_example_same_losses_with_the_callback(store_dir):
+def run_losses(example, mode, store_dir, *args):
+    out = os.path.join(store_dir, f"{example}-{mode}.json")
+    cmd = [sys.executable, os.path.join(ROOT, "examples/python", example), "--mode", mode,
+           "--dir", store_dir, "--json", out, *args]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:]
+    with open(out) as f:
+        return json.load(f)["losses"]
+
+
+def test_hugging_face_examples_same_losses_with_tidal(store_dir):
     import pytest
 
-    pytest.importorskip("transformers")
-    losses = {}
-    for mode in ("none", "plan"):
-        out = os.path.join(store_dir, f"hf-{mode}.json")
-        cmd = [sys.executable, os.path.join(ROOT, "examples/python/hf_finetune.py"), "--mode",
-               mode, "--dir", store_dir, "--steps", "8", "--layers", "2", "--hidden", "64",
-               "--seq", "64", "--output", os.path.join(store_dir, "hf-out"), "--json", out]
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           timeout=300)
-        assert p.returncode == 0, p.stdout[-3000:]
-        with open(out) as f:
-            losses[mode] = json.load(f)["losses"]
-    assert len(losses["none"]) == 8 and losses["plan"] == losses["none"]
+    pytest.importorskip("accelerate")
+    for example, args, steps in (
+            ("hf_finetune.py", ["--steps", "8", "--layers", "2", "--hidden", "64", "--seq", "64",
+                                "--output", os.path.join(store_dir, "hf-out")], 8),
+            ("accelerate_train.py", ["--steps", "8"], 8)):
+        ref = run_losses(example, "none", store_dir, *args)
+        assert len(ref) == steps
+        assert run_losses(example, "plan", store_dir, *args) == ref, example
