@@ -1,6 +1,5 @@
 // `tidal train`: trains a reference model, optionally offloading tensors to SSDs, and reports
 // losses, step times, peak memory and what moved.
-#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
