@@ -54,11 +54,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--dir", default="/var/tmp/tidal-hf-bench")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
     a = p.parse_args()
     os.makedirs(a.dir, exist_ok=True)
-    hf.SEQ, hf.BATCH = 128, 8
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; batch {hf.BATCH}, "
-          f"seq {hf.SEQ}, {a.steps} steps (figures over steps 5-{a.steps})\n")
+    hf.SEQ, hf.BATCH, hf.HIDDEN, hf.LAYERS = 128, 8, a.hidden, a.layers
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; hidden {a.hidden}, "
+          f"{a.layers} layers, batch {hf.BATCH}, seq {hf.SEQ}, {a.steps} steps (figures over "
+          f"steps 5-{a.steps})\n")
     print("| model | mode | peak MiB | x none | step s | x none | MiB written/step | shapes "
           "| same losses |")
     print("|---|---|---|---|---|---|---|---|---|")

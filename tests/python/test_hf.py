@@ -17,6 +17,8 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig,  # noqa: E40
 TEXT = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "runtime.md")
 SEQ = 64
 BATCH = 4
+HIDDEN = 64  # bench/hf_models.py sets larger ones
+LAYERS = 2
 
 
 def text_ids() -> torch.Tensor:
@@ -26,16 +28,17 @@ def text_ids() -> torch.Tensor:
 
 def make(family: str) -> torch.nn.Module:
     torch.manual_seed(0)
+    h, n = HIDDEN, LAYERS
     if family == "llama":
         return LlamaForCausalLM(LlamaConfig(
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            vocab_size=256, hidden_size=h, intermediate_size=2 * h, num_hidden_layers=n,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ))
     if family == "gpt2":
-        return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4,
+        return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=h, n_layer=n, n_head=4,
                                           n_positions=SEQ, bos_token_id=0, eos_token_id=0))
     return Qwen2MoeForCausalLM(Qwen2MoeConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=256, hidden_size=h, intermediate_size=2 * h, moe_intermediate_size=h // 2,
+        shared_expert_intermediate_size=h, num_hidden_layers=n, num_attention_heads=4,
         num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
         max_position_embeddings=SEQ))
 
