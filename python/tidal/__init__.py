@@ -50,7 +50,8 @@ def memory_cap(budget):
     """The strict meter, for the block: a CPU allocation that would take the process's tensor
     memory (memory_stats()["current_bytes"]) past `budget` (bytes, or a size such as "512MiB")
     raises torch.OutOfMemoryError, as it would on a GPU with that much memory. The previous cap
-    comes back after. A Session(strict=True) sets it to its budget by itself."""
+    comes back after, unless the block changed it. A Session(strict=True) sets it to its budget
+    by itself."""
     bytes_ = parse_bytes(budget) if isinstance(budget, str) else int(budget)
     if bytes_ <= 0:
         raise InvalidArgument("memory_cap needs a positive budget, such as '512MiB'")
@@ -59,7 +60,10 @@ def memory_cap(budget):
     try:
         yield bytes_
     finally:
-        _C.set_memory_cap(previous)
+        # Unless something changed the cap since (a session's make_resident() lifts its wall):
+        # putting `previous` back then would restore a wall its session no longer holds.
+        if _C.memory_cap() == bytes_:
+            _C.set_memory_cap(previous)
 
 
 def reset_peak_memory() -> None:

@@ -202,11 +202,14 @@ void clear_cpu_memory_reclaimer(std::uint64_t token) {
 
 void note_reclaim_shortfall(std::string why) { t_shortfall = std::move(why); }
 
-ScopedCpuMemoryCap::ScopedCpuMemoryCap(std::uint64_t bytes) : previous_(cpu_memory_cap()) {
+ScopedCpuMemoryCap::ScopedCpuMemoryCap(std::uint64_t bytes)
+    : previous_(cpu_memory_cap()), bytes_(bytes) {
   set_cpu_memory_cap(bytes);
 }
 
-ScopedCpuMemoryCap::~ScopedCpuMemoryCap() { set_cpu_memory_cap(previous_); }
+ScopedCpuMemoryCap::~ScopedCpuMemoryCap() {
+  if (cpu_memory_cap() == bytes_) set_cpu_memory_cap(previous_);
+}
 
 MemoryMeter::MemoryMeter(c10::Device device) : device_(device) {
   if (device_.is_cpu()) {

@@ -764,6 +764,10 @@ void Session::end_step(std::int64_t step) {
 }
 
 void Session::make_resident() {
+  // Everything back, past the strict meter's wall if it must be (a model's whole state may be
+  // larger than the budget): code that reads raw bytes (torch.save, safetensors) needs every
+  // tensor at once. The wall comes back at the next begin_step, which first fits the budget.
+  impl_->lift_cap();
   if (impl_->executor) impl_->executor->restore_all();
 }
 

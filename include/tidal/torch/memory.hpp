@@ -70,12 +70,15 @@ void note_reclaim_shortfall(std::string why);
 class ScopedCpuMemoryCap {
  public:
   explicit ScopedCpuMemoryCap(std::uint64_t bytes);
+  /// Puts the previous cap back, unless the cap was changed again inside the scope (a
+  /// session's make_resident() lifting its wall): that would restore a wall nobody holds.
   ~ScopedCpuMemoryCap();
   ScopedCpuMemoryCap(const ScopedCpuMemoryCap&) = delete;
   ScopedCpuMemoryCap& operator=(const ScopedCpuMemoryCap&) = delete;
 
  private:
   std::uint64_t previous_;
+  std::uint64_t bytes_;
 };
 
 /// Reads and resets a device's counters. Thread-safe (atomics on CPU; the caching allocator's own

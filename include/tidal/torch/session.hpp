@@ -207,7 +207,9 @@ class Session final : public StepObserver {
   void end_step() { end_step(step_); }
 
   /// Plan mode: brings every tensor the plan moved back into memory now (for code between
-  /// steps that reads raw bytes with BetweenSteps::kOffloaded). Throws tidal::IoError.
+  /// steps that reads raw bytes with BetweenSteps::kOffloaded). Under the strict meter the
+  /// wall is lifted until the next begin_step (the state may be larger than the budget).
+  /// Throws tidal::IoError.
   void make_resident();
 
   /// Plan mode: keeps `tensor`'s storage in memory, untouched by the plan, until release() or
