@@ -263,9 +263,9 @@ class Session:
     def close(self) -> None:
         """Ends the session: every tensor it moved comes back into memory, its hooks come off
         the model and optimizer, and its store's files and disk reservation are given back.
-        stats() still answers. Call it between steps; calling it again does nothing. A DDP model keeps the communication
-        hook plan mode installed (DDP cannot remove one): it holds the store until the model
-        goes."""
+        stats() still answers. Call it between steps; calling it again does nothing. A DDP model
+        keeps the communication hook plan mode installed (DDP cannot remove one): it holds the
+        store until the model goes."""
         if self._session is None:
             return
         if self._in_step:

@@ -419,6 +419,15 @@ struct Session::Impl {
     set_cpu_memory_cap(wall);
     cap_on = true;
   }
+  // The executor's destructor brings every moved tensor back; the tracer's removes its
+  // callbacks. What ~Session and close() both do.
+  void stop_offloading() {
+    if (tracer) tracer->set_listener(nullptr);
+    lift_cap();
+    executor.reset();
+    tracer.reset();
+  }
+
   void lift_cap() {
     if (!cap_on) return;
     PlanExecutor::track_inputs(false);
@@ -597,22 +606,13 @@ Session::Session(SessionOptions options) : impl_(std::make_unique<Impl>()) {
   }
 }
 
-Session::~Session() {
-  // The executor's destructor brings tensors back; the tracer's removes its callbacks.
-  if (impl_->tracer) impl_->tracer->set_listener(nullptr);
-  impl_->lift_cap();
-  impl_->executor.reset();
-  impl_->tracer.reset();
-}
+Session::~Session() { impl_->stop_offloading(); }
 
 void Session::close() {
   Impl& m = *impl_;
   if (m.closed) return;
   TIDAL_EXPECT(!m.in_step, "close() inside step ", step_, ": end the step first");
-  if (m.tracer) m.tracer->set_listener(nullptr);
-  m.lift_cap();
-  m.executor.reset();  // brings every moved tensor back
-  m.tracer.reset();
+  m.stop_offloading();
   m.offloader.reset();
   m.persistent.clear();
   m.host.reset();

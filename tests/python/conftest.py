@@ -45,16 +45,23 @@ def make_mlp(seed: int, width: int = 1024) -> torch.nn.Module:
         torch.nn.Linear(width, 10))
 
 
-def train_mlp(data, session=None, seed: int = 3, **adam):
+def train_mlp(data, session=None, seed: int = 3, device=None, before_step=None, after_step=None,
+              **adam):
     """make_mlp(seed) trained with Adam on `data`, an ordinary loop; `session` is a
     tidal.Session or a function (model, optimizer) -> Session, called once the model exists.
-    Returns the losses (a tensor), the final parameters and the session's stats after each step."""
+    `device`: where the model goes; `before_step`/`after_step`: called around each step (a
+    GPU test's peak meter). Returns the losses (a tensor), the final parameters and the
+    session's stats after each step."""
     model = make_mlp(seed=seed)
+    if device is not None:
+        model = model.to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, **adam)
     if callable(session):
         session = session(model, opt)
     losses, stats = [], []
     for x, y in data:
+        if before_step is not None:
+            before_step()
         if session is not None:
             session.begin_step()
         opt.zero_grad()
@@ -64,6 +71,8 @@ def train_mlp(data, session=None, seed: int = 3, **adam):
         if session is not None:
             session.end_step()
             stats.append(session.stats())
+        if after_step is not None:
+            after_step()
         losses.append(loss.detach().clone())
     return torch.stack(losses), [p.detach().clone() for p in model.parameters()], stats
 

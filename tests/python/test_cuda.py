@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import tidal  # noqa: E402
-from conftest import batches, make_mlp, wait_for_writes  # noqa: E402
+from conftest import batches, make_mlp, train_mlp, wait_for_writes  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -52,27 +52,19 @@ def cuda_batches(seed: int, steps: int):
 def train(data, session=None):
     """Adam on the MLP on the GPU. Returns the losses, the final weights, the session's stats
     after each step and the CUDA allocator's peak of each step."""
-    model = make_mlp(seed=3).to(DEVICE)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    if callable(session):
-        session = session(model, opt)
-    losses, stats, peaks = [], [], []
-    for x, y in data:
+    peaks = []
+
+    def before():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        if session is not None:
-            session.begin_step()
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        if session is not None:
-            session.end_step()
-            stats.append(session.stats())
+
+    def after():
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated())
-        losses.append(loss.detach().clone())
-    return torch.stack(losses), [p.detach().clone() for p in model.parameters()], stats, peaks
+
+    losses, params, stats = train_mlp(data, session, seed=3, device=DEVICE, before_step=before,
+                                      after_step=after)
+    return losses, params, stats, peaks
 
 
 @pytest.fixture(scope="module")
