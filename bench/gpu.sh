@@ -407,8 +407,14 @@ res.update(write_seconds=write_s, read_seconds=read_s, bytes_written=st["bytes_w
            misses=last.misses, failed_requests=st["failed_requests"])
 print(json.dumps(res))
 PY
-    "$py" -c "import json,sys; print(json.dumps({'failed': sys.argv[1]}))" \
-      "TIDAL_GDS=$gds: $(tail -n 2 "$out/io-gds-$gds.log" | tail -c 300)" >"$out/io-gds-$gds.json"
+    {
+      rc=$?
+      why=$(tail -n 2 "$out/io-gds-$gds.log" | tail -c 300)
+      ((rc == 124)) && why="timed out after $s s${why:+: $why}"
+      [ -z "$why" ] && why="exit $rc, no message"
+      "$py" -c "import json,sys; print(json.dumps({'failed': sys.argv[1]}))" \
+        "TIDAL_GDS=$gds: $why" >"$out/io-gds-$gds.json"
+    }
 done
 
 # ---- (d) the table ----------------------------------------------------------------------------

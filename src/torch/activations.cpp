@@ -13,6 +13,7 @@
 #include <deque>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -56,6 +57,13 @@ struct ActivationOffloader::Impl : std::enable_shared_from_this<Impl> {
   ActivationOptions opt;
 
   std::mutex mu;
+  // On a GPU: hands queued writes to the store as soon as their kernels have run. Without it a
+  // write would start only at the next pack (training thread), whose launches run far ahead of
+  // the GPU: most writes of a forward pass would still be queued when backward begins, and
+  // backward cancels those. Started with the first queued write; ~Impl stops it.
+  std::thread submitter;
+  std::condition_variable queued_cv;  // a write was queued, or stopping
+  bool stopping = false;
   std::vector<std::shared_ptr<Record>> order;  // this step, pack order
   std::unordered_map<const c10::StorageImpl*, std::shared_ptr<Record>> by_storage;
   // Storages of parameters and other persistent tensors, with a weak reference each so that a
@@ -84,6 +92,9 @@ struct ActivationOffloader::Impl : std::enable_shared_from_this<Impl> {
   void poll_writes_locked(bool block);
   void submit_write_locked(Record& r);
   void submit_ready_locked(bool block);
+  std::shared_ptr<c10::Event> first_queued_locked() const;
+  void submit_loop();
+  ~Impl();
   void finish_write_locked(Record& r);
   void prefetch_locked(std::size_t below);
   void start_read_locked(Record& r, io::Priority p);
@@ -317,6 +328,8 @@ std::shared_ptr<Record> ActivationOffloader::Impl::pack(const at::Tensor& t, at:
   r->ready = detail::record_on_current_stream(r->device);
   if (r->ready) {
     r->state = Record::State::kQueued;
+    if (!submitter.joinable()) submitter = std::thread([this] { submit_loop(); });
+    queued_cv.notify_one();
   } else {
     submit_write_locked(*r);
   }
@@ -329,8 +342,15 @@ std::shared_ptr<Record> ActivationOffloader::Impl::pack(const at::Tensor& t, at:
 
 void ActivationOffloader::Impl::submit_write_locked(Record& r) {
   r.ready.reset();
-  r.ticket = store->write(r.storage.data(), r.nbytes, io::Priority::kOffload);
-  r.state = Record::State::kWriting;
+  try {
+    r.ticket = store->write(r.storage.data(), r.nbytes, io::Priority::kOffload);
+    r.state = Record::State::kWriting;
+  } catch (const Error& e) {
+    // Refused at once (a closed store, a size it cannot take): the tensor stays in memory.
+    ++stats.write_failures;
+    stats.write_error = e.what();
+    r.state = Record::State::kKept;
+  }
 }
 
 // Hands the store every queued write whose bytes are final (`block`: waits for them). Events
@@ -345,6 +365,38 @@ void ActivationOffloader::Impl::submit_ready_locked(bool block) {
     }
     submit_write_locked(*w);
   }
+}
+
+std::shared_ptr<c10::Event> ActivationOffloader::Impl::first_queued_locked() const {
+  for (const auto& w : writing) {
+    if (w->state == Record::State::kQueued) return w->ready;
+  }
+  return nullptr;
+}
+
+// The submitter thread: waits (unlocked) for the oldest queued write's event, then hands the
+// store every write whose bytes are final. The event is shared, so a record cancelled meanwhile
+// (backward, release) only makes the wait end early.
+void ActivationOffloader::Impl::submit_loop() {
+  std::unique_lock<std::mutex> lock(mu);
+  for (;;) {
+    std::shared_ptr<c10::Event> ready;
+    queued_cv.wait(lock, [&] { return stopping || (ready = first_queued_locked()) != nullptr; });
+    if (stopping) return;
+    lock.unlock();
+    ready->synchronize();
+    lock.lock();
+    submit_ready_locked(false);
+  }
+}
+
+ActivationOffloader::Impl::~Impl() {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    stopping = true;
+  }
+  queued_cv.notify_all();
+  if (submitter.joinable()) submitter.join();
 }
 
 // Retires finished writes in order: their memory goes back as soon as the bytes are safe.

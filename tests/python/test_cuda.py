@@ -7,6 +7,7 @@ Every test here skips, with the reason, on a machine where torch sees no CUDA de
 runs them on a GPU machine)."""
 
 import os
+import re
 
 # Deterministic cuBLAS for the bit-identity checks; read when cuBLAS starts (the first matmul on
 # the device), so set before any test of this module uses CUDA.
@@ -131,7 +132,10 @@ def test_plan_mode_on_cuda_is_bit_identical_and_executes(reference, store_dir):
     assert all(s.state == "executing" for s in stats[2:]), [s.state for s in stats]
     last = stats[-1]
     assert last.mode == "plan" and last.memory_budget == budget
-    assert last.shapes >= 1 and last.plan_summary.startswith("plan 0:")
+    # A first plan whose measured step went over the budget (the allocator's rounding) is
+    # tightened and replaced: "plan 1:" and on are as good.
+    assert last.shapes >= 1 and re.match(r"plan \d+:", last.plan_summary), last.plan_summary
+    assert last.within_budget and last.step_peak <= budget, (last.step_peak, budget)
     # The executed steps moved bytes through the store, as the plan said.
     assert sum(s.bytes_written for s in stats[3:]) > 0, last
     assert last.planned_bytes_to_ssd > 0
