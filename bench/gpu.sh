@@ -167,7 +167,7 @@ if [ "${TIDAL_GPU_BUILD:-1}" != 0 ]; then
   fi
   cuda_flag=ON
   [ "$device" = cuda ] || cuda_flag=AUTO
-  s=$(limit_for 300 250)
+  s=$(limit_for 300 150)
   note "build into $build ($targets; at most $s s): TIDAL_PYTHON=$py"
   BUILD_TYPE=${BUILD_TYPE:-Release} BUILD_DIR=$build TIDAL_TARGETS=$targets timeout "$s" bash scripts/build.sh \
     -DTIDAL_PYTHON="$py" -DTIDAL_WITH_TORCH=ON -DTIDAL_WITH_CUDA=$cuda_flag \

@@ -439,8 +439,12 @@ void ActivationOffloader::Impl::finish_write_locked(Record& r) {
 }
 
 void ActivationOffloader::Impl::start_read_locked(Record& r, io::Priority p) {
-  at::Tensor bytes = at::empty({static_cast<std::int64_t>(r.nbytes)},
-                               at::TensorOptions().dtype(at::kByte).device(r.device));
+  at::Tensor bytes;
+  {
+    detail::ReadAllocationScope scope(r.device);  // no queued kernel may use this memory
+    bytes = at::empty({static_cast<std::int64_t>(r.nbytes)},
+                      at::TensorOptions().dtype(at::kByte).device(r.device));
+  }
   r.storage = bytes.storage();
   store->read(r.ticket, r.storage.mutable_data(), p);
   r.state = Record::State::kReading;
@@ -571,6 +575,7 @@ at::Tensor ActivationOffloader::Impl::unpack(Record& r, const c10::TensorOptions
   // (still running: the tensor was forwarded from memory) finishes there, the record drops its
   // storage. Read after that, it was empty: PyTorch's "storage INTERNAL ASSERT" under load.
   c10::Storage storage = r.storage;
+  detail::record_use_on_current_stream(storage.data_ptr(), r.device);
   prefetch_locked(r.index);
   if (++r.unpacked >= r.users && r.state == Record::State::kRestored) {
     r.storage = c10::Storage();  // autograd now holds what it needs

@@ -350,7 +350,10 @@ struct PlanExecutor::Impl {
 
   void start_read(c10::StorageImpl& impl, Slot& s, io::Priority p) {
     c10::Allocator* alloc = impl.allocator();
-    s.incoming = alloc->allocate(s.nbytes);
+    {
+      detail::ReadAllocationScope scope(s.device);  // no queued kernel may use this memory
+      s.incoming = alloc->allocate(s.nbytes);
+    }
     s.tier->read(s.ticket, s.incoming.get(), p);
     settle(s, State::kReading);
     (on_host(s) ? stats.bytes_from_host : stats.bytes_read) += s.nbytes;
@@ -381,6 +384,7 @@ struct PlanExecutor::Impl {
       throw;
     }
     stalled();
+    detail::record_use_on_current_stream(s.incoming, s.device);
     impl.set_data_ptr_noswap(std::move(s.incoming));
     s.tier->free(s.ticket);
     s.ticket = io::Ticket{};
