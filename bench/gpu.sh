@@ -68,10 +68,15 @@ die() {
 }
 left() { echo $((limit - ($(date +%s) - t0))); }
 # limit_for CAP RESERVE: the seconds a stage may take: at most CAP, leaving RESERVE to the later
-# stages; at least 1 (`timeout 0` would mean no limit).
+# stages where it can, but at least a third of CAP while that much is left; at least 1 (`timeout
+# 0` would mean no limit).
 limit_for() {
-  local s=$(($(left) - $2))
+  local s=$(($(left) - $2)) floor=$(($1 / 3))
   ((s > $1)) && s=$1
+  # A short TIDAL_GPU_SECONDS must not starve the stage at hand (the tests got 1 s): a third of
+  # its cap, as far as time is left; the later stages are then left out, saying so.
+  ((s < floor)) && s=$floor
+  ((s > $(left))) && s=$(left)
   ((s < 1)) && s=1
   echo "$s"
 }
