@@ -50,6 +50,8 @@ struct Record {
   int alive = 0;          // of those, the ones autograd has not released yet
   int unpacked = 0;
   double packed_at = 0;  // seconds from the first pack of the step
+  std::size_t recorded = kNotRecorded;  // the timeline's handle of its transfer in flight
+  static constexpr std::size_t kNotRecorded = static_cast<std::size_t>(-1);
 };
 
 struct ActivationOffloader::Impl : std::enable_shared_from_this<Impl> {
@@ -87,6 +89,25 @@ struct ActivationOffloader::Impl : std::enable_shared_from_this<Impl> {
   std::string notice;  // said once, when offloading stopped paying
   ActivationStats stats;
   ActivationStats last;
+  std::shared_ptr<plan::Timeline> timeline;  // set_timeline
+
+  void record_start(Record& r, plan::Channel channel, plan::TransferKind kind) {
+    if (!timeline) return;
+    r.recorded = timeline->transfer_start(channel, kind,
+                                          "saved tensor " + std::to_string(r.index), r.nbytes, -1);
+  }
+  void record_end(Record& r, bool failed) {
+    if (!timeline || r.recorded == Record::kNotRecorded) return;
+    timeline->transfer_end(r.recorded, failed);
+    r.recorded = Record::kNotRecorded;
+  }
+  void record_stall(plan::StallKind kind, plan::Channel channel, const Record& r,
+                    Clock::time_point t0) {
+    if (!timeline) return;
+    const double end = timeline->now();
+    timeline->stall(kind, channel, "saved tensor " + std::to_string(r.index), end - since(t0),
+                    end);
+  }
 
   std::shared_ptr<Record> pack(const at::Tensor& t, at::Tensor* kept);
   void poll_writes_locked(bool block);
@@ -345,6 +366,7 @@ void ActivationOffloader::Impl::submit_write_locked(Record& r) {
   try {
     r.ticket = store->write(r.storage.data(), r.nbytes, io::Priority::kOffload);
     r.state = Record::State::kWriting;
+    record_start(r, plan::Channel::kSsdWrite, plan::TransferKind::kActivation);
   } catch (const Error& e) {
     // Refused at once (a closed store, a size it cannot take): the tensor stays in memory.
     ++stats.write_failures;
@@ -420,6 +442,7 @@ void ActivationOffloader::Impl::finish_write_locked(Record& r) {
   }
   try {
     store->wait(r.ticket);
+    record_end(r, false);
     r.state = Record::State::kOffloaded;
     stats.bytes_written += r.nbytes;
     r.storage = c10::Storage();  // drop our reference: the memory is freed if nobody else holds it
@@ -432,6 +455,7 @@ void ActivationOffloader::Impl::finish_write_locked(Record& r) {
     ++stats.write_failures;
     if (e.errnum() == ENOSPC) ++stats.store_full;
     stats.write_error = e.what();
+    record_end(r, true);
     store->free(r.ticket);
     r.ticket = io::Ticket{};
     r.state = Record::State::kKept;
@@ -447,6 +471,9 @@ void ActivationOffloader::Impl::start_read_locked(Record& r, io::Priority p) {
   }
   r.storage = bytes.storage();
   store->read(r.ticket, r.storage.mutable_data(), p);
+  record_start(r, plan::Channel::kSsdRead,
+               p == io::Priority::kUrgent ? plan::TransferKind::kMiss
+                                          : plan::TransferKind::kActivation);
   r.state = Record::State::kReading;
   stats.bytes_read += r.nbytes;
 }
@@ -488,6 +515,7 @@ void ActivationOffloader::Impl::begin_backward_locked() {
     }
     if (w->state != Record::State::kWriting) continue;
     if (store->cancel_write(w->ticket)) {
+      record_end(*w, false);
       w->ticket = io::Ticket{};
       w->state = Record::State::kKept;
       note_cancelled_locked(*w);
@@ -526,11 +554,14 @@ at::Tensor ActivationOffloader::Impl::unpack(Record& r, const c10::TensorOptions
       if (r.state == Record::State::kReading) {
         const io::Ticket t = r.ticket;
         lock.unlock();
+        bool failed = false;
         try {
           store->wait(t);
         } catch (const IoError&) {
+          failed = true;
         }
         lock.lock();
+        record_end(r, failed);
         prefetch_in_flight -= std::min(prefetch_in_flight, r.nbytes);
       }
       r.storage = c10::Storage(std::move(live));
@@ -559,9 +590,17 @@ at::Tensor ActivationOffloader::Impl::unpack(Record& r, const c10::TensorOptions
       const io::Ticket t = r.ticket;
       const auto t0 = Clock::now();
       lock.unlock();
-      store->wait(t);  // a failed or corrupt read throws: never a wrong gradient
+      try {
+        store->wait(t);  // a failed or corrupt read throws: never a wrong gradient
+      } catch (const Error&) {
+        lock.lock();
+        record_end(r, true);
+        throw;
+      }
       lock.lock();
       stats.stall_seconds += since(t0);
+      record_stall(plan::StallKind::kRead, plan::Channel::kSsdRead, r, t0);
+      record_end(r, false);
       if (r.state == Record::State::kReading) {
         r.state = Record::State::kRestored;
         prefetch_in_flight -= std::min(prefetch_in_flight, r.nbytes);
@@ -642,6 +681,7 @@ void ActivationOffloader::Impl::release(Record& r) {
       return;
     case Record::State::kWriting:
       if (store->cancel_write(r.ticket)) {
+        record_end(r, false);
         r.ticket = io::Ticket{};
         r.state = Record::State::kKept;
         r.storage = c10::Storage();
@@ -655,6 +695,7 @@ void ActivationOffloader::Impl::release(Record& r) {
         const auto t0 = Clock::now();
         finish_write_locked(r);  // frees the ticket (alive == 0), or keeps the bytes on failure
         stats.stall_seconds += since(t0);
+        record_stall(plan::StallKind::kBudget, plan::Channel::kSsdWrite, r, t0);
         r.storage = c10::Storage();
       }
       return;
@@ -733,10 +774,13 @@ void ActivationOffloader::end_step(std::int64_t /*step*/) {
   for (auto& r : m.order) {
     if (!r || !r->ticket.valid()) continue;
     if (r->state == Record::State::kReading) {
+      bool failed = false;
       try {
         m.store->wait(r->ticket);
       } catch (const IoError&) {
+        failed = true;
       }
+      m.record_end(*r, failed);
     }
     m.store->free(r->ticket);
     r->ticket = io::Ticket{};
@@ -788,6 +832,11 @@ void ActivationOffloader::keep_storages_of(const std::vector<torch::Tensor>& ten
                                 t.storage().getWeakStorageImpl());
     }
   }
+}
+
+void ActivationOffloader::set_timeline(std::shared_ptr<plan::Timeline> timeline) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->timeline = std::move(timeline);
 }
 
 std::string ActivationOffloader::notice() const {

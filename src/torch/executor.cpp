@@ -21,6 +21,7 @@
 #include "device_sync.hpp"
 #include "ivalue_tensors.hpp"
 #include "tidal/common/error.hpp"
+#include "tidal/common/units.hpp"
 #include "tidal/torch/memory.hpp"
 
 namespace tidal::torch_layer {
@@ -155,11 +156,15 @@ struct PlanExecutor::Impl {
     bool cancel = false;       // touched (or prefetched) while its write was in flight: keep it
     std::int64_t due = 0;      // a write: the op it must be done before, counted over all steps
     std::exception_ptr error;  // a read that failed; thrown to the next op that needs it
+    std::int32_t tensor = -1;  // its id in the trace, when known (for the timeline)
+    std::size_t recorded = kNotRecorded;  // the timeline's handle of its transfer in flight
   };
+  static constexpr std::size_t kNotRecorded = static_cast<std::size_t>(-1);
   // One step shape: the ops of a profiled step and its plan's schedule (the one the simulator
   // replays): migrations by issuing op, memory each op allocates, uses of each tensor.
   struct Shape {
     std::vector<std::string> op_names;
+    std::vector<std::string> tensor_names;  // by id: the timeline's labels
     plan::Schedule sched;
   };
   // A prefetch held back by the budget, issued when memory allows or when an op needs it.
@@ -209,9 +214,49 @@ struct PlanExecutor::Impl {
     Shape s;
     s.sched = plan::compile_schedule(trace, &plan, /*strict=*/false);
     s.op_names = trace::op_names(trace);
+    s.tensor_names.reserve(trace.tensors.size());
+    for (const auto& t : trace.tensors) s.tensor_names.push_back(t.name);
     return s;
   }
   const Shape& shape() const { return shapes[static_cast<std::size_t>(current)]; }
+
+  // ---- the timeline (ExecutorOptions::timeline), when one is set ----
+  plan::Timeline* tl() const { return opt.timeline.get(); }
+  // A tensor's label: its trace name where the slot knows its id, else its size.
+  std::string label(const Slot& s) const {
+    if (s.tensor >= 0 && !shapes.empty()) {
+      const auto& names = shape().tensor_names;
+      if (static_cast<std::size_t>(s.tensor) < names.size()) {
+        return names[static_cast<std::size_t>(s.tensor)];
+      }
+    }
+    return ::tidal::detail::concat("storage of ", format_bytes(static_cast<double>(s.nbytes)));
+  }
+  // The trace id bound to `p` now, or -1 (a scan: only with a timeline).
+  std::int32_t id_of(const c10::StorageImpl* p) const {
+    for (std::size_t id = 0; id < bound.size(); ++id) {
+      if (bound[id].lock().get() == p) return static_cast<std::int32_t>(id);
+    }
+    return -1;
+  }
+  void record_start(Slot& s, plan::Direction dir, plan::TransferKind kind, std::int64_t due) {
+    if (tl() == nullptr) return;
+    const plan::Tier tier = on_host(s) ? plan::Tier::kHost : plan::Tier::kSsd;
+    const bool this_step = due >= step_base;
+    s.recorded = tl()->transfer_start(plan::channel_of(tier, dir), kind, label(s), s.nbytes,
+                                      this_step ? due - step_base : -1);
+  }
+  void record_end(Slot& s, bool failed) {
+    if (tl() == nullptr || s.recorded == kNotRecorded) return;
+    tl()->transfer_end(s.recorded, failed);
+    s.recorded = kNotRecorded;
+  }
+  void record_stall(plan::StallKind kind, plan::Channel channel, std::string tensor,
+                    Clock::time_point t0) {
+    if (tl() == nullptr) return;
+    const double end = tl()->now();
+    tl()->stall(kind, channel, std::move(tensor), end - since(t0), end);
+  }
 
   // Where tensor `id` of the current shape is now (for ExecutorOptions::on_op_start).
   plan::Residency residency_of(std::size_t id) const {
@@ -307,6 +352,7 @@ struct PlanExecutor::Impl {
       c10::intrusive_ptr<c10::StorageImpl> live = s.weak.lock();
       if (!live) {
         if (s.ticket.valid()) s.tier->free(s.ticket);  // waits; errors of discarded data drop
+        record_end(s, false);
         settle(s, State::kResident);
         it = slots.erase(it);
         continue;
@@ -314,7 +360,7 @@ struct PlanExecutor::Impl {
       if (s.state == State::kWriting && s.tier->ready(s.ticket)) finish_write(*live, s);
       if (s.state == State::kReading && s.tier->ready(s.ticket)) {
         try {
-          finish_read(*live, s);
+          finish_read(*live, s, false);
         } catch (const Error&) {
           s.error = std::current_exception();
         }
@@ -333,8 +379,10 @@ struct PlanExecutor::Impl {
       s.tier->free(s.ticket);
       s.ticket = io::Ticket{};
       settle(s, State::kResident);
+      record_end(s, true);
       return;
     }
+    record_end(s, false);
     (on_host(s) ? stats.bytes_to_host : stats.bytes_written) += s.nbytes;
     if (s.cancel) {
       ++stats.cancelled;
@@ -348,13 +396,17 @@ struct PlanExecutor::Impl {
     ++stats.released;
   }
 
-  void start_read(c10::StorageImpl& impl, Slot& s, io::Priority p) {
+  // `kind` and `due` (the op it is needed by, counted over all steps as Slot::due; -1: none)
+  // label it in the timeline.
+  void start_read(c10::StorageImpl& impl, Slot& s, io::Priority p, plan::TransferKind kind,
+                  std::int64_t due) {
     c10::Allocator* alloc = impl.allocator();
     {
       detail::ReadAllocationScope scope(s.device);  // no queued kernel may use this memory
       s.incoming = alloc->allocate(s.nbytes);
     }
     s.tier->read(s.ticket, s.incoming.get(), p);
+    record_start(s, plan::Direction::kRead, kind, due);
     settle(s, State::kReading);
     (on_host(s) ? stats.bytes_from_host : stats.bytes_read) += s.nbytes;
     issued(s, plan::Direction::kRead);
@@ -367,23 +419,31 @@ struct PlanExecutor::Impl {
   }
 
   // Waits for the slot's read. On failure the memory it was filling goes back, the tensor stays
-  // offloaded (a later access reads it again) and the store's error propagates.
-  void finish_read(c10::StorageImpl& impl, Slot& s) {
+  // offloaded (a later access reads it again) and the store's error propagates. `needed`: an op
+  // waits for it (a stall in the timeline), not a poll of a read that is done.
+  void finish_read(c10::StorageImpl& impl, Slot& s, bool needed) {
     const auto t0 = Clock::now();
     const auto stalled = [&] {
       const double dt = since(t0);
       stats.stall_seconds += dt;
       if (on_host(s)) stats.host_stall_seconds += dt;
+      if (needed) {
+        record_stall(plan::StallKind::kRead,
+                     on_host(s) ? plan::Channel::kHostRead : plan::Channel::kSsdRead, label(s),
+                     t0);
+      }
     };
     try {
       s.tier->wait(s.ticket);
     } catch (const Error&) {
       stalled();
+      record_end(s, true);
       s.incoming.clear();
       settle(s, State::kOffloaded);
       throw;
     }
     stalled();
+    record_end(s, false);
     detail::record_use_on_current_stream(s.incoming, s.device);
     impl.set_data_ptr_noswap(std::move(s.incoming));
     s.tier->free(s.ticket);
@@ -409,11 +469,11 @@ struct PlanExecutor::Impl {
         return;
       case State::kOffloaded:
         ++stats.misses;
-        start_read(*storage, s, io::Priority::kUrgent);
+        start_read(*storage, s, io::Priority::kUrgent, plan::TransferKind::kMiss, -1);
         [[fallthrough]];
       case State::kReading:
         s.tier->prioritize(s.ticket, io::Priority::kUrgent);
-        finish_read(*storage, s);
+        finish_read(*storage, s, true);
         return;
     }
   }
@@ -451,6 +511,7 @@ struct PlanExecutor::Impl {
     if (waited) {
       ++stats.budget_waits;
       stats.write_stall_seconds += since(t0);
+      record_stall(plan::StallKind::kBudget, plan::Channel::kSsdWrite, "", t0);
     }
   }
 
@@ -537,8 +598,10 @@ struct PlanExecutor::Impl {
       s.cancel = false;
       s.tier = store.get();
       s.due = 0;  // waited for at once
+      if (tl() != nullptr) s.tensor = planless() ? -1 : id_of(victim.get());
       detail::sync_current_stream(s.device);
       s.ticket = store->write(victim->data(), s.nbytes, io::Priority::kUrgent);
+      record_start(s, plan::Direction::kWrite, plan::TransferKind::kEviction, -1);
       issued(s, plan::Direction::kWrite);
       settle(s, State::kWriting);
       ++stats.offloads;
@@ -555,6 +618,7 @@ struct PlanExecutor::Impl {
     if (evicted) {
       ++stats.budget_waits;
       stats.write_stall_seconds += since(t0);
+      record_stall(plan::StallKind::kBudget, plan::Channel::kSsdWrite, "evictions", t0);
     }
     return freed;
   }
@@ -573,8 +637,9 @@ struct PlanExecutor::Impl {
         continue;
       }
       if (over(it->second.nbytes + reserve)) return;
+      const std::int64_t due = held.front().due;
       held.erase(held.begin());
-      start_read(*live, it->second, io::Priority::kPrefetch);
+      start_read(*live, it->second, io::Priority::kPrefetch, plan::TransferKind::kPlanned, due);
       ++stats.prefetches;
     }
   }
@@ -597,6 +662,7 @@ struct PlanExecutor::Impl {
       s.device = impl->device();
       s.cancel = false;
       s.due = base + m.due;
+      s.tensor = m.tensor;
       detail::sync_current_stream(s.device);  // the producing kernels must have finished
       // Where the plan says: host memory while the pool has room, else the SSD store.
       s.tier = store.get();
@@ -609,6 +675,7 @@ struct PlanExecutor::Impl {
         }
       }
       s.ticket = s.tier->write(impl->data(), s.nbytes, io::Priority::kOffload);
+      record_start(s, plan::Direction::kWrite, plan::TransferKind::kPlanned, s.due);
       issued(s, plan::Direction::kWrite);
       settle(s, State::kWriting);
       ++stats.offloads;
@@ -624,6 +691,7 @@ struct PlanExecutor::Impl {
       if (s.tier->cancel_write(s.ticket)) {
         s.ticket = io::Ticket{};
         settle(s, State::kResident);
+        record_end(s, false);
       } else {
         s.cancel = true;
       }
@@ -640,7 +708,7 @@ struct PlanExecutor::Impl {
       ++stats.delayed_prefetches;
       return;
     }
-    start_read(*impl, s, io::Priority::kPrefetch);
+    start_read(*impl, s, io::Priority::kPrefetch, plan::TransferKind::kPlanned, base + m.due);
     ++stats.prefetches;
   }
 
@@ -674,9 +742,30 @@ struct PlanExecutor::Impl {
     if (waited) {
       ++stats.deadline_waits;
       stats.write_stall_seconds += since(t0);
+      record_stall(plan::StallKind::kDeadline, plan::Channel::kSsdWrite, "", t0);
     }
   }
 };
+
+namespace {
+
+// tidal's own work at a step's start or end, as an op of the timeline (its stalls are inside).
+class OpSpan {
+ public:
+  OpSpan(PlanExecutor::Impl& m, trace::OpIndex index, const char* name) : m_(m) {
+    if (m_.tl() != nullptr) m_.tl()->op_start(index, name, m_.meter_bytes());
+  }
+  ~OpSpan() {
+    if (m_.tl() != nullptr) m_.tl()->op_end(m_.meter_bytes());
+  }
+  OpSpan(const OpSpan&) = delete;
+  OpSpan& operator=(const OpSpan&) = delete;
+
+ private:
+  PlanExecutor::Impl& m_;
+};
+
+}  // namespace
 
 PlanExecutor::PlanExecutor(std::shared_ptr<io::TensorStore> store, const trace::Trace& trace,
                            const plan::Plan& plan, ExecutorOptions options)
@@ -876,6 +965,7 @@ void PlanExecutor::before_op(trace::OpIndex index, const std::string& name,
                              const std::vector<TensorRef>& inputs) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   Impl& m = *impl_;
+  if (m.tl() != nullptr) m.tl()->op_start(index, name, m.meter_bytes());
   if (is_compiled_region(name) && !m.diverged) {
     // A torch.compile'd region the profile did not have: its kernels bypass the residency
     // guard, so everything comes back now and the rest of the step runs on demand. (A failed
@@ -924,6 +1014,7 @@ void PlanExecutor::after_op(trace::OpIndex index, const std::vector<TensorRef>& 
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   Impl& m = *impl_;
   m.running_inputs.clear();
+  if (m.tl() != nullptr) m.tl()->op_end(m.meter_bytes());
   if (m.diverged) return;  // on-demand only: the guard still serves every op
   m.bind(outputs);
   const auto& new_bytes = m.shape().sched.new_bytes;
@@ -940,6 +1031,7 @@ void PlanExecutor::after_op(trace::OpIndex index, const std::vector<TensorRef>& 
 void PlanExecutor::step_end(trace::OpIndex index, const std::vector<TensorRef>& alive) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   Impl& m = *impl_;
+  const OpSpan span(m, index, kStepEndOp);
   m.advance(index, kStepEndOp);
   if (!m.diverged) m.bind(alive);
   m.poll();
@@ -976,6 +1068,7 @@ void PlanExecutor::begin_step(std::int64_t /*step*/, const std::vector<torch::Te
   m.ops_run = 0;
   m.held.clear();
   m.current = m.last_completed;
+  const OpSpan span(m, -1, "tidal::step_begin");
   set_residency_guard(true);
   m.guard_thread = std::this_thread::get_id();
   // What the plan moves after the last step's end (the step-end op's actions) starts now, so

@@ -10,6 +10,8 @@
 #include "tidal/common/units.hpp"
 #include "tidal/io/measure.hpp"
 #include "tidal/plan/planner.hpp"
+#include "tidal/plan/schedule.hpp"
+#include "tidal/plan/simulator.hpp"
 #include "tidal/torch/memory.hpp"
 #include "tidal/torch/tracer.hpp"
 #include "tidal/trace/lifetime.hpp"
@@ -78,6 +80,7 @@ struct Session::Impl {
   std::unique_ptr<ActivationOffloader> offloader;
   std::unique_ptr<Tracer> tracer;
   std::unique_ptr<PlanExecutor> executor;
+  std::shared_ptr<plan::Timeline> timeline;  // SessionOptions::timeline_steps
   struct Registered {
     torch::Tensor tensor;
     std::string name;
@@ -99,6 +102,9 @@ struct Session::Impl {
     double capacity = 0;    // planner units (trace bytes)
     int tightenings = 0;    // consecutive
     bool at_floor = false;  // no plan can go lower
+    // The plan replayed by the simulator (for the timeline), once asked; empty: not yet.
+    std::vector<std::uint64_t> planned_memory;
+    double planned_stall = 0;
   };
   std::vector<Shape> shapes;  // index = the executor's shape index
   std::map<std::vector<std::string>, std::vector<trace::Trace>> pending;  // seen, not planned
@@ -419,6 +425,40 @@ struct Session::Impl {
     set_cpu_memory_cap(wall);
     cap_on = true;
   }
+  // The plan's view of a step of shape `index`, for the timeline: the simulator's replay of the
+  // plan on its trace (memory per op, in the meter's bytes: plus what no step touches).
+  plan::TimelineStep planned_view(int index) {
+    plan::TimelineStep v;
+    if (index < 0 || static_cast<std::size_t>(index) >= shapes.size()) return v;
+    Shape& s = shapes[static_cast<std::size_t>(index)];
+    if (s.planned_memory.empty()) {
+      plan::Hardware hw = hardware();
+      hw.device_memory = static_cast<std::uint64_t>(std::max(s.capacity, 1.0));
+      const plan::SimResult r = plan::simulate(s.trace, &s.plan, hw);
+      s.planned_memory = r.memory_per_op;
+      for (auto& b : s.planned_memory) b += stats.untouched_bytes;
+      s.planned_stall = r.stall_seconds;
+    }
+    v.planned_memory = s.planned_memory;
+    v.planned_seconds = s.plan.summary.compute_seconds + s.plan.summary.planned_stall_seconds;
+    v.planned_stall_seconds = s.plan.summary.planned_stall_seconds;
+    const plan::Schedule sched = plan::compile_schedule(s.trace, &s.plan, /*strict=*/false);
+    v.planned_bytes = sched.planned_bytes;
+    return v;
+  }
+
+  // The I/O threads' time so far (store and host pool), for the timeline's per-step figure.
+  std::pair<double, double> io_seconds() const {
+    if (!store) return {-1, -1};
+    const io::StoreStats st = store->stats();
+    return {st.busy_seconds, st.checksum_seconds};
+  }
+  std::pair<double, double> io_at_step_start{-1, -1};
+
+  void write_timeline_file() const {
+    if (timeline && !opt.timeline_path.empty()) timeline->write(opt.timeline_path);
+  }
+
   // The executor's destructor brings every moved tensor back; the tracer's removes its
   // callbacks. What ~Session and close() both do.
   void stop_offloading() {
@@ -558,6 +598,7 @@ struct Session::Impl {
     all_within = true;
     stats.steps_measured = 0;
     stats.executed_peak = 0;
+    s.planned_memory.clear();
     executor->replace_plan(index, s.trace, s.plan);
     set_wall(executor_budget(s));
     if (index == 0) plan = s.plan;
@@ -580,6 +621,13 @@ Session::Session(SessionOptions options) : impl_(std::make_unique<Impl>()) {
     m.state = SessionState::kOff;
     return;
   }
+  if (m.opt.timeline_steps > 0 || !m.opt.timeline_chosen_steps.empty()) {
+    plan::Timeline::Options to;
+    to.last_steps = m.opt.timeline_steps;
+    to.steps = m.opt.timeline_chosen_steps;
+    m.timeline = std::make_shared<plan::Timeline>(to);
+    m.opt.executor.timeline = m.timeline;  // every executor the session makes records into it
+  }
   TIDAL_EXPECT_AS(InvalidArgument, m.opt.profile_steps >= 1,
                   "plan mode needs at least one profiled step (profile_steps >= 1)");
   TIDAL_EXPECT_AS(InvalidArgument, m.opt.warmup_steps >= 0, "warmup_steps must be 0 or more");
@@ -591,6 +639,7 @@ Session::Session(SessionOptions options) : impl_(std::make_unique<Impl>()) {
   }
   if (m.opt.mode == OffloadMode::kActivations) {
     m.offloader = std::make_unique<ActivationOffloader>(m.store, m.opt.activations);
+    m.offloader->set_timeline(m.timeline);
     m.state = SessionState::kExecuting;
   } else {
     m.state = SessionState::kWarmup;
@@ -606,13 +655,21 @@ Session::Session(SessionOptions options) : impl_(std::make_unique<Impl>()) {
   }
 }
 
-Session::~Session() { impl_->stop_offloading(); }
+Session::~Session() {
+  impl_->stop_offloading();
+  try {
+    impl_->write_timeline_file();
+  } catch (const std::exception& e) {
+    std::cerr << "tidal: the timeline was not written: " << e.what() << "\n";
+  }
+}
 
 void Session::close() {
   Impl& m = *impl_;
   if (m.closed) return;
   TIDAL_EXPECT(!m.in_step, "close() inside step ", step_, ": end the step first");
   m.stop_offloading();
+  m.write_timeline_file();
   m.offloader.reset();
   m.persistent.clear();
   m.host.reset();
@@ -656,6 +713,10 @@ void Session::begin_step(std::int64_t step, const std::vector<torch::Tensor>& in
     }
     m.executor->note_inputs(state, /*recent=*/false);
   }
+  if (m.timeline) {
+    m.timeline->begin_step(step, to_string(m.state), m.stats.memory_budget, m.wall);
+    m.io_at_step_start = m.io_seconds();
+  }
   // A step starts within the budget (the first one after profiling holds everything).
   if (m.executor) m.executor->fit_budget();
   m.apply_cap();
@@ -669,6 +730,7 @@ void Session::begin_step(std::int64_t step, const std::vector<torch::Tensor>& in
   }
   // The warm-up steps and one more run without offloading; the last of them is the reference
   // (after the warm-up, lazily made state such as Adam's exists, as in every later step).
+  if (m.timeline) m.timeline->label_step(to_string(m.state), m.stats.memory_budget, m.wall);
   m.offloading = m.offloader && m.reference_peak > 0 && !m.offloading_off;
   if (m.offloading) m.offloader->begin_step(step, inputs);
   if (m.tracer) m.tracer->begin_step(step, inputs);
@@ -677,6 +739,8 @@ void Session::begin_step(std::int64_t step, const std::vector<torch::Tensor>& in
 
 void Session::begin_phase(trace::Phase phase) {
   Impl& m = *impl_;
+  // Activation mode has no op tracer: its phases are the timeline's ops.
+  if (m.timeline && m.offloader && m.in_step) m.timeline->op_start(-1, trace::to_string(phase), m.current_now());
   if (m.offloading) m.offloader->begin_phase(phase);
   if (m.tracer) m.tracer->begin_phase(phase);
 }
@@ -760,6 +824,15 @@ void Session::end_step(std::int64_t step) {
     // steps overcame would contradict within_budget.
     if (s.within_budget) s.budget_reason.clear();
   }
+  if (m.timeline) {
+    const plan::TimelineStep planned =
+        m.state == SessionState::kExecuting && m.executor ? m.planned_view(s.shape)
+                                                           : plan::TimelineStep{};
+    const auto io = m.io_seconds();
+    const auto& was = m.io_at_step_start;
+    m.timeline->end_step(peak, planned, io.first >= 0 && was.first >= 0 ? io.first - was.first : -1,
+                         io.second >= 0 && was.second >= 0 ? io.second - was.second : -1);
+  }
   if (error) std::rethrow_exception(error);
 }
 
@@ -794,6 +867,22 @@ SessionStats Session::stats() const {
     }
   }
   return s;
+}
+
+plan::TimeReport Session::time_report() const {
+  if (!impl_->timeline) return {};
+  plan::ChannelRates rates;
+  if (impl_->budget_known && impl_->store) rates = impl_->hardware().channels();
+  return impl_->timeline->report(rates);
+}
+
+std::shared_ptr<const plan::Timeline> Session::timeline() const { return impl_->timeline; }
+
+void Session::write_timeline(const std::string& path) const {
+  TIDAL_EXPECT_AS(InvalidArgument, impl_->timeline != nullptr,
+                  "no timeline is kept: set SessionOptions::timeline_steps (the CLI's "
+                  "--timeline-steps, Python's timeline_steps) above 0, in plan or activation mode");
+  impl_->timeline->write(path);
 }
 
 const std::optional<trace::Trace>& Session::trace() const { return impl_->trace; }

@@ -108,6 +108,8 @@ void make_directory(const std::string& dir, const char* what) {
 struct TrainArgs {
   ModelArgs model;
   bool json = false;
+  std::vector<std::string> timeline;  // files: Chrome trace, or SVG for a name ending in .svg
+  std::size_t timeline_steps = 2;
   bool recompute = false;
   std::string offload = "none";
   std::string mem_budget = "50%";
@@ -170,6 +172,38 @@ struct IoTotals {
   }
 };
 
+// Where the time went (plan::TimeReport) as JSON: seconds per step, bytes per step by channel,
+// the limit sentence; a figure not measured is null.
+nlohmann::json time_report_json(const plan::TimeReport& r) {
+  nlohmann::json j;
+  j["steps"] = r.steps;
+  if (r.steps == 0) {
+    j["limit"] = r.limit;
+    return j;
+  }
+  j["step_seconds"] = r.step_seconds;
+  j["compute_seconds"] = r.compute_seconds;
+  j["between_ops_seconds"] = r.between_ops_seconds;
+  j["write_stall_seconds"] = r.write_stall_seconds;
+  j["stall_seconds"] = r.stall_seconds();
+  j["accounted"] = r.accounted();
+  for (plan::Channel c : plan::kChannels) {
+    const std::string name = plan::to_string(c);
+    if (!plan::is_write(c)) j["read_stall_seconds"][name] = r.read_stall_seconds[plan::index_of(c)];
+    j["bytes"][name] = r.bytes[plan::index_of(c)];
+    j["planned_bytes"][name] = r.planned_bytes[plan::index_of(c)];
+  }
+  j["misses"] = r.misses;
+  j["evictions"] = r.evictions;
+  j["planned_seconds"] = r.planned_seconds > 0 ? nlohmann::json(r.planned_seconds) : nullptr;
+  j["planned_stall_seconds"] =
+      r.planned_seconds > 0 ? nlohmann::json(r.planned_stall_seconds) : nullptr;
+  j["store_busy_seconds"] = r.io_busy_seconds >= 0 ? nlohmann::json(r.io_busy_seconds) : nullptr;
+  j["checksum_seconds"] = r.checksum_seconds >= 0 ? nlohmann::json(r.checksum_seconds) : nullptr;
+  j["limit"] = r.limit;
+  return j;
+}
+
 void run_train(const TrainArgs& args) {
   TIDAL_EXPECT_AS(InvalidArgument, args.model.steps >= 1, "--steps must be at least 1");
   auto options = to_trainer_options(args.model);
@@ -206,15 +240,22 @@ void run_train(const TrainArgs& args) {
     checkpoint_path = (std::filesystem::path(args.checkpoint) / kCheckpointFile).string();
   }
   const std::string probe_checkpoint = checkpoint_path.empty() ? "" : checkpoint_path + ".probe";
-  for (const auto* path : {&args.save_plan, &args.save_trace, &probe_checkpoint}) {
+  TIDAL_EXPECT_AS(InvalidArgument, args.timeline.empty() || so.mode != torch_layer::OffloadMode::kNone,
+                  "--timeline draws what offloading did: it is for --offload plan or activations");
+  TIDAL_EXPECT_AS(InvalidArgument, args.timeline.empty() || args.timeline_steps > 0,
+                  "--timeline needs --timeline-steps of 1 or more (the steps it keeps)");
+  std::vector<const std::string*> to_write = {&args.save_plan, &args.save_trace, &probe_checkpoint};
+  for (const auto& t : args.timeline) to_write.push_back(&t);
+  for (const auto* path : to_write) {
     if (path->empty()) continue;
     const bool existed = std::filesystem::exists(*path);
     const bool ok = std::ofstream(*path, std::ios::app).good();
     if (!existed) std::filesystem::remove(*path);
     TIDAL_EXPECT_AS(InvalidArgument, ok, "cannot write '", *path, "' (",
-                    path == &args.save_plan    ? "--save-plan"
-                    : path == &args.save_trace ? "--save-trace"
-                                               : "--checkpoint",
+                    path == &args.save_plan          ? "--save-plan"
+                    : path == &args.save_trace       ? "--save-trace"
+                    : path == &probe_checkpoint ? "--checkpoint"
+                                                     : "--timeline",
                     "): check that its directory exists and is writable");
   }
   so.activations.min_bytes = parse_bytes(args.min_offload);
@@ -247,6 +288,7 @@ void run_train(const TrainArgs& args) {
                   so.host_memory == 0 || so.mode == torch_layer::OffloadMode::kPlan,
                   "--host-mem is for --offload plan (activation offloading writes to the SSD "
                   "store only)");
+  so.timeline_steps = args.timeline_steps;
   so.model_name = args.model.model;
   so.batch = args.model.batch;
   so.seq = args.model.seq;
@@ -423,6 +465,15 @@ void run_train(const TrainArgs& args) {
     }
   }
   if (!st.notice.empty()) std::fprintf(stderr, "note: %s\n", st.notice.c_str());
+  const plan::TimeReport report = session.time_report();
+  if (so.mode != torch_layer::OffloadMode::kNone && args.timeline_steps > 0) {
+    std::fputs(plan::format_report(report).c_str(), stderr);
+  }
+  for (const auto& path : args.timeline) {
+    session.write_timeline(path);
+    std::fprintf(stderr, "timeline of the last %zu step(s) written to %s\n", args.timeline_steps,
+                 path.c_str());
+  }
   nlohmann::json store_degraded = nlohmann::json::object();
   std::string io_backend;
   if (session.store()) {
@@ -506,6 +557,9 @@ void run_train(const TrainArgs& args) {
       j["host_stall_seconds"] = io.host_stall;
       j["write_stall_seconds"] = io.write_stall;
     }
+    if (so.mode != torch_layer::OffloadMode::kNone && args.timeline_steps > 0) {
+      j["time_report"] = time_report_json(report);
+    }
     std::cout << j.dump() << std::endl;
   }
 }
@@ -577,6 +631,13 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--kill-at-step", args->kill_at_step,
                   "testing: the process kills itself (SIGKILL) in this step's backward pass")
       ->group("");  // hidden
+  cmd->add_option("--timeline", args->timeline,
+                  "write what the offloader did in the last --timeline-steps steps: a Chrome "
+                  "trace (open it in ui.perfetto.dev or chrome://tracing), or for a name ending "
+                  "in .svg a picture of memory against the budget with the I/O under it; may "
+                  "be given more than once");
+  cmd->add_option("--timeline-steps", args->timeline_steps,
+                  "steps the timeline and the time report keep (0: none, no report)");
   cmd->add_flag("--json", args->json, "print one JSON object with the results as the last line");
   cmd->callback([args] { run_train(*args); });
 }

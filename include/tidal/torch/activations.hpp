@@ -14,6 +14,7 @@
 #include <string>
 
 #include "tidal/io/store.hpp"
+#include "tidal/plan/timeline.hpp"
 #include "tidal/torch/step.hpp"
 
 namespace tidal::torch_layer {
@@ -92,6 +93,10 @@ class ActivationOffloader final : public StepObserver {
   /// share their storage stay in memory. Needed because autograd hands leaves to the pack hook
   /// detached, so a weight cannot be told from an activation by its autograd metadata.
   void keep_storages_of(const std::vector<torch::Tensor>& tensors);
+  /// Records each write and read of a saved tensor (on the SSD channels, kind "activation", or
+  /// "miss" for a read backward waited for without a prefetch) and the waits, into `timeline`
+  /// (null: none). The owner opens and closes its steps.
+  void set_timeline(std::shared_ptr<plan::Timeline> timeline);
 
   struct Impl;  ///< opaque; shared with the hooks of saved tensors that outlive a step
 

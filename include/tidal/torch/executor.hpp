@@ -27,6 +27,7 @@
 #include "tidal/io/store.hpp"
 #include "tidal/plan/plan.hpp"
 #include "tidal/plan/schedule.hpp"
+#include "tidal/plan/timeline.hpp"
 #include "tidal/torch/step.hpp"
 #include "tidal/trace/trace.hpp"
 
@@ -134,6 +135,9 @@ struct ExecutorOptions {
   /// trace is (by id), in the simulator's terms (SimOptions::record_residency): for tests and
   /// for comparing the two engines. Runs under the executor's lock; must not call into it.
   std::function<void(trace::OpIndex, const std::vector<plan::Residency>&)> on_op_start;
+  /// Records what ran (ops, transfers, stalls, memory) when set; the owner opens and closes its
+  /// steps (Timeline::begin_step / end_step) around the executor's.
+  std::shared_ptr<plan::Timeline> timeline;
 };
 
 /// Executes plans for profiled traces: one per step shape (add_shape). A step starts with the

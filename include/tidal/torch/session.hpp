@@ -24,6 +24,7 @@
 #include "tidal/io/store.hpp"
 #include "tidal/plan/hardware.hpp"
 #include "tidal/plan/plan.hpp"
+#include "tidal/plan/timeline.hpp"
 #include "tidal/torch/activations.hpp"
 #include "tidal/torch/executor.hpp"
 #include "tidal/torch/step.hpp"
@@ -125,6 +126,15 @@ struct SessionOptions {
   std::function<std::uint64_t()> current_bytes;
   std::function<void()> reset_peak;
   c10::Device device = c10::Device(c10::kCPU);
+  /// The timeline (plan::Timeline): what ran in the last `timeline_steps` steps (ops, each
+  /// transfer on its channel, stalls, memory against the budget), or in the steps listed in
+  /// `timeline_chosen_steps`. 0 with no chosen steps: none is kept, and time_report() has
+  /// nothing to go on. Plan and activation modes.
+  std::size_t timeline_steps = 2;
+  std::vector<std::int64_t> timeline_chosen_steps;
+  /// Written there (Chrome trace; an SVG for a name ending in .svg) when the session closes or
+  /// is destroyed. Empty: only on request (write_timeline).
+  std::string timeline_path;
   std::string model_name;  ///< labels for the trace
   std::int64_t batch = 0;
   std::int64_t seq = 0;
@@ -227,6 +237,16 @@ class Session final : public StepObserver {
   void close();
 
   [[nodiscard]] SessionStats stats() const;
+  /// Where the time of the kept executed steps went, with the plan's figures beside, and the
+  /// sentence saying what limits the run (plan::format_report prints it). steps == 0 when no
+  /// timeline is kept or no step was.
+  [[nodiscard]] plan::TimeReport time_report() const;
+  /// The timeline (null when none is kept).
+  [[nodiscard]] std::shared_ptr<const plan::Timeline> timeline() const;
+  /// Writes the timeline of the kept steps: a Chrome trace (Perfetto, chrome://tracing), or an
+  /// SVG for a path ending in .svg. Throws tidal::InvalidArgument when no timeline is kept,
+  /// tidal::Error when the file cannot be written.
+  void write_timeline(const std::string& path) const;
   /// Plan mode: the trace and plan in use (nullopt before planning).
   [[nodiscard]] const std::optional<trace::Trace>& trace() const;
   [[nodiscard]] const std::optional<plan::Plan>& plan() const;
