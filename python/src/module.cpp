@@ -176,6 +176,47 @@ using Holder = std::unique_ptr<T, DeleteWithoutGil>;
 
 }  // namespace
 
+namespace {
+
+// Where the time went (plan::TimeReport): seconds per step; by channel name for reads and bytes;
+// None for what was not measured; "text" is what the CLI prints.
+py::dict time_report_dict(const tidal::plan::TimeReport& r) {
+  namespace tp = tidal::plan;
+  py::dict d;
+  d["steps"] = r.steps;
+  d["limit"] = r.limit;
+  d["text"] = tp::format_report(r);
+  if (r.steps == 0) return d;
+  d["step_seconds"] = r.step_seconds;
+  d["compute_seconds"] = r.compute_seconds;
+  d["between_ops_seconds"] = r.between_ops_seconds;
+  d["write_stall_seconds"] = r.write_stall_seconds;
+  d["stall_seconds"] = r.stall_seconds();
+  d["accounted"] = r.accounted();
+  py::dict stalls;
+  py::dict bytes;
+  py::dict planned;
+  for (tp::Channel c : tp::kChannels) {
+    const std::size_t k = tp::index_of(c);
+    if (!tp::is_write(c)) stalls[tp::to_string(c)] = r.read_stall_seconds[k];
+    bytes[tp::to_string(c)] = r.bytes[k];
+    planned[tp::to_string(c)] = r.planned_bytes[k];
+  }
+  d["read_stall_seconds"] = stalls;
+  d["bytes"] = bytes;
+  d["planned_bytes"] = planned;
+  d["misses"] = r.misses;
+  d["evictions"] = r.evictions;
+  d["planned_seconds"] = r.planned_seconds > 0 ? py::object(py::float_(r.planned_seconds)) : py::none();
+  d["store_busy_seconds"] =
+      r.io_busy_seconds >= 0 ? py::object(py::float_(r.io_busy_seconds)) : py::none();
+  d["checksum_seconds"] =
+      r.checksum_seconds >= 0 ? py::object(py::float_(r.checksum_seconds)) : py::none();
+  return d;
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "tidal's C++ core (see the tidal package for the Python API)";
   register_errors(m);
@@ -262,7 +303,9 @@ PYBIND11_MODULE(_C, m) {
       TIDAL_FIELD(SessionOptions, budget_option), TIDAL_FIELD(SessionOptions, between_steps_option),
       TIDAL_FIELD(SessionOptions, host_memory), TIDAL_FIELD(SessionOptions, hardware),
       TIDAL_FIELD(SessionOptions, model_name), TIDAL_FIELD(SessionOptions, batch),
-      TIDAL_FIELD(SessionOptions, seq));
+      TIDAL_FIELD(SessionOptions, seq), TIDAL_FIELD(SessionOptions, timeline_steps),
+      TIDAL_FIELD(SessionOptions, timeline_chosen_steps),
+      TIDAL_FIELD(SessionOptions, timeline_path));
 
   py::class_<tt::Session, Holder<tt::Session>>(m, "Session")
       .def(py::init<tt::SessionOptions>(), py::call_guard<py::gil_scoped_release>())
@@ -299,10 +342,14 @@ PYBIND11_MODULE(_C, m) {
              if (!s.plan()) return py::none();
              return py::str(tidal::plan::plan_to_json(*s.plan()));
            })
-      .def("store_stats", [](const tt::Session& s) -> py::object {
-        if (!s.store()) return py::none();
-        return store_stats_dict(s.store()->stats());
-      });
+      .def("store_stats",
+           [](const tt::Session& s) -> py::object {
+             if (!s.store()) return py::none();
+             return store_stats_dict(s.store()->stats());
+           })
+      .def("write_timeline", &tt::Session::write_timeline, py::arg("path"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("time_report", [](const tt::Session& s) { return time_report_dict(s.time_report()); });
 
   py::class_<Offloader, Holder<Offloader>>(m, "ActivationOffloader")
       .def(py::init([](const tidal::io::StoreOptions& so, const tt::ActivationOptions& ao) {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import weakref
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -92,6 +93,10 @@ class Session:
     strict: the strict meter (CPU): from the first executed step on, an allocation that would
     take the process over the budget first has tensors the running op does not read written out,
     and when none is left raises torch.OutOfMemoryError, as a GPU with that much memory would.
+    timeline_steps: the steps the timeline keeps (the last ones; 0: none): what ran, each transfer
+    on its channel, stalls and memory against the budget (write_timeline), and where the time
+    went (time_report). timeline: a file to write it to when the session closes (a Chrome trace
+    for Perfetto, or an SVG picture for a name ending in .svg).
 
     Create it before the model when you can: the memory meter counts tensors allocated after
     `import tidal`, and the session's own meter after its creation.
@@ -124,6 +129,8 @@ class Session:
                  hardware: str = "cpu-here",
                  name: str = "",
                  device: Optional[Union[str, torch.device]] = None,
+                 timeline_steps: int = 2,
+                 timeline: Optional[str] = None,
                  _faults: Optional[dict] = None) -> None:
         opt = _C.SessionOptions()
         opt.mode = mode
@@ -159,6 +166,11 @@ class Session:
         opt.between_steps = between_steps
         opt.hardware = hardware
         opt.model_name = name or (type(model).__name__ if model is not None else "")
+        if timeline_steps < 0:
+            raise _C.InvalidArgument(f"timeline_steps is {timeline_steps}: give 0 (no timeline) "
+                                     "or the number of steps to keep")
+        opt.timeline_steps = timeline_steps
+        opt.timeline_path = os.fspath(timeline) if timeline is not None else ""
         self._session = _C.Session(opt)
         self._hooks: list = []  # handles of the hooks this session put on the model and optimizer
         self._mode = mode
@@ -278,6 +290,7 @@ class Session:
         session, self._session, self._fsdp = self._session, None, None
         session.close()
         self._final_stats = SessionStats(**session.stats())
+        self._closed = session  # its timeline and report still answer
 
     def __enter__(self) -> "Session":
         return self
@@ -338,6 +351,25 @@ class Session:
         if self._session is None and getattr(self, "_final_stats", None) is not None:
             return self._final_stats  # a closed session's last word
         return SessionStats(**self._live().stats())
+
+    def time_report(self) -> dict:
+        """Where the time of the kept executed steps went, per step: compute_seconds (inside
+        ops, less their stalls), between_ops_seconds (the loop's own code, data), read stalls by
+        channel, write_stall_seconds (the budget), bytes by channel beside the plan's, misses,
+        evictions, and "limit": one sentence saying what limits the run and what would help.
+        "text" is the report as `tidal train` prints it. steps == 0: nothing kept yet."""
+        return self._reporter().time_report()
+
+    def write_timeline(self, path: Union[str, "os.PathLike[str]"]) -> None:
+        """Writes the timeline of the kept steps: a Chrome trace (open it in ui.perfetto.dev or
+        chrome://tracing) with the ops, a lane per I/O channel, stalls on the ops they delayed,
+        memory against the budget and the plan's deadlines; or, for a name ending in .svg, a
+        picture of memory over the last step, measured and planned, with the I/O under it."""
+        self._reporter().write_timeline(os.fspath(path))
+
+    def _reporter(self):
+        return self._session if self._session is not None else getattr(self, "_closed", None) \
+            or self._live()
 
     def store_stats(self) -> Optional[dict]:
         """The store's counters since it opened (None in mode "none")."""

@@ -139,8 +139,8 @@ std::string limit_sentence(const TimeReport& r, const std::array<double, kNumCha
       s += b;
     }
     s += c == Channel::kSsdRead
-             ? ". More SSDs (one directory per SSD), host memory (--host-mem), a larger budget "
-               "or a smaller batch would help"
+             ? ". More SSDs (one directory per SSD), host memory for offloaded tensors "
+               "(--host-mem, host_memory=), a larger budget or a smaller batch would help"
              : ". A larger budget or a smaller batch would help";
   } else {
     const double bytes = static_cast<double>(r.bytes[index_of(Channel::kSsdWrite)] +
@@ -156,7 +156,8 @@ std::string limit_sentence(const TimeReport& r, const std::array<double, kNumCha
          (delivered(Channel::kSsdWrite) > 0 ? gbps(delivered(Channel::kSsdWrite))
                                             : std::string("(not measured)")) +
          assumed(Channel::kSsdWrite) +
-         ". A larger budget, more SSDs or host memory (--host-mem) would help";
+         ". A larger budget, more SSDs or host memory for offloaded tensors (--host-mem, "
+         "host_memory=) would help";
   }
   return s;
 }
@@ -200,9 +201,10 @@ double TimeReport::accounted() const {
   return (compute_seconds + between_ops_seconds + stall_seconds()) / step_seconds;
 }
 
-Timeline::Timeline(Options options) : opt_(std::move(options)), t0_(steady_seconds()) {}
+Timeline::Timeline(Options options)
+    : opt_(std::move(options)), t0_(opt_.clock ? opt_.clock() : steady_seconds()) {}
 
-double Timeline::now() const { return steady_seconds() - t0_; }
+double Timeline::now() const { return (opt_.clock ? opt_.clock() : steady_seconds()) - t0_; }
 
 TimelineStep* Timeline::current_locked() { return open_ ? &steps_.back() : nullptr; }
 
@@ -229,8 +231,7 @@ void Timeline::label_step(const std::string& state, std::uint64_t budget, std::u
   }
 }
 
-void Timeline::end_step(std::uint64_t peak, const TimelineStep& planned, double io_busy_seconds,
-                        double checksum_seconds) {
+void Timeline::end_step(const TimelineStep& facts) {
   std::lock_guard<std::mutex> lock(mu_);
   TimelineStep* s = current_locked();
   if (s == nullptr) return;
@@ -238,13 +239,14 @@ void Timeline::end_step(std::uint64_t peak, const TimelineStep& planned, double 
   for (auto& op : s->ops) {
     if (op.end < 0) op.end = s->end;
   }
-  s->peak = peak;
-  s->planned_memory = planned.planned_memory;
-  s->planned_seconds = planned.planned_seconds;
-  s->planned_stall_seconds = planned.planned_stall_seconds;
-  s->planned_bytes = planned.planned_bytes;
-  s->io_busy_seconds = io_busy_seconds;
-  s->checksum_seconds = checksum_seconds;
+  s->peak = facts.peak;
+  s->misses = facts.misses;
+  s->planned_memory = facts.planned_memory;
+  s->planned_seconds = facts.planned_seconds;
+  s->planned_stall_seconds = facts.planned_stall_seconds;
+  s->planned_bytes = facts.planned_bytes;
+  s->io_busy_seconds = facts.io_busy_seconds;
+  s->checksum_seconds = facts.checksum_seconds;
   open_ = false;
   // Which steps stay: the chosen ones, or the last N.
   if (!opt_.steps.empty()) {
@@ -529,6 +531,7 @@ std::string Timeline::chrome_json() const {
                            {{"step", s.step},
                             {"state", s.state},
                             {"peak_bytes", s.peak},
+                            {"misses", s.misses},
                             {"budget_bytes", s.budget},
                             {"wall_bytes", s.wall},
                             {"planned_seconds", s.planned_seconds}}}});
@@ -746,18 +749,23 @@ std::string Timeline::svg() const {
     o << b;
   }
   // Budget, planned and measured memory.
-  const auto level = [&](std::uint64_t bytes, const char* colour, const std::string& label) {
+  // The budget's label at the left, the wall's at the right: they may lie close together.
+  const auto level = [&](std::uint64_t bytes, const char* colour, bool right,
+                         const std::string& label) {
     const double yy = y(static_cast<double>(bytes));
     std::snprintf(b, sizeof b,
                   "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"%s\" "
                   "stroke-dasharray=\"6,4\"/>\n<text x=\"%d\" y=\"%.1f\" fill=\"%s\" "
-                  "text-anchor=\"end\">",
-                  kLeft, yy, kW - kRight, yy, colour, kW - kRight - 4, yy - 4, colour);
+                  "text-anchor=\"%s\">",
+                  kLeft, yy, kW - kRight, yy, colour, right ? kW - kRight - 4 : kLeft + 4, yy - 4,
+                  colour, right ? "end" : "start");
     o << b << label << "</text>\n";
   };
-  if (s->budget > 0) level(s->budget, "#c00", "budget " + format_bytes(static_cast<double>(s->budget)));
+  if (s->budget > 0) {
+    level(s->budget, "#c00", false, "budget " + format_bytes(static_cast<double>(s->budget)));
+  }
   if (s->wall > 0 && s->wall != s->budget) {
-    level(s->wall, "#a0a",
+    level(s->wall, "#a0a", true,
           "wall " + format_bytes(static_cast<double>(s->wall)) +
               " (no plan meets the budget: the least a plan reaches)");
   }

@@ -730,7 +730,10 @@ void Session::begin_step(std::int64_t step, const std::vector<torch::Tensor>& in
   }
   // The warm-up steps and one more run without offloading; the last of them is the reference
   // (after the warm-up, lazily made state such as Adam's exists, as in every later step).
-  if (m.timeline) m.timeline->label_step(to_string(m.state), m.stats.memory_budget, m.wall);
+  if (m.timeline) {
+    m.timeline->label_step(to_string(m.state), m.stats.memory_budget, m.wall);
+    m.timeline->memory(m.current_now());
+  }
   m.offloading = m.offloader && m.reference_peak > 0 && !m.offloading_off;
   if (m.offloading) m.offloader->begin_step(step, inputs);
   if (m.tracer) m.tracer->begin_step(step, inputs);
@@ -825,13 +828,16 @@ void Session::end_step(std::int64_t step) {
     if (s.within_budget) s.budget_reason.clear();
   }
   if (m.timeline) {
-    const plan::TimelineStep planned =
-        m.state == SessionState::kExecuting && m.executor ? m.planned_view(s.shape)
-                                                           : plan::TimelineStep{};
+    plan::TimelineStep facts = m.state == SessionState::kExecuting && m.executor
+                                   ? m.planned_view(s.shape)
+                                   : plan::TimelineStep{};
+    facts.peak = peak;
+    facts.misses = s.misses;
     const auto io = m.io_seconds();
     const auto& was = m.io_at_step_start;
-    m.timeline->end_step(peak, planned, io.first >= 0 && was.first >= 0 ? io.first - was.first : -1,
-                         io.second >= 0 && was.second >= 0 ? io.second - was.second : -1);
+    facts.io_busy_seconds = io.first >= 0 && was.first >= 0 ? io.first - was.first : -1;
+    facts.checksum_seconds = io.second >= 0 && was.second >= 0 ? io.second - was.second : -1;
+    m.timeline->end_step(facts);
   }
   if (error) std::rethrow_exception(error);
 }

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -89,6 +90,9 @@ struct TimelineStep {
   double planned_seconds = 0;
   double planned_stall_seconds = 0;
   std::array<std::uint64_t, kNumChannels> planned_bytes{};
+  /// Reads an op waited for without a prefetch, as the executor or offloader counted them (each
+  /// is a transfer of kind kMiss in `transfers`).
+  std::uint64_t misses = 0;
   /// The store in the step, when known (-1: not): seconds with I/O in flight (device time, not
   /// CPU), and the CPU seconds its threads spent on checksums.
   double io_busy_seconds = -1;
@@ -131,6 +135,8 @@ class Timeline {
     std::size_t last_steps = 4;
     /// Keep these steps instead (when not empty), whenever they ran.
     std::vector<std::int64_t> steps;
+    /// Seconds on some clock (tests); unset: the steady clock.
+    std::function<double()> clock;
   };
   Timeline() : Timeline(Options{}) {}
   explicit Timeline(Options options);
@@ -141,10 +147,10 @@ class Timeline {
                   std::uint64_t wall);
   /// Relabels the running step (its state changed as it started: profiling, say).
   void label_step(const std::string& state, std::uint64_t budget, std::uint64_t wall);
-  /// Closes the step: its peak, the plan's view of it (planned_memory etc., may be empty), the
-  /// store's busy and checksum seconds in it (-1: unknown).
-  void end_step(std::uint64_t peak, const TimelineStep& planned, double io_busy_seconds,
-                double checksum_seconds);
+  /// Closes the step with what the owner knows of it: `facts`' peak, misses, io_busy_seconds and
+  /// checksum_seconds, and the plan's view (planned_memory, planned_seconds,
+  /// planned_stall_seconds, planned_bytes; empty/0 without a plan). Its other fields are ignored.
+  void end_step(const TimelineStep& facts);
   void op_start(trace::OpIndex index, const std::string& name, std::uint64_t memory_now);
   void op_end(std::uint64_t memory_now);
   /// Returns a handle for transfer_end (kept while the step runs or the transfer is in flight).
