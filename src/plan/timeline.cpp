@@ -19,8 +19,7 @@ using json = nlohmann::json;
 namespace {
 
 double steady_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // Seconds of [a, b) covered by the union of `spans` (each clipped to [a, b)).
@@ -263,9 +262,12 @@ void Timeline::op_start(trace::OpIndex index, const std::string& name, std::uint
   TimelineStep* s = current_locked();
   if (s == nullptr) return;
   const double t = now();
-  if (!s->ops.empty() && s->ops.back().end < 0) s->ops.back().end = t;  // ops do not nest
+  if (!s->ops.empty() && s->ops.back().end < 0) {
+    if (index < 0 && s->ops.back().index < 0 && s->ops.back().name == name) return;  // the same
+    s->ops.back().end = t;  // ops do not nest
+  }
   s->ops.push_back(TimelineOp{index, name, t, -1});
-  s->memory.emplace_back(t, memory_now);
+  if (memory_now != kNoSample) s->memory.emplace_back(t, memory_now);
 }
 
 void Timeline::op_end(std::uint64_t memory_now) {
@@ -274,7 +276,7 @@ void Timeline::op_end(std::uint64_t memory_now) {
   if (s == nullptr || s->ops.empty() || s->ops.back().end >= 0) return;
   const double t = now();
   s->ops.back().end = t;
-  s->memory.emplace_back(t, memory_now);
+  if (memory_now != kNoSample) s->memory.emplace_back(t, memory_now);
 }
 
 std::size_t Timeline::transfer_start(Channel channel, TransferKind kind, std::string tensor,
@@ -321,7 +323,7 @@ void Timeline::transfer_end(std::size_t handle, bool failed) {
 void Timeline::stall(StallKind kind, Channel channel, std::string tensor, double start,
                      double end) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (steps_.empty()) return;
+  if (!open_) return;  // between steps (code reading tensors back): no step waited
   TimelineStep& s = steps_.back();
   TimelineStall st;
   st.kind = kind;
@@ -387,6 +389,7 @@ TimeReport Timeline::report(const ChannelRates& rates) const {
     r.between_ops_seconds += std::max(0.0, (s->end - s->start) - in_ops);
     std::array<std::vector<std::pair<double, double>>, kNumChannels> spans;
     for (const auto& t : s->transfers) {
+      if (t.between_steps) continue;  // not the step's: code between steps read it back
       r.bytes[index_of(t.channel)] += t.failed ? 0 : t.bytes;
       if (t.kind == TransferKind::kMiss) r.misses += 1;
       if (t.kind == TransferKind::kEviction) r.evictions += 1;
@@ -726,8 +729,8 @@ std::string Timeline::svg() const {
   const double ymax = std::max(1.0, static_cast<double>(top) * 1.08);
   const auto y = [&](double bytes) { return kTop + kMemH * (1.0 - bytes / ymax); };
   char b[256];
-  o << "<text x=\"" << kLeft << "\" y=\"20\" font-size=\"15\">step " << s->step << " ("
-    << s->state << "): memory against the budget, and the I/O under it</text>\n";
+  o << "<text x=\"" << kLeft << "\" y=\"20\" font-size=\"15\">step " << s->step << " (" << s->state
+    << "): memory against the budget, and the I/O under it</text>\n";
   // Axes and ticks.
   o << "<line x1=\"" << kLeft << "\" y1=\"" << kTop + kMemH << "\" x2=\"" << kW - kRight
     << "\" y2=\"" << kTop + kMemH << "\" stroke=\"#444\"/>\n"

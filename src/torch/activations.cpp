@@ -49,7 +49,7 @@ struct Record {
   int users = 0;          // saved variables referring to it
   int alive = 0;          // of those, the ones autograd has not released yet
   int unpacked = 0;
-  double packed_at = 0;  // seconds from the first pack of the step
+  double packed_at = 0;                 // seconds from the first pack of the step
   std::size_t recorded = kNotRecorded;  // the timeline's handle of its transfer in flight
   static constexpr std::size_t kNotRecorded = static_cast<std::size_t>(-1);
 };
@@ -93,8 +93,8 @@ struct ActivationOffloader::Impl : std::enable_shared_from_this<Impl> {
 
   void record_start(Record& r, plan::Channel channel, plan::TransferKind kind) {
     if (!timeline) return;
-    r.recorded = timeline->transfer_start(channel, kind,
-                                          "saved tensor " + std::to_string(r.index), r.nbytes, -1);
+    r.recorded = timeline->transfer_start(channel, kind, "saved tensor " + std::to_string(r.index),
+                                          r.nbytes, -1);
   }
   void record_end(Record& r, bool failed) {
     if (!timeline || r.recorded == Record::kNotRecorded) return;
@@ -105,8 +105,7 @@ struct ActivationOffloader::Impl : std::enable_shared_from_this<Impl> {
                     Clock::time_point t0) {
     if (!timeline) return;
     const double end = timeline->now();
-    timeline->stall(kind, channel, "saved tensor " + std::to_string(r.index), end - since(t0),
-                    end);
+    timeline->stall(kind, channel, "saved tensor " + std::to_string(r.index), end - since(t0), end);
   }
 
   std::shared_ptr<Record> pack(const at::Tensor& t, at::Tensor* kept);
@@ -280,6 +279,9 @@ std::shared_ptr<Record> ActivationOffloader::Impl::pack(const at::Tensor& t, at:
   if (first_pack) {
     first_pack = false;
     step_start = Clock::now();
+    // Without an op tracer, the phases are the timeline's ops (a loop that marks them itself
+    // marks the same ones).
+    if (timeline) timeline->op_start(-1, "forward", plan::Timeline::kNoSample);
   }
   ++stats.packed;
   if (in_backward.load() && g_backward_running.load() == 0) {
@@ -471,9 +473,9 @@ void ActivationOffloader::Impl::start_read_locked(Record& r, io::Priority p) {
   }
   r.storage = bytes.storage();
   store->read(r.ticket, r.storage.mutable_data(), p);
-  record_start(r, plan::Channel::kSsdRead,
-               p == io::Priority::kUrgent ? plan::TransferKind::kMiss
-                                          : plan::TransferKind::kActivation);
+  record_start(
+      r, plan::Channel::kSsdRead,
+      p == io::Priority::kUrgent ? plan::TransferKind::kMiss : plan::TransferKind::kActivation);
   r.state = Record::State::kReading;
   stats.bytes_read += r.nbytes;
 }
@@ -505,6 +507,7 @@ void ActivationOffloader::Impl::prefetch_locked(std::size_t below) {
 // and the ones already running go ahead of every read, so that their memory comes back.
 void ActivationOffloader::Impl::begin_backward_locked() {
   if (in_backward.exchange(true)) return;
+  if (timeline) timeline->op_start(-1, "backward", plan::Timeline::kNoSample);
   forward_seconds = since(step_start);
   for (auto& w : writing) {
     if (w->state == Record::State::kQueued) {  // never handed to the store: nothing to cancel

@@ -3,12 +3,11 @@
 // work must be complete first. Device-generic (c10), so no CUDA headers are needed here.
 #pragma once
 
+#include <c10/core/Allocator.h>
 #include <c10/core/Device.h>
 #include <c10/core/Event.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
-
-#include <c10/core/Allocator.h>
 #include <c10/core/Stream.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <cstddef>
 #include <map>

@@ -429,8 +429,7 @@ struct PlanExecutor::Impl {
       if (on_host(s)) stats.host_stall_seconds += dt;
       if (needed) {
         record_stall(plan::StallKind::kRead,
-                     on_host(s) ? plan::Channel::kHostRead : plan::Channel::kSsdRead, label(s),
-                     t0);
+                     on_host(s) ? plan::Channel::kHostRead : plan::Channel::kSsdRead, label(s), t0);
       }
     };
     try {

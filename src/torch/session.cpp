@@ -455,6 +455,14 @@ struct Session::Impl {
   }
   std::pair<double, double> io_at_step_start{-1, -1};
 
+  // The channel rates the plans assumed (for the report's sentence); kept when the session
+  // closes its store.
+  plan::ChannelRates rates_at_close;
+  plan::ChannelRates assumed_rates() {
+    if (budget_known && store) return hardware().channels();
+    return rates_at_close;
+  }
+
   void write_timeline_file() const {
     if (timeline && !opt.timeline_path.empty()) timeline->write(opt.timeline_path);
   }
@@ -668,6 +676,7 @@ void Session::close() {
   Impl& m = *impl_;
   if (m.closed) return;
   TIDAL_EXPECT(!m.in_step, "close() inside step ", step_, ": end the step first");
+  m.rates_at_close = m.assumed_rates();
   m.stop_offloading();
   m.write_timeline_file();
   m.offloader.reset();
@@ -743,7 +752,8 @@ void Session::begin_step(std::int64_t step, const std::vector<torch::Tensor>& in
 void Session::begin_phase(trace::Phase phase) {
   Impl& m = *impl_;
   // Activation mode has no op tracer: its phases are the timeline's ops.
-  if (m.timeline && m.offloader && m.in_step) m.timeline->op_start(-1, trace::to_string(phase), m.current_now());
+  if (m.timeline && m.offloader && m.in_step)
+    m.timeline->op_start(-1, trace::to_string(phase), m.current_now());
   if (m.offloading) m.offloader->begin_phase(phase);
   if (m.tracer) m.tracer->begin_phase(phase);
 }
@@ -877,9 +887,7 @@ SessionStats Session::stats() const {
 
 plan::TimeReport Session::time_report() const {
   if (!impl_->timeline) return {};
-  plan::ChannelRates rates;
-  if (impl_->budget_known && impl_->store) rates = impl_->hardware().channels();
-  return impl_->timeline->report(rates);
+  return impl_->timeline->report(impl_->assumed_rates());
 }
 
 std::shared_ptr<const plan::Timeline> Session::timeline() const { return impl_->timeline; }

@@ -222,7 +222,7 @@ TEST(Timeline, TransferEndingInALaterStepEndsInItsOwn) {
 
 // The report of a step whose only stall is of one kind, on one channel.
 TimeReport one_sided(FakeClock& clock, StallKind kind, Channel channel, double stall,
-                   std::uint64_t bytes) {
+                     std::uint64_t bytes) {
   Timeline::Options o;
   o.clock = clock.fn();
   Timeline tl(o);

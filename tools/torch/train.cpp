@@ -240,7 +240,8 @@ void run_train(const TrainArgs& args) {
     checkpoint_path = (std::filesystem::path(args.checkpoint) / kCheckpointFile).string();
   }
   const std::string probe_checkpoint = checkpoint_path.empty() ? "" : checkpoint_path + ".probe";
-  TIDAL_EXPECT_AS(InvalidArgument, args.timeline.empty() || so.mode != torch_layer::OffloadMode::kNone,
+  TIDAL_EXPECT_AS(InvalidArgument,
+                  args.timeline.empty() || so.mode != torch_layer::OffloadMode::kNone,
                   "--timeline draws what offloading did: it is for --offload plan or activations");
   TIDAL_EXPECT_AS(InvalidArgument, args.timeline.empty() || args.timeline_steps > 0,
                   "--timeline needs --timeline-steps of 1 or more (the steps it keeps)");
@@ -252,10 +253,10 @@ void run_train(const TrainArgs& args) {
     const bool ok = std::ofstream(*path, std::ios::app).good();
     if (!existed) std::filesystem::remove(*path);
     TIDAL_EXPECT_AS(InvalidArgument, ok, "cannot write '", *path, "' (",
-                    path == &args.save_plan          ? "--save-plan"
-                    : path == &args.save_trace       ? "--save-trace"
+                    path == &args.save_plan     ? "--save-plan"
+                    : path == &args.save_trace  ? "--save-trace"
                     : path == &probe_checkpoint ? "--checkpoint"
-                                                     : "--timeline",
+                                                : "--timeline",
                     "): check that its directory exists and is writable");
   }
   so.activations.min_bytes = parse_bytes(args.min_offload);

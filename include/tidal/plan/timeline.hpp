@@ -102,22 +102,22 @@ struct TimelineStep {
 /// Where one step's time went (Timeline::report). Every figure is seconds per step, averaged over
 /// the steps it covers.
 struct TimeReport {
-  int steps = 0;               ///< executed steps it covers (0: nothing measured)
-  double step_seconds = 0;     ///< wall time of a step
-  double compute_seconds = 0;  ///< inside ops, less their stalls
+  int steps = 0;                   ///< executed steps it covers (0: nothing measured)
+  double step_seconds = 0;         ///< wall time of a step
+  double compute_seconds = 0;      ///< inside ops, less their stalls
   double between_ops_seconds = 0;  ///< outside ops: the loop's own code, data, Python
   std::array<double, kNumChannels> read_stall_seconds{};  ///< by channel (reads only)
-  double write_stall_seconds = 0;  ///< budget and deadline waits, evictions
+  double write_stall_seconds = 0;                         ///< budget and deadline waits, evictions
   /// Not part of the sum (they run beside the step): the store's busy time (I/O in flight) and
   /// its threads' CPU time on checksums; -1: not measured.
   double io_busy_seconds = -1;
   double checksum_seconds = -1;
   std::array<std::uint64_t, kNumChannels> bytes{};          ///< moved per step, by channel
   std::array<std::uint64_t, kNumChannels> planned_bytes{};  ///< the plan's, by channel
-  double misses = 0;     ///< per step
-  double evictions = 0;  ///< per step
-  double planned_seconds = 0;        ///< the plan's step time (0: no plan)
-  double planned_stall_seconds = 0;  ///< the plan's stall per step
+  double misses = 0;                                        ///< per step
+  double evictions = 0;                                     ///< per step
+  double planned_seconds = 0;                               ///< the plan's step time (0: no plan)
+  double planned_stall_seconds = 0;                         ///< the plan's stall per step
   /// compute + between ops + stalls, over step_seconds (1.0 when every part was measured).
   [[nodiscard]] double accounted() const;
   /// What limits the run, in one sentence, and what would help.
@@ -151,8 +151,12 @@ class Timeline {
   /// checksum_seconds, and the plan's view (planned_memory, planned_seconds,
   /// planned_stall_seconds, planned_bytes; empty/0 without a plan). Its other fields are ignored.
   void end_step(const TimelineStep& facts);
+  /// An op starts (it ends the op still open: ops do not nest). A phase that two recorders
+  /// both mark (index -1, the name of the op still open) is one op. `memory_now`: the meter's
+  /// bytes, or kNoSample.
   void op_start(trace::OpIndex index, const std::string& name, std::uint64_t memory_now);
   void op_end(std::uint64_t memory_now);
+  static constexpr std::uint64_t kNoSample = ~std::uint64_t{0};
   /// Returns a handle for transfer_end (kept while the step runs or the transfer is in flight).
   std::size_t transfer_start(Channel channel, TransferKind kind, std::string tensor,
                              std::uint64_t bytes, trace::OpIndex due_op);
