@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <utility>
@@ -120,14 +121,39 @@ std::string limit_sentence(const TimeReport& r, const std::array<double, kNumCha
     return b > 0 ? static_cast<double>(r.bytes[index_of(c)]) / b : 0.0;
   };
   const auto assumed = [&](Channel c) {
-    return rates[c] > 0 ? ", the plan assumed " + gbps(rates[c]) : std::string();
+    if (rates[c] <= 0) return std::string();
+    std::string a = ", the plan assumed " + gbps(rates[c]);
+    const double got = delivered(c);
+    if (got > 0 && got < 0.5 * rates[c]) {
+      a += ": the " + std::string(tier_of(c) == Tier::kSsd ? "disk" : "host link") +
+           " delivers far less than when the session measured it (another process using it, or "
+           "throttling)";
+    }
+    return a;
   };
   if (worst < static_cast<int>(kNumChannels)) {
     const auto c = static_cast<Channel>(worst);
     const double bytes = static_cast<double>(r.bytes[index_of(c)]);
+    const double need = bytes / compute;
+    if (delivered(c) > 1.2 * need) {
+      // Bandwidth enough: the reads started too late.
+      s = std::string(c == Channel::kSsdRead ? "SSD reads" : "host memory reads") +
+          " started too late: ops waited " + secs(most) + " a step (" + pct(most / step) +
+          ") for them, yet the " + (c == Channel::kSsdRead ? "store" : "host pool") +
+          " delivered " + gbps(delivered(c)) + ", more than the " + gbps(need) +
+          " the plan needs. Prefetches wait for room under the budget, or the plan issues them "
+          "late: a larger budget lets them start earlier";
+      if (r.misses > 0) {
+        char b[96];
+        std::snprintf(b, sizeof b, " (%.1f misses a step: reads started only when needed)",
+                      r.misses);
+        s += b;
+      }
+      return s;
+    }
     s = std::string(c == Channel::kSsdRead ? "SSD reads" : "host memory reads") + ": ops waited " +
         secs(most) + " a step (" + pct(most / step) + ") for reads; the plan needs " +
-        gbps(bytes / compute) + " to hide " + format_bytes(bytes) + " a step behind " +
+        gbps(need) + " to hide " + format_bytes(bytes) + " a step behind " +
         secs(compute) + " of compute, the " + (c == Channel::kSsdRead ? "store" : "host pool") +
         " delivered " + (delivered(c) > 0 ? gbps(delivered(c)) : std::string("(not measured)")) +
         assumed(c);
@@ -783,12 +809,24 @@ std::string Timeline::svg() const {
     if (pts.empty()) return;
     o << "<polyline fill=\"none\" stroke=\"" << colour << "\" stroke-width=\"1.5\" " << extra
       << " points=\"";
+    // A step line, at most one vertical stroke per pixel column (from the value it came in
+    // with, through the column's least and most, to the value it leaves with): thousands of
+    // ops draw as they look, in a file of a few hundred kB at most.
     double last_y = y(static_cast<double>(pts.front().second));
-    for (const auto& [t, bytes] : pts) {
-      const double yy = y(static_cast<double>(bytes));
-      std::snprintf(b, sizeof b, "%.1f,%.1f %.1f,%.1f ", x(t), last_y, x(t), yy);
+    std::size_t i = 0;
+    while (i < pts.size()) {
+      const long column = std::lround(x(pts[i].first));
+      double lo = last_y;
+      double hi = last_y;
+      const double enter = last_y;
+      for (; i < pts.size() && std::lround(x(pts[i].first)) == column; ++i) {
+        last_y = y(static_cast<double>(pts[i].second));
+        lo = std::min(lo, last_y);
+        hi = std::max(hi, last_y);
+      }
+      std::snprintf(b, sizeof b, "%ld,%.1f %ld,%.1f %ld,%.1f %ld,%.1f ", column, enter, column, lo,
+                    column, hi, column, last_y);
       o << b;
-      last_y = yy;
     }
     std::snprintf(b, sizeof b, "%.1f,%.1f", x(s->end), last_y);
     o << b << "\"/>\n";
@@ -850,6 +888,14 @@ void Timeline::write(const std::string& path) const {
   AtomicFile f(path);
   f.write(text.data(), text.size());
   f.commit();
+  // A picture or trace to share, not a secret (AtomicFile makes its files 0600).
+  std::error_code ignored;
+  std::filesystem::permissions(path,
+                               std::filesystem::perms::owner_read |
+                                   std::filesystem::perms::owner_write |
+                                   std::filesystem::perms::group_read |
+                                   std::filesystem::perms::others_read,
+                               ignored);
 }
 
 }  // namespace tidal::plan

@@ -270,6 +270,27 @@ TEST(Timeline, TheSentenceNamesWhatLimits) {
   }
 }
 
+TEST(Timeline, ReadsThatHadTheBandwidthButStartedLateAreSaidSo) {
+  FakeClock clock;
+  Timeline::Options o;
+  o.clock = clock.fn();
+  Timeline tl(o);
+  tl.begin_step(0, "executing", 100, 100);
+  tl.op_start(0, "op", 0);
+  clock.t += 0.1;  // compute
+  // The read starts only when the op needs it, and takes 10 ms: 1 MiB at 0.1 GB/s, where the
+  // plan needs 1 MiB in 0.1 s of compute (0.01 GB/s).
+  const std::size_t h = tl.transfer_start(Channel::kSsdRead, TransferKind::kMiss, "x", 1 << 20, -1);
+  tl.stall(StallKind::kRead, Channel::kSsdRead, "x", clock.t, clock.t + 0.01);
+  clock.t += 0.01;
+  tl.transfer_end(h, false);
+  tl.op_end(0);
+  tl.end_step({});
+  const TimeReport r = tl.report();
+  EXPECT_EQ(r.limit.rfind("SSD reads started too late", 0), 0u) << r.limit;
+  EXPECT_NE(r.limit.find("1.0 misses"), std::string::npos) << r.limit;
+}
+
 TEST(Timeline, ChromeTraceHasTheLanesAndKeepsEveryTransferInItsStep) {
   std::mt19937_64 rng(3);
   FakeClock clock;
