@@ -152,11 +152,10 @@ std::string limit_sentence(const TimeReport& r, const std::array<double, kNumCha
       return s;
     }
     s = std::string(c == Channel::kSsdRead ? "SSD reads" : "host memory reads") + ": ops waited " +
-        secs(most) + " a step (" + pct(most / step) + ") for reads; the plan needs " +
-        gbps(need) + " to hide " + format_bytes(bytes) + " a step behind " +
-        secs(compute) + " of compute, the " + (c == Channel::kSsdRead ? "store" : "host pool") +
-        " delivered " + (delivered(c) > 0 ? gbps(delivered(c)) : std::string("(not measured)")) +
-        assumed(c);
+        secs(most) + " a step (" + pct(most / step) + ") for reads; the plan needs " + gbps(need) +
+        " to hide " + format_bytes(bytes) + " a step behind " + secs(compute) +
+        " of compute, the " + (c == Channel::kSsdRead ? "store" : "host pool") + " delivered " +
+        (delivered(c) > 0 ? gbps(delivered(c)) : std::string("(not measured)")) + assumed(c);
     if (r.misses > 0) {
       char b[96];
       std::snprintf(b, sizeof b, "; %.1f misses a step (reads started only when an op needed them)",
@@ -890,12 +889,11 @@ void Timeline::write(const std::string& path) const {
   f.commit();
   // A picture or trace to share, not a secret (AtomicFile makes its files 0600).
   std::error_code ignored;
-  std::filesystem::permissions(path,
-                               std::filesystem::perms::owner_read |
-                                   std::filesystem::perms::owner_write |
-                                   std::filesystem::perms::group_read |
-                                   std::filesystem::perms::others_read,
-                               ignored);
+  std::filesystem::permissions(
+      path,
+      std::filesystem::perms::owner_read | std::filesystem::perms::owner_write |
+          std::filesystem::perms::group_read | std::filesystem::perms::others_read,
+      ignored);
 }
 
 }  // namespace tidal::plan

@@ -6,6 +6,7 @@
 #include <map>
 
 #include "tidal/common/enum_names.hpp"
+#include "tidal/common/env.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/io/measure.hpp"
@@ -628,6 +629,9 @@ Session::Session(SessionOptions options) : impl_(std::make_unique<Impl>()) {
   if (m.opt.mode == OffloadMode::kNone) {
     m.state = SessionState::kOff;
     return;
+  }
+  if (m.opt.timeline_path.empty()) {
+    if (auto path = read_env().timeline) m.opt.timeline_path = *path;  // TIDAL_TIMELINE
   }
   if (m.opt.timeline_steps > 0 || !m.opt.timeline_chosen_steps.empty()) {
     plan::Timeline::Options to;

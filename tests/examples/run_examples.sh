@@ -36,7 +36,9 @@ run_example() {
   for mode in "${modes[@]}"; do
     local out="$tmp/$name.$mode.out" err="$tmp/$name.$mode.err"
     rc=0
-    "$bin" --mode "$mode" --dir "$tmp/store-$name-$mode" --steps "$steps" "$@" >"$out" 2>"$err" ||
+    # TIDAL_TIMELINE: the session writes its timeline there when it ends (checked below).
+    TIDAL_TIMELINE="$tmp/$name.$mode.timeline.json" \
+      "$bin" --mode "$mode" --dir "$tmp/store-$name-$mode" --steps "$steps" "$@" >"$out" 2>"$err" ||
       rc=$?
     grep '^step ' "$out" >"$tmp/$name.$mode.steps" || true
     if ((rc != 0)); then
@@ -84,6 +86,33 @@ run_example() {
       echo "ok   $name: activations peak $peak_act B <= none's $peak_none B (every step)"
     fi
   fi
+
+  # The timeline each offloading run wrote (TIDAL_TIMELINE), and where its time went: the parts
+  # add up to the step within 5%.
+  for mode in activations plan; do
+    [[ -n ${summary[$mode]:-} ]] || continue
+    local verdict
+    if verdict=$(/usr/bin/python3 - "$tmp/$name.$mode.timeline.json" "$mode" <<'PY' 2>&1
+import json, sys
+doc = json.load(open(sys.argv[1]))
+r = doc["otherData"]["where_the_time_went"]
+assert r["steps"] > 0, r
+parts = (r["compute_seconds"] + r["between_ops_seconds"] + r["write_stall_seconds"]
+         + sum(v for k, v in r.items() if k.startswith("read_stall_seconds")))
+assert abs(parts / r["step_seconds"] - 1) < 0.05, (parts, r)
+# Plan mode's ops come from its tracer; activation mode's phases only while it offloads (its
+# adaptive rule may have stopped it).
+if sys.argv[2] == "plan":
+    assert any(e.get("cat") == "op" for e in doc["traceEvents"]), "no op in the timeline"
+print(f"{r['step_seconds']:.4f} s a step, parts {parts / r['step_seconds']:.1%}; limit: "
+      + " ".join(r["limit"].split()[:6]))
+PY
+    ); then
+      echo "ok   $name: $mode timeline written (TIDAL_TIMELINE): $verdict"
+    else
+      fail "$name: $mode timeline: $verdict"
+    fi
+  done
 
   if [[ -n ${summary[plan]:-} ]]; then
     # Under the strict meter a step over the budget would be an out-of-memory error on a GPU:
