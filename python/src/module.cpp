@@ -207,6 +207,7 @@ py::dict time_report_dict(const tidal::plan::TimeReport& r) {
   d["planned_bytes"] = planned;
   d["misses"] = r.misses;
   d["evictions"] = r.evictions;
+  d["replans"] = r.replans;
   d["planned_seconds"] =
       r.planned_seconds > 0 ? py::object(py::float_(r.planned_seconds)) : py::none();
   d["store_busy_seconds"] =

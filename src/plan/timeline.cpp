@@ -133,7 +133,7 @@ std::string limit_sentence(const TimeReport& r, const std::array<double, kNumCha
   };
   if (worst < static_cast<int>(kNumChannels)) {
     const auto c = static_cast<Channel>(worst);
-    const double bytes = static_cast<double>(r.bytes[index_of(c)]);
+    const auto bytes = static_cast<double>(r.bytes[index_of(c)]);
     const double need = bytes / compute;
     if (delivered(c) > 1.2 * need) {
       // Bandwidth enough: the reads started too late.
@@ -167,8 +167,8 @@ std::string limit_sentence(const TimeReport& r, const std::array<double, kNumCha
                "(--host-mem, host_memory=), a larger budget or a smaller batch would help"
              : ". A larger budget or a smaller batch would help";
   } else {
-    const double bytes = static_cast<double>(r.bytes[index_of(Channel::kSsdWrite)] +
-                                             r.bytes[index_of(Channel::kHostWrite)]);
+    const auto bytes = static_cast<double>(r.bytes[index_of(Channel::kSsdWrite)] +
+                                           r.bytes[index_of(Channel::kHostWrite)]);
     s = "writes under the budget: ops waited " + secs(most) + " a step (" + pct(most / step) +
         ") for writes to free memory";
     if (r.evictions > 0) {
@@ -474,7 +474,13 @@ std::string format_report(const TimeReport& r) {
     o << line;
   }
   o << "\n";
-  row("compute (inside ops)", r.compute_seconds);
+  std::string planned_compute;
+  if (r.planned_seconds > 0) {
+    std::snprintf(line, sizeof line, "  (plan, ops and the time between them: %.4f s)",
+                  r.planned_seconds - r.planned_stall_seconds);
+    planned_compute = line;
+  }
+  row("compute (inside ops)", r.compute_seconds, planned_compute);
   row("outside ops (loop, data)", r.between_ops_seconds);
   for (Channel c : kChannels) {
     if (is_write(c)) continue;
@@ -498,9 +504,10 @@ std::string format_report(const TimeReport& r) {
     o << "  " << to_string(c) << ": " << format_bytes(static_cast<double>(r.bytes[k]))
       << " a step (plan: " << format_bytes(static_cast<double>(r.planned_bytes[k])) << ")\n";
   }
-  if (r.misses > 0 || r.evictions > 0) {
-    std::snprintf(line, sizeof line, "  misses %.1f, evictions %.1f a step\n", r.misses,
-                  r.evictions);
+  if (r.misses > 0 || r.evictions > 0 || r.replans > 0) {
+    std::snprintf(line, sizeof line,
+                  "  misses %.1f, evictions %.1f a step; %d re-plan(s) in the run\n", r.misses,
+                  r.evictions, r.replans);
     o << line;
   }
   if (r.io_busy_seconds >= 0) {
@@ -737,7 +744,7 @@ std::string Timeline::svg() const {
     limit.erase(0, std::min(limit.size(), cut + 1));
   }
   const int h = kTop + kMemH + 40 + lanes * kLaneH + 58 + 16 * static_cast<int>(lines.size());
-  o << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << kW << "\" height=\"" << h
+  o << R"(<svg xmlns="http://www.w3.org/2000/svg" width=")" << kW << R"(" height=")" << h
     << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
     << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
   if (s == nullptr) {
@@ -754,7 +761,7 @@ std::string Timeline::svg() const {
   const double ymax = std::max(1.0, static_cast<double>(top) * 1.08);
   const auto y = [&](double bytes) { return kTop + kMemH * (1.0 - bytes / ymax); };
   char b[256];
-  o << "<text x=\"" << kLeft << "\" y=\"20\" font-size=\"15\">step " << s->step << " (" << s->state
+  o << R"(<text x=")" << kLeft << R"(" y="20" font-size="15">step )" << s->step << " (" << s->state
     << "): memory against the budget, and the I/O under it</text>\n";
   // Axes and ticks.
   o << "<line x1=\"" << kLeft << "\" y1=\"" << kTop + kMemH << "\" x2=\"" << kW - kRight
@@ -806,7 +813,7 @@ std::string Timeline::svg() const {
   const auto steps_path = [&](const std::vector<std::pair<double, std::uint64_t>>& pts,
                               const char* colour, const char* extra) {
     if (pts.empty()) return;
-    o << "<polyline fill=\"none\" stroke=\"" << colour << "\" stroke-width=\"1.5\" " << extra
+    o << R"(<polyline fill="none" stroke=")" << colour << R"(" stroke-width="1.5" )" << extra
       << " points=\"";
     // A step line, at most one vertical stroke per pixel column (from the value it came in
     // with, through the column's least and most, to the value it leaves with): thousands of
@@ -875,7 +882,7 @@ std::string Timeline::svg() const {
        "  <tspan fill=\"#ff7f0e\">eviction / write stall</tspan></text>\n";
   for (std::size_t i = 0; i < lines.size(); ++i) {
     o << "<text x=\"" << kLeft << "\" y=\"" << ly + 18 + 16 * static_cast<int>(i)
-      << "\" font-size=\"12\">" << (i == 0 ? "limit: " : "") << lines[i] << "</text>\n";
+      << R"(" font-size="12">)" << (i == 0 ? "limit: " : "") << lines[i] << "</text>\n";
   }
   o << "</svg>\n";
   return o.str();

@@ -891,7 +891,9 @@ SessionStats Session::stats() const {
 
 plan::TimeReport Session::time_report() const {
   if (!impl_->timeline) return {};
-  return impl_->timeline->report(impl_->assumed_rates());
+  plan::TimeReport r = impl_->timeline->report(impl_->assumed_rates());
+  r.replans = impl_->stats.replans;
+  return r;
 }
 
 std::shared_ptr<const plan::Timeline> Session::timeline() const { return impl_->timeline; }

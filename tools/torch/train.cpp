@@ -195,6 +195,7 @@ nlohmann::json time_report_json(const plan::TimeReport& r) {
   }
   j["misses"] = r.misses;
   j["evictions"] = r.evictions;
+  j["replans"] = r.replans;
   j["planned_seconds"] = r.planned_seconds > 0 ? nlohmann::json(r.planned_seconds) : nullptr;
   j["planned_stall_seconds"] =
       r.planned_seconds > 0 ? nlohmann::json(r.planned_stall_seconds) : nullptr;

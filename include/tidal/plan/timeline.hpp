@@ -116,8 +116,9 @@ struct TimeReport {
   std::array<std::uint64_t, kNumChannels> planned_bytes{};  ///< the plan's, by channel
   double misses = 0;                                        ///< per step
   double evictions = 0;                                     ///< per step
-  double planned_seconds = 0;                               ///< the plan's step time (0: no plan)
-  double planned_stall_seconds = 0;                         ///< the plan's stall per step
+  int replans = 0;             ///< plans made after the first, in the whole run (the owner sets it)
+  double planned_seconds = 0;  ///< the plan's step time (0: no plan)
+  double planned_stall_seconds = 0;  ///< the plan's stall per step
   /// compute + between ops + stalls, over step_seconds (1.0 when every part was measured).
   [[nodiscard]] double accounted() const;
   /// What limits the run, in one sentence, and what would help.
