@@ -178,42 +178,11 @@ using Holder = std::unique_ptr<T, DeleteWithoutGil>;
 
 namespace {
 
-// Where the time went (plan::TimeReport): seconds per step; by channel name for reads and bytes;
-// None for what was not measured; "text" is what the CLI prints.
+// Where the time went (plan::TimeReport) as a dict (plan::time_report_json's fields), with
+// "text": the report as the CLI prints it.
 py::dict time_report_dict(const tidal::plan::TimeReport& r) {
-  namespace tp = tidal::plan;
-  py::dict d;
-  d["steps"] = r.steps;
-  d["limit"] = r.limit;
-  d["text"] = tp::format_report(r);
-  if (r.steps == 0) return d;
-  d["step_seconds"] = r.step_seconds;
-  d["compute_seconds"] = r.compute_seconds;
-  d["between_ops_seconds"] = r.between_ops_seconds;
-  d["write_stall_seconds"] = r.write_stall_seconds;
-  d["stall_seconds"] = r.stall_seconds();
-  d["accounted"] = r.accounted();
-  py::dict stalls;
-  py::dict bytes;
-  py::dict planned;
-  for (tp::Channel c : tp::kChannels) {
-    const std::size_t k = tp::index_of(c);
-    if (!tp::is_write(c)) stalls[tp::to_string(c)] = r.read_stall_seconds[k];
-    bytes[tp::to_string(c)] = r.bytes[k];
-    planned[tp::to_string(c)] = r.planned_bytes[k];
-  }
-  d["read_stall_seconds"] = stalls;
-  d["bytes"] = bytes;
-  d["planned_bytes"] = planned;
-  d["misses"] = r.misses;
-  d["evictions"] = r.evictions;
-  d["replans"] = r.replans;
-  d["planned_seconds"] =
-      r.planned_seconds > 0 ? py::object(py::float_(r.planned_seconds)) : py::none();
-  d["store_busy_seconds"] =
-      r.io_busy_seconds >= 0 ? py::object(py::float_(r.io_busy_seconds)) : py::none();
-  d["checksum_seconds"] =
-      r.checksum_seconds >= 0 ? py::object(py::float_(r.checksum_seconds)) : py::none();
+  py::dict d = py::module_::import("json").attr("loads")(tidal::plan::time_report_json(r));
+  d["text"] = tidal::plan::format_report(r);
   return d;
 }
 

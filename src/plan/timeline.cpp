@@ -523,6 +523,36 @@ std::string format_report(const TimeReport& r) {
   return o.str();
 }
 
+std::string time_report_json(const TimeReport& r) {
+  json j;
+  j["steps"] = r.steps;
+  j["limit"] = r.limit;
+  if (r.steps > 0) {
+    const auto measured = [](double v) { return v >= 0 ? json(v) : json(nullptr); };
+    j["step_seconds"] = r.step_seconds;
+    j["compute_seconds"] = r.compute_seconds;
+    j["between_ops_seconds"] = r.between_ops_seconds;
+    j["write_stall_seconds"] = r.write_stall_seconds;
+    j["stall_seconds"] = r.stall_seconds();
+    j["accounted"] = r.accounted();
+    for (Channel c : kChannels) {
+      const std::string name = to_string(c);
+      if (!is_write(c)) j["read_stall_seconds"][name] = r.read_stall_seconds[index_of(c)];
+      j["bytes"][name] = r.bytes[index_of(c)];
+      j["planned_bytes"][name] = r.planned_bytes[index_of(c)];
+    }
+    j["misses"] = r.misses;
+    j["evictions"] = r.evictions;
+    j["replans"] = r.replans;
+    j["planned_seconds"] = r.planned_seconds > 0 ? json(r.planned_seconds) : json(nullptr);
+    j["planned_stall_seconds"] =
+        r.planned_seconds > 0 ? json(r.planned_stall_seconds) : json(nullptr);
+    j["store_busy_seconds"] = measured(r.io_busy_seconds);
+    j["checksum_seconds"] = measured(r.checksum_seconds);
+  }
+  return j.dump();
+}
+
 std::string Timeline::chrome_json() const {
   const std::vector<TimelineStep> all = steps();
   constexpr int kPid = 1;
@@ -694,18 +724,7 @@ std::string Timeline::chrome_json() const {
       meta(lane_tid(c, lane), name);
     }
   }
-  const TimeReport r = report();
-  json parts{{"steps", r.steps},
-             {"step_seconds", r.step_seconds},
-             {"compute_seconds", r.compute_seconds},
-             {"between_ops_seconds", r.between_ops_seconds},
-             {"write_stall_seconds", r.write_stall_seconds},
-             {"limit", r.limit}};
-  for (Channel c : kChannels) {
-    if (!is_write(c)) {
-      parts[std::string("read_stall_seconds_") + to_string(c)] = r.read_stall_seconds[index_of(c)];
-    }
-  }
+  const json parts = json::parse(time_report_json(report()));
   json doc{{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}};
   doc["otherData"] = json{{"format", "tidal timeline"}, {"where_the_time_went", parts}};
   return doc.dump(-1, ' ', false, json::error_handler_t::replace) + "\n";

@@ -98,7 +98,7 @@ doc = json.load(open(sys.argv[1]))
 r = doc["otherData"]["where_the_time_went"]
 assert r["steps"] > 0, r
 parts = (r["compute_seconds"] + r["between_ops_seconds"] + r["write_stall_seconds"]
-         + sum(v for k, v in r.items() if k.startswith("read_stall_seconds")))
+         + sum(r["read_stall_seconds"].values()))
 assert abs(parts / r["step_seconds"] - 1) < 0.05, (parts, r)
 # Plan mode's ops come from its tracer; activation mode's phases only while it offloads (its
 # adaptive rule may have stopped it).

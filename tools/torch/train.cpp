@@ -172,39 +172,6 @@ struct IoTotals {
   }
 };
 
-// Where the time went (plan::TimeReport) as JSON: seconds per step, bytes per step by channel,
-// the limit sentence; a figure not measured is null.
-nlohmann::json time_report_json(const plan::TimeReport& r) {
-  nlohmann::json j;
-  j["steps"] = r.steps;
-  if (r.steps == 0) {
-    j["limit"] = r.limit;
-    return j;
-  }
-  j["step_seconds"] = r.step_seconds;
-  j["compute_seconds"] = r.compute_seconds;
-  j["between_ops_seconds"] = r.between_ops_seconds;
-  j["write_stall_seconds"] = r.write_stall_seconds;
-  j["stall_seconds"] = r.stall_seconds();
-  j["accounted"] = r.accounted();
-  for (plan::Channel c : plan::kChannels) {
-    const std::string name = plan::to_string(c);
-    if (!plan::is_write(c)) j["read_stall_seconds"][name] = r.read_stall_seconds[plan::index_of(c)];
-    j["bytes"][name] = r.bytes[plan::index_of(c)];
-    j["planned_bytes"][name] = r.planned_bytes[plan::index_of(c)];
-  }
-  j["misses"] = r.misses;
-  j["evictions"] = r.evictions;
-  j["replans"] = r.replans;
-  j["planned_seconds"] = r.planned_seconds > 0 ? nlohmann::json(r.planned_seconds) : nullptr;
-  j["planned_stall_seconds"] =
-      r.planned_seconds > 0 ? nlohmann::json(r.planned_stall_seconds) : nullptr;
-  j["store_busy_seconds"] = r.io_busy_seconds >= 0 ? nlohmann::json(r.io_busy_seconds) : nullptr;
-  j["checksum_seconds"] = r.checksum_seconds >= 0 ? nlohmann::json(r.checksum_seconds) : nullptr;
-  j["limit"] = r.limit;
-  return j;
-}
-
 void run_train(const TrainArgs& args) {
   TIDAL_EXPECT_AS(InvalidArgument, args.model.steps >= 1, "--steps must be at least 1");
   auto options = to_trainer_options(args.model);
@@ -560,7 +527,7 @@ void run_train(const TrainArgs& args) {
       j["write_stall_seconds"] = io.write_stall;
     }
     if (so.mode != torch_layer::OffloadMode::kNone && args.timeline_steps > 0) {
-      j["time_report"] = time_report_json(report);
+      j["time_report"] = nlohmann::json::parse(plan::time_report_json(report));
     }
     std::cout << j.dump() << std::endl;
   }

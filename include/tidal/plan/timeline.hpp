@@ -193,5 +193,9 @@ class Timeline {
 
 /// Where the time went as text lines (for the end of a run), with the plan's figures beside.
 std::string format_report(const TimeReport& r);
+/// The report as a JSON object (text): seconds per step; read stalls, bytes and planned bytes by
+/// channel name; null for what was not measured; "limit", the sentence. tidal train's --json
+/// "time_report" and Python's Session.time_report() (which adds "text").
+std::string time_report_json(const TimeReport& r);
 
 }  // namespace tidal::plan
