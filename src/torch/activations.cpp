@@ -90,6 +90,10 @@ struct ActivationOffloader::Impl : std::enable_shared_from_this<Impl> {
   ActivationStats stats;
   ActivationStats last;
   std::shared_ptr<plan::Timeline> timeline;  // set_timeline
+  std::function<std::uint64_t()> current_bytes;
+  void sample_memory() {
+    if (timeline && current_bytes) timeline->memory(current_bytes());
+  }
 
   void record_start(Record& r, plan::Channel channel, plan::TransferKind kind) {
     if (!timeline) return;
@@ -284,6 +288,7 @@ std::shared_ptr<Record> ActivationOffloader::Impl::pack(const at::Tensor& t, at:
     if (timeline) timeline->op_start(-1, "forward", plan::Timeline::kNoSample);
   }
   ++stats.packed;
+  sample_memory();
   if (in_backward.load() && g_backward_running.load() == 0) {
     // A forward pass after a backward in the same step (a GAN's second model, gradient
     // accumulation): its tensors are offloaded and prefetched like the first pass's.
@@ -542,6 +547,7 @@ at::Tensor ActivationOffloader::Impl::unpack(Record& r, const c10::TensorOptions
                                              at::ScalarType dtype) {
   std::unique_lock<std::mutex> lock(mu);
   begin_backward_locked();
+  sample_memory();
   poll_writes_locked(false);
   if (r.state == Record::State::kRestored && !r.storage) {
     // Unpacked more often than it was saved (retain_graph): read it again.
@@ -837,9 +843,11 @@ void ActivationOffloader::keep_storages_of(const std::vector<torch::Tensor>& ten
   }
 }
 
-void ActivationOffloader::set_timeline(std::shared_ptr<plan::Timeline> timeline) {
+void ActivationOffloader::set_timeline(std::shared_ptr<plan::Timeline> timeline,
+                                       std::function<std::uint64_t()> current_bytes) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->timeline = std::move(timeline);
+  impl_->current_bytes = std::move(current_bytes);
 }
 
 std::string ActivationOffloader::notice() const {

@@ -651,7 +651,7 @@ Session::Session(SessionOptions options) : impl_(std::make_unique<Impl>()) {
   }
   if (m.opt.mode == OffloadMode::kActivations) {
     m.offloader = std::make_unique<ActivationOffloader>(m.store, m.opt.activations);
-    m.offloader->set_timeline(m.timeline);
+    m.offloader->set_timeline(m.timeline, m.opt.current_bytes);
     m.state = SessionState::kExecuting;
   } else {
     m.state = SessionState::kWarmup;

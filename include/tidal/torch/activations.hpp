@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -94,9 +95,11 @@ class ActivationOffloader final : public StepObserver {
   /// detached, so a weight cannot be told from an activation by its autograd metadata.
   void keep_storages_of(const std::vector<torch::Tensor>& tensors);
   /// Records each write and read of a saved tensor (on the SSD channels, kind "activation", or
-  /// "miss" for a read backward waited for without a prefetch) and the waits, into `timeline`
-  /// (null: none). The owner opens and closes its steps.
-  void set_timeline(std::shared_ptr<plan::Timeline> timeline);
+  /// "miss" for a read backward waited for without a prefetch), the waits, and the forward and
+  /// backward phases as ops, into `timeline` (null: none); with `current_bytes`, memory in use at
+  /// each saved tensor and each unpack. The owner opens and closes its steps.
+  void set_timeline(std::shared_ptr<plan::Timeline> timeline,
+                    std::function<std::uint64_t()> current_bytes = {});
 
   struct Impl;  ///< opaque; shared with the hooks of saved tensors that outlive a step
 
