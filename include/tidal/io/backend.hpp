@@ -80,7 +80,7 @@ struct FaultPlan {
   /// Which byte of that read to flip (from the start of the op; past its end: the middle).
   std::uint64_t corrupt_byte = ~std::uint64_t{0};
   unsigned char corrupt_xor = 0x5a;  ///< what the byte is XORed with (one bit: a bit flip)
-  unsigned delay_us = 0;           ///< hold every completion this long (a slow disk)
+  unsigned delay_us = 0;             ///< hold every completion this long (a slow disk)
   [[nodiscard]] bool any() const {
     return fail_op != 0 || short_op != 0 || corrupt_read != 0 || delay_us != 0;
   }

@@ -102,7 +102,7 @@ struct StoreStats {
   /// Thread time spent computing and checking checksums (summed over the threads doing it;
   /// they run beside the I/O, so this is CPU cost, not necessarily added latency).
   double checksum_seconds = 0;
-  int checksum_threads = 0;  ///< threads hashing beside the I/O (0: checksums off)
+  int checksum_threads = 0;   ///< threads hashing beside the I/O (0: checksums off)
   std::uint64_t tickets = 0;  ///< tickets alive
   std::string backend;        ///< in use now, e.g. "io_uring", "posix", "+cufile"
   bool buffered = false;
