@@ -33,6 +33,9 @@ def main():
     ap.add_argument("--depth", type=int)
     ap.add_argument("--threads", type=int, default=1, help="DeepNVMe intra_op_parallelism")
     ap.add_argument("--seed", type=int, default=0x7FDA1)
+    ap.add_argument("--data", choices=("random", "repeat"), default="random",
+                    help="random: every byte random; repeat: --depth random blocks repeated "
+                         "(the shape of tidal bench-io's data)")
     ap.add_argument("--build-only", action="store_true",
                     help="JIT-build (or load) DeepNVMe's async_io op and exit")
     a = ap.parse_args()
@@ -63,10 +66,13 @@ def main():
     gen = torch.Generator().manual_seed(a.seed)
     # Random bytes, made in 64 MiB pieces (one tensor of int64s the size of the buffer would
     # take 8x its memory).
-    piece = 64 << 20
+    piece = 64 << 20 if a.data == "random" else a.block * a.depth
     for off in range(0, a.size, piece):
         n = min(piece, a.size - off)
-        src[off:off + n].copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen))
+        if a.data == "random" or off == 0:
+            src[off:off + n].copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen))
+        else:
+            src[off:off + n].copy_(src[:n])
     dst.fill_(0xA5)
 
     path = os.path.join(a.dir, f"deepnvme_bench.{os.getpid()}")

@@ -4,13 +4,17 @@
 #
 #   bench/vs_deepspeed.sh [--rounds N] [--pause S] [--block B] [--depth Q] [--no-checksum]
 #                         [--sweep] [--sweep-size SIZE] [--sweep-rounds N] [--ds-threads N]
-#                         [--json FILE] DIR [SIZE]
+#                         [--memory populated|huge|pageable] [--json FILE] DIR [SIZE]
 #
 # Both sides: O_DIRECT, requests of B bytes (default 1MiB) with Q (default 16) in flight on one
 # file in DIR, SIZE bytes (default 2GiB) written then read back, every byte verified.
 # - tidal: `tidal bench-io --dir DIR --size SIZE --block B --stripe B --depth Q --json`: SIZE/B
 #   tensors of B bytes, each one request (stripe unit B), Q in flight, checksums on unless
-#   --no-checksum; its store file is preallocated when the store opens.
+#   --no-checksum; its store file is preallocated when the store opens. The tensors in flight
+#   are one arena made before timing (--memory, default populated: 4 KiB pages made in one
+#   call, as DeepNVMe's mlock'ed tensor is; huge: 2 MiB pages, which DeepNVMe's allocator does
+#   not ask for). On a disk that pays per request or segment, how physically contiguous the
+#   pages are changes the figures a lot (docs/io.md), so compare like with like.
 # - DeepNVMe: bench/deepnvme_io.py: one page-locked tensor of SIZE bytes written with
 #   async_pwrite to a preallocated file and read back with async_pread, through a handle with
 #   block_size B, queue_depth Q, overlap_events on, intra_op_parallelism --ds-threads (default
@@ -34,7 +38,8 @@ set -euo pipefail
 
 usage() {
   echo "usage: $0 [--rounds N] [--pause S] [--block B] [--depth Q] [--no-checksum] [--sweep]" >&2
-  echo "          [--sweep-size SIZE] [--sweep-rounds N] [--ds-threads N] [--json FILE] DIR [SIZE]" >&2
+  echo "          [--sweep-size SIZE] [--sweep-rounds N] [--ds-threads N] [--memory KIND]" >&2
+  echo "          [--json FILE] DIR [SIZE]" >&2
   exit 2
 }
 
@@ -48,6 +53,7 @@ sweep=0
 sweep_size_text=1GiB
 sweep_rounds=2
 ds_threads=1
+memory=populated
 json_out=""
 args=()
 while [ $# -gt 0 ]; do
@@ -61,6 +67,7 @@ while [ $# -gt 0 ]; do
     --sweep-size) [ $# -ge 2 ] || usage; sweep_size_text="$2"; shift ;;
     --sweep-rounds) [ $# -ge 2 ] || usage; sweep_rounds="$2"; shift ;;
     --ds-threads) [ $# -ge 2 ] || usage; ds_threads="$2"; shift ;;
+    --memory) [ $# -ge 2 ] || usage; memory="$2"; shift ;;
     --json) [ $# -ge 2 ] || usage; json_out="$2"; shift ;;
     -h|--help) usage ;;
     -*) echo "unknown option: $1" >&2; usage ;;
@@ -149,7 +156,7 @@ trap 'rm -rf "$tmp"' EXIT
 run_cell() {
   local block=$1 q=$2 size=$3 n=$4 cell=$5 r
   local tidal_cmd=("$tidal_bin" bench-io --dir "$dir" --size "$size" --block "$block"
-                   --stripe "$block" --depth "$q" --json $checksum_flag)
+                   --stripe "$block" --depth "$q" --memory "$memory" --json $checksum_flag)
   local ds_cmd=("$py" "$root/bench/deepnvme_io.py" --dir "$dir" --size "$size" --block "$block"
                 --depth "$q" --threads "$ds_threads")
   echo "cell $cell: $block-byte requests, depth $q, $size bytes, $n round(s)" >&2
@@ -189,10 +196,11 @@ if [ "$sweep" -eq 1 ]; then
   done
 fi
 
-"$py" - "$tmp" "$json_out" "${checksum_flag:-checksums on}" "$ds_threads" <<'EOF'
+"$py" - "$tmp" "$json_out" "${checksum_flag:-checksums on}" "$ds_threads" "$memory" <<'EOF'
 import json, math, statistics, sys
 
-tmp, json_out, checksum, ds_threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+tmp, json_out, checksum, ds_threads, memory = (sys.argv[1], sys.argv[2], sys.argv[3],
+                                               int(sys.argv[4]), sys.argv[5])
 
 
 def last_json(path):
@@ -240,8 +248,9 @@ for line in open(f"{tmp}/cells"):
                   "tidal_read_gbps": median("tidal_read_gbps"),
                   "deepnvme_read_gbps": median("deepnvme_read_gbps")})
 
-print(f"tidal store ({checksum}) vs DeepNVMe (aio_handle, overlap_events, "
-      f"intra_op_parallelism {ds_threads}); O_DIRECT both, one file, bytes verified both sides")
+print(f"tidal store ({checksum}, {memory} memory) vs DeepNVMe (aio_handle, overlap_events, "
+      f"intra_op_parallelism {ds_threads}, page-locked tensor); O_DIRECT both, one file, "
+      f"bytes verified both sides")
 print(f"{'':23}{'----------- write -----------':>30}   {'------------ read -----------':>30}")
 print(f"{'block':>7} {'depth':>5} {'size':>7} {'rounds':>6}  {'DeepNVMe':>9} {'tidal':>8} "
       f"{'ratio':>8}   {'DeepNVMe':>9} {'tidal':>8} {'ratio':>8}")
@@ -262,7 +271,8 @@ print(f"verified: {'yes, every byte on both sides' if verified else 'NO'}")
 print("Training against ZeRO-Infinity: not measured by this script")
 if json_out:
     with open(json_out, "w") as out:
-        json.dump({"checksum": checksum, "deepnvme_threads": ds_threads, "verified": verified,
+        json.dump({"checksum": checksum, "memory": memory, "deepnvme_threads": ds_threads,
+                   "verified": verified,
                    "cells": cells}, out, indent=2)
         out.write("\n")
 sys.exit(0 if verified else 3)

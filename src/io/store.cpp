@@ -4,6 +4,7 @@
 
 #include <fcntl.h>
 #include <linux/magic.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/statvfs.h>
@@ -286,8 +287,10 @@ struct TensorStore::Impl {
   std::vector<int> fds;
   std::string backend_name;
 
-  // Staging pool: fixed aligned buffers of stripe_unit bytes, pinned when a GPU exists.
-  std::vector<AlignedBuffer> staging;
+  // Staging pool: fixed aligned buffers of stripe_unit bytes in one arena, pinned when a GPU
+  // exists.
+  AlignedBuffer staging_arena;
+  std::vector<unsigned char*> staging;
   std::vector<int> staging_free;
   bool staging_pinned = false;
 
@@ -404,13 +407,24 @@ void TensorStore::Impl::open_files(std::uint64_t per_file) {
 
 // Staging pool: opt.staging_buffers buffers of stripe_unit bytes, pinned when a GPU exists.
 // Returns their regions, for the backends to register.
+//
+// One arena on 2 MiB pages where the kernel gives them (transparent huge pages, asked for with
+// madvise before the first touch): a direct I/O is cut into requests where its pages stop being
+// physically contiguous, and a virtual disk that pays per request or per segment moves far less
+// from scattered 4 KiB pages (on the CI machine, 1 MiB reads from 4 KiB pages ran at 1.4 GB/s,
+// from 2 MiB pages at 3.2 GB/s). Without huge pages it works as before.
 std::vector<std::pair<void*, std::size_t>> TensorStore::Impl::make_staging() {
+  constexpr std::size_t kHugePage = std::size_t{2} << 20;
+  const std::size_t unit = opt.stripe_unit;
+  const std::size_t bytes = unit * static_cast<std::size_t>(opt.staging_buffers);
+  staging_arena = AlignedBuffer(bytes, kHugePage);
+  ::madvise(staging_arena.data(), align_up(bytes, kHugePage), MADV_HUGEPAGE);  // advice only
   std::vector<std::pair<void*, std::size_t>> regions;
   staging.reserve(static_cast<std::size_t>(opt.staging_buffers));
   for (int i = 0; i < opt.staging_buffers; ++i) {
-    staging.emplace_back(opt.stripe_unit, kBlockSize);
+    staging.push_back(staging_arena.data() + static_cast<std::size_t>(i) * unit);
     staging_free.push_back(opt.staging_buffers - 1 - i);
-    regions.emplace_back(staging.back().data(), opt.stripe_unit);
+    regions.emplace_back(staging.back(), unit);
   }
 #ifdef TIDAL_WITH_CUDA
   if (detail::cuda::device_available()) {
@@ -472,7 +486,7 @@ TensorStore::Impl::~Impl() {
   device_backend.reset();
 #ifdef TIDAL_WITH_CUDA
   if (staging_pinned) {
-    for (auto& b : staging) detail::cuda::unpin_host_memory(b.data());
+    for (unsigned char* b : staging) detail::cuda::unpin_host_memory(b);
   }
 #endif
 }
@@ -704,7 +718,7 @@ void TensorStore::Impl::prepare_and_submit(OpSlot* s) {
   char* user = e.user + p.tensor_offset;
   const bool staged = s->staging >= 0;
   if (staged) {
-    char* buf = reinterpret_cast<char*>(staging[static_cast<std::size_t>(s->staging)].data());
+    char* buf = reinterpret_cast<char*>(staging[static_cast<std::size_t>(s->staging)]);
     s->io.buffer = buf;
     s->io.length =
         static_cast<std::uint32_t>(opt.buffered ? p.length : align_up(p.length, kBlockSize));
