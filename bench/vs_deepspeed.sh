@@ -10,11 +10,12 @@
 # file in DIR, SIZE bytes (default 2GiB) written then read back, every byte verified.
 # - tidal: `tidal bench-io --dir DIR --size SIZE --block B --stripe B --depth Q --json`: SIZE/B
 #   tensors of B bytes, each one request (stripe unit B), Q in flight, checksums on unless
-#   --no-checksum; its store file is preallocated when the store opens. The tensors in flight
-#   are one arena made before timing (--memory, default populated: 4 KiB pages made in one
-#   call, as DeepNVMe's mlock'ed tensor is; huge: 2 MiB pages, which DeepNVMe's allocator does
-#   not ask for). On a disk that pays per request or segment, how physically contiguous the
-#   pages are changes the figures a lot (docs/io.md), so compare like with like.
+#   --no-checksum; its store file is preallocated when the store opens. The tensors are one
+#   arena of SIZE bytes made and filled before timing (`--arena whole`), as DeepNVMe's one
+#   tensor is: --memory populated (default: 4 KiB pages made in one call, as DeepNVMe's
+#   mlock'ed tensor is) or huge (2 MiB pages, which DeepNVMe's allocator does not ask for). On
+#   a disk that pays per request or segment, how physically contiguous the pages are changes
+#   the figures a lot (docs/io.md), so compare like with like.
 # - DeepNVMe: bench/deepnvme_io.py: one page-locked tensor of SIZE bytes written with
 #   async_pwrite to a preallocated file and read back with async_pread, through a handle with
 #   block_size B, queue_depth Q, overlap_events on, intra_op_parallelism --ds-threads (default
@@ -156,7 +157,8 @@ trap 'rm -rf "$tmp"' EXIT
 run_cell() {
   local block=$1 q=$2 size=$3 n=$4 cell=$5 r
   local tidal_cmd=("$tidal_bin" bench-io --dir "$dir" --size "$size" --block "$block"
-                   --stripe "$block" --depth "$q" --memory "$memory" --json $checksum_flag)
+                   --stripe "$block" --depth "$q" --memory "$memory" --arena whole --json
+                   $checksum_flag)
   local ds_cmd=("$py" "$root/bench/deepnvme_io.py" --dir "$dir" --size "$size" --block "$block"
                 --depth "$q" --threads "$ds_threads")
   echo "cell $cell: $block-byte requests, depth $q, $size bytes, $n round(s)" >&2

@@ -42,6 +42,7 @@ struct BenchIoArgs {
   bool buffered = false;
   bool json = false;
   std::string memory = "populated";
+  std::string arena = "slots";
 };
 
 // How the tensors' memory is made before the timed passes. It matters on a disk that counts
@@ -147,6 +148,8 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 void run_bench_io(const BenchIoArgs& a) {
   const std::uint64_t size = parse_bytes(a.size);
   const BenchMemory memory = bench_memory_from_string(a.memory);
+  TIDAL_EXPECT_AS(InvalidArgument, a.arena == "slots" || a.arena == "whole", "--arena '", a.arena,
+                  "' must be slots or whole");
   const std::uint64_t block = parse_bytes(a.block);
   TIDAL_EXPECT_AS(InvalidArgument, block > 0 && block <= 4 * kGiB,
                   "--block must be from 1 byte to 4GiB");
@@ -212,16 +215,26 @@ void run_bench_io(const BenchIoArgs& a) {
 
   Pattern pattern(block, a.depth, 0x7fda1);
   // The pattern is read from, never handed to the store: its pages do not shape the requests.
-  // The tensors in flight live in one arena, as DeepNVMe's one page-locked tensor does (a
-  // separate allocation per tensor gets pages from wherever the allocator finds them), aligned
-  // to 2 MiB so that huge pages can back it.
+  // The tensors live in one arena made before timing, aligned to 2 MiB so that huge pages can
+  // back it: --arena slots holds the --depth tensors in flight (each slot refilled for the next
+  // tensor inside the timed loop, as before), --arena whole holds every tensor at its own place,
+  // filled before timing, as DeepNVMe writes one page-locked tensor of the whole size (on a disk
+  // that pays per request or segment, a large allocation, whose pages tend to be physically
+  // contiguous, moves more than a small one: compare like with like).
+  const bool whole = a.arena == "whole";
   const std::size_t stride = align_up(block, io::kBlockSize);
+  const std::uint64_t nslots = whole ? nblocks : static_cast<std::uint64_t>(a.depth);
+  const auto depth = static_cast<std::uint64_t>(a.depth);
   constexpr std::size_t kHugePage = std::size_t{2} << 20;
-  AlignedBuffer arena(stride * static_cast<std::size_t>(a.depth), kHugePage);
+  AlignedBuffer arena(stride * static_cast<std::size_t>(nslots), kHugePage);
   prepare_memory(arena.data(), align_up(arena.size(), kHugePage), memory);
-  auto slot_data = [&](std::size_t slot) { return arena.data() + slot * stride; };
+  auto tensor_data = [&](std::uint64_t i) {
+    return arena.data() + static_cast<std::size_t>(i % nslots) * stride;
+  };
+  if (whole) {
+    for (std::uint64_t i = 0; i < nblocks; ++i) pattern.fill(i, tensor_data(i), true);
+  }
   std::vector<io::Ticket> tickets(nblocks);
-  std::vector<std::int64_t> slot_block(static_cast<std::size_t>(a.depth), -1);
 
   if (!a.json) {
     std::cout << "tidal bench-io: " << format_bytes(static_cast<double>(nblocks * block)) << " as "
@@ -230,7 +243,7 @@ void run_bench_io(const BenchIoArgs& a) {
               << (o.dirs.size() == 1 ? "y" : "ies") << ", stripe "
               << format_bytes(static_cast<double>(o.stripe_unit)) << ", backend " << s0.backend
               << ", " << (a.buffered ? "BUFFERED (page cache: not a real offload)" : "O_DIRECT")
-              << ", " << a.memory << " memory"
+              << ", " << a.memory << " memory (" << a.arena << ")"
               << ", checksums "
               << (store.options().checksum
                       ? "on (" + std::to_string(s0.checksum_threads) + " threads)"
@@ -241,20 +254,18 @@ void run_bench_io(const BenchIoArgs& a) {
     }
   }
 
-  // Write phase.
+  // Write phase: at most --depth tensors in flight; tensor i waits for tensor i - depth (whose
+  // slot it takes with --arena slots).
   Progress pw("write", static_cast<std::int64_t>(nblocks), Progress::Style::kPercent);
   auto t0 = std::chrono::steady_clock::now();
   for (std::uint64_t i = 0; i < nblocks; ++i) {
-    const auto slot = static_cast<std::size_t>(i % static_cast<std::uint64_t>(a.depth));
-    if (slot_block[slot] >= 0) store.wait(tickets[static_cast<std::size_t>(slot_block[slot])]);
-    pattern.fill(i, slot_data(slot), slot_block[slot] < 0);
-    tickets[i] = store.write(slot_data(slot), block);
-    slot_block[slot] = static_cast<std::int64_t>(i);
-    pw.update(i + 1);
+    if (i >= depth) store.wait(tickets[i - depth]);
+    if (!whole) pattern.fill(i, tensor_data(i), i < depth);
+    tickets[i] = store.write(tensor_data(i), block);
+    pw.update(static_cast<std::int64_t>(i + 1));
   }
-  for (auto& b : slot_block) {
-    if (b >= 0) store.wait(tickets[static_cast<std::size_t>(b)]);
-    b = -1;
+  for (std::uint64_t i = nblocks > depth ? nblocks - depth : 0; i < nblocks; ++i) {
+    store.wait(tickets[i]);
   }
   const double write_s = seconds_since(t0);
   const double write_checksum_s = store.stats().checksum_seconds;
@@ -264,31 +275,33 @@ void run_bench_io(const BenchIoArgs& a) {
   // then an untimed pass reads everything again and compares every byte: comparing 1 MiB per
   // tensor on the thread that issues the reads is the benchmark's cost, not the store's (fio
   // compares nothing), and on a loaded two-core machine it delayed the next read.
+  // With --arena whole the arena holds what was written: poisoned before each pass (untimed) so
+  // that a read that moved nothing fails. With slots, a slot holds the tensor read before.
+  auto poison = [&] {
+    if (whole) std::memset(arena.data(), 0xa5, arena.size());
+  };
   auto read_pass = [&](const char* phase, bool every_byte) {
     std::uint64_t bad = 0;
     Progress pr(phase, static_cast<std::int64_t>(nblocks), Progress::Style::kPercent);
-    auto check_slot = [&](std::size_t slot) {
-      if (slot_block[slot] < 0) return;
-      const auto b = static_cast<std::uint64_t>(slot_block[slot]);
+    auto check = [&](std::uint64_t b) {
       store.wait(tickets[b]);
-      const unsigned char* got = slot_data(slot);
+      const unsigned char* got = tensor_data(b);
       if (!(every_byte ? pattern.check(b, got) : pattern.check_stamps(b, got))) ++bad;
-      slot_block[slot] = -1;
     };
     for (std::uint64_t i = 0; i < nblocks; ++i) {
-      const auto slot = static_cast<std::size_t>(i % static_cast<std::uint64_t>(a.depth));
-      check_slot(slot);
-      store.read(tickets[i], slot_data(slot));
-      slot_block[slot] = static_cast<std::int64_t>(i);
-      pr.update(i + 1);
+      if (i >= depth) check(i - depth);
+      store.read(tickets[i], tensor_data(i));
+      pr.update(static_cast<std::int64_t>(i + 1));
     }
-    for (std::size_t slot = 0; slot < slot_block.size(); ++slot) check_slot(slot);
+    for (std::uint64_t i = nblocks > depth ? nblocks - depth : 0; i < nblocks; ++i) check(i);
     return bad;
   };
+  poison();
   t0 = std::chrono::steady_clock::now();
   const std::uint64_t bad_stamps = read_pass("read", false);
   const double read_s = seconds_since(t0);
   const double read_checksum_s = store.stats().checksum_seconds - write_checksum_s;
+  poison();
   const std::uint64_t bad = read_pass("verify", true);
   for (auto t : tickets) store.free(t);
 
@@ -312,6 +325,7 @@ void run_bench_io(const BenchIoArgs& a) {
                         {"checksum", o.checksum},
                         {"checksum_threads", s.checksum_threads},
                         {"memory", a.memory},
+                        {"arena", a.arena},
                         {"write_seconds", write_s},
                         {"read_seconds", read_s},
                         {"staged_ops", s.staged_ops},
@@ -375,6 +389,10 @@ void add_bench_io_command(CLI::App& app) {
                   "How the tensors' memory is made: pageable (pages made by the first write), "
                   "populated (made in one call before timing, as pinned memory is), huge (2 MiB "
                   "pages where the kernel allows, populated)")
+      ->capture_default_str();
+  cmd->add_option("--arena", a->arena,
+                  "slots: memory for the --depth tensors in flight, refilled as they go; whole: "
+                  "every tensor at its own place, filled before timing (as DeepNVMe's one tensor)")
       ->capture_default_str();
   cmd->add_flag("--json", a->json, "Print one JSON object as the last line");
   cmd->callback([a] { run_bench_io(*a); });
