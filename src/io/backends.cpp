@@ -66,6 +66,8 @@ class FaultBackend final : public Backend {
       rec->real_context = op->context;
       rec->short_by = make_short ? 512 : 0;
       rec->corrupt = corrupt;
+      rec->corrupt_byte = plan_.corrupt_byte;
+      rec->corrupt_xor = plan_.corrupt_xor;
       rec->delay_us = plan_.delay_us;
       op->context = rec.release();
       op->on_complete = &FaultBackend::complete;
@@ -82,6 +84,8 @@ class FaultBackend final : public Backend {
     void* real_context = nullptr;
     long short_by = 0;
     bool corrupt = false;
+    std::uint64_t corrupt_byte = 0;
+    unsigned char corrupt_xor = 0;
     unsigned delay_us = 0;
   };
 
@@ -91,7 +95,11 @@ class FaultBackend final : public Backend {
     op->context = rec->real_context;
     op->on_complete = rec->real_complete;
     if (result > 0 && rec->short_by > 0) result = std::max(0L, result - rec->short_by);
-    if (result > 0 && rec->corrupt) static_cast<unsigned char*>(op->buffer)[result / 2] ^= 0x5a;
+    if (result > 0 && rec->corrupt) {
+      const auto n = static_cast<std::uint64_t>(result);
+      const std::uint64_t at = rec->corrupt_byte < n ? rec->corrupt_byte : n / 2;
+      static_cast<unsigned char*>(op->buffer)[at] ^= rec->corrupt_xor;
+    }
     op->on_complete(op, result);
   }
 

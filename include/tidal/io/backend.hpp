@@ -77,7 +77,10 @@ struct FaultPlan {
   bool only_reads = false;         ///< count and fail reads only (writes pass untouched)
   std::uint64_t short_op = 0;      ///< report the k-th op as short by 512 bytes
   std::uint64_t corrupt_read = 0;  ///< flip a byte of the k-th read after it completes
-  unsigned delay_us = 0;           ///< hold every completion this long (a slow disk)
+  /// Which byte of that read to flip (from the start of the op; past its end: the middle).
+  std::uint64_t corrupt_byte = ~std::uint64_t{0};
+  unsigned char corrupt_xor = 0x5a;  ///< what the byte is XORed with (one bit: a bit flip)
+  unsigned delay_us = 0;             ///< hold every completion this long (a slow disk)
   [[nodiscard]] bool any() const {
     return fail_op != 0 || short_op != 0 || corrupt_read != 0 || delay_us != 0;
   }

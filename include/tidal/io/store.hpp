@@ -48,8 +48,13 @@ struct StoreOptions {
   /// device memory without cuFile. 0: 2 x queue_depth x files, at most 256.
   int staging_buffers = 0;
   /// Per-stripe xxHash3 of the data, checked on read: a corrupt read fails its request instead
-  /// of returning wrong bytes. Costs one pass over the data each way. TIDAL_CHECKSUM overrides.
+  /// of returning wrong bytes. Costs one pass over the data each way, on checksum threads beside
+  /// the I/O: a write's stripes are hashed while they are written, a read's stripes checked while
+  /// later ones are read. TIDAL_CHECKSUM overrides.
   bool checksum = true;
+  /// Threads that hash (with checksums on). 0: one per core, at most 8. One core hashes about
+  /// 18 GB/s of freshly transferred data on the CI machine (docs/io.md), so few are needed.
+  int checksum_threads = 0;
   /// Page-cache I/O instead of O_DIRECT. Only for filesystems without O_DIRECT (tmpfs before
   /// Linux 6.6); the data then sits in host memory, so it frees no memory. Reported in stats().
   bool buffered = false;
@@ -97,6 +102,7 @@ struct StoreStats {
   /// Thread time spent computing and checking checksums (summed over the threads doing it;
   /// they run beside the I/O, so this is CPU cost, not necessarily added latency).
   double checksum_seconds = 0;
+  int checksum_threads = 0;   ///< threads hashing beside the I/O (0: checksums off)
   std::uint64_t tickets = 0;  ///< tickets alive
   std::string backend;        ///< in use now, e.g. "io_uring", "posix", "+cufile"
   bool buffered = false;
