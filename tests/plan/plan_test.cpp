@@ -20,6 +20,7 @@
 #include "tidal/plan/simulator.hpp"
 #include "tidal/trace/io.hpp"
 #include "tidal/trace/lifetime.hpp"
+#include "plan/bound_reference.hpp"
 #include "trace/random_trace.hpp"
 
 namespace tidal::plan {
@@ -1322,6 +1323,38 @@ TEST(PlannerFuzz, NoPlanThatFitsBeatsTheStallBound) {
   });
   expect_count_above("checked", checked, 300);
   expect_count_above("positive", positive, 40);
+}
+
+// The bound's sweep over window ends against the reference that grows every window from every
+// start: the same stall, and the same windows (the sweep's sums are taken in another order, so
+// a near tie may pick another window of the same stall).
+TEST(StallBoundFuzz, TheSweepFindsWhatGrowingEveryWindowFinds) {
+  int positive = 0;
+  int same_windows = 0;
+  const auto link = [](std::uint64_t seed) {
+    return seed % 4 < 2 ? FuzzLink::kPerSsd : FuzzLink::kPerArray;
+  };
+  for_each_fuzz_case(5, link, true, [&](std::uint64_t seed, const FuzzCase& fc) {
+    const StallBound fast = stall_lower_bound(fc.trace, fc.hw);
+    const StallBound ref = detail::stall_lower_bound_by_window_growth(fc.trace, fc.hw);
+    const double slack = 1e-9 * (fc.trace.compute_seconds() + ref.stall_seconds) + 1e-12;
+    EXPECT_NEAR(fast.stall_seconds, ref.stall_seconds, slack) << "seed " << seed;
+    if (ref.stall_seconds > 0) ++positive;
+    bool same = fast.windows.size() == ref.windows.size();
+    for (std::size_t w = 0; same && w < ref.windows.size(); ++w) {
+      same = fast.windows[w].first == ref.windows[w].first &&
+             fast.windows[w].last == ref.windows[w].last;
+      EXPECT_NEAR(fast.windows[w].read_bytes, ref.windows[w].read_bytes,
+                  1e-9 * ref.windows[w].read_bytes + 1e-6)
+          << "seed " << seed;
+      EXPECT_NEAR(fast.windows[w].write_bytes, ref.windows[w].write_bytes,
+                  1e-9 * ref.windows[w].write_bytes + 1e-6)
+          << "seed " << seed;
+    }
+    if (same) ++same_windows;
+  });
+  expect_count_above("positive", positive, 40);
+  EXPECT_GE(same_windows, 390);
 }
 
 }  // namespace
