@@ -12,6 +12,7 @@
 #include "plan/segment_trees.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
+#include "tidal/plan/simulator.hpp"
 #include "tidal/trace/lifetime.hpp"
 
 namespace tidal::plan {
@@ -51,6 +52,9 @@ struct Candidate {
   OpIndex next_use = 0;
   int len = 0;  // ops strictly between, cyclically
   bool done = false;
+  // May go to host memory (HostChoice::kDensest admits only some); with kDensest, an admitted
+  // one takes host memory wherever it frees as much as the SSDs.
+  bool host_ok = true;
   // Once committed: where, the positions of its transfers' end buckets, the bandwidth it
   // reserved per op (so that the least-stall fallback can move it), and its two actions.
   Target target = Target::kSsd;
@@ -105,10 +109,24 @@ struct PruneState {
   std::vector<char> dropped;  // per plan action
 };
 
+// How the planner spends host memory. kByScore: a period goes to host memory when its channels
+// free more over-target time than the SSDs' (on a tie, the SSDs). kDensest: before the greedy,
+// host memory is promised to the periods that save the most SSD traffic per byte-second of host
+// memory (two SSD transfers of s bytes for s bytes held over the period: the shortest periods
+// first), as long as the promises fit in it at every op; those take host memory wherever it
+// frees as much as the SSDs, the others only the SSDs.
+enum class HostChoice : std::uint8_t { kByScore, kDensest };
+
 class Planner {
  public:
-  Planner(const trace::Trace& tr, const Hardware& hw, PlannerOptions opt)
-      : tr_(tr), hw_(hw), opt_(std::move(opt)), n_(static_cast<int>(tr.ops.size())), cycle_(n_) {}
+  Planner(const trace::Trace& tr, const Hardware& hw, PlannerOptions opt,
+          HostChoice host_choice = HostChoice::kByScore)
+      : tr_(tr),
+        hw_(hw),
+        opt_(std::move(opt)),
+        host_choice_(host_choice),
+        n_(static_cast<int>(tr.ops.size())),
+        cycle_(n_) {}
 
   // The stages: set up the channels, candidates and memory over the target; the greedy; the
   // least-stall fallback; prune; the stalls and the summary.
@@ -128,6 +146,7 @@ class Planner {
     plan.summary.candidates = static_cast<std::int64_t>(candidates_.size());
     check_active_fit(la);
     track_over_target(la);
+    if (host_choice_ == HostChoice::kDensest) promise_host();
 
     greedy(plan);
     if (first_over(0, n_ - 1) >= 0 && opt_.allow_stalls) fallback(plan);
@@ -188,6 +207,38 @@ class Planner {
         if (c.len < 3) continue;  // nothing can be freed between the transfers
         candidates_.push_back(c);
       }
+    }
+  }
+
+  // HostChoice::kDensest: host memory promised to the periods over ops that exceed the target,
+  // shortest (in compute time) first, while the promises fit in host memory at every op.
+  void promise_host() {
+    if (!rates_.usable(Target::kHost)) return;
+    std::vector<double> prefix(ops() + 1, 0.0);
+    for (int k = 0; k < n_; ++k) at(prefix, k + 1) = at(prefix, k) + at(op_seconds_, k);
+    std::vector<std::pair<double, int>> order;
+    for (std::size_t i = 0; i < candidates_.size(); ++i) {
+      Candidate& c = candidates_[i];
+      c.host_ok = false;
+      if (over_time(c, 0, c.len - 1) <= 0) continue;
+      double seconds = 0;
+      for_each_segment(c, 0, c.len - 1, [&](const Segment& g) {
+        seconds += at(prefix, g.r + 1) - at(prefix, g.l);
+      });
+      order.emplace_back(seconds, static_cast<int>(i));
+    }
+    std::sort(order.begin(), order.end());
+    RangeTree promised(std::vector<std::int64_t>(ops(), 0));
+    const auto cap = static_cast<std::int64_t>(hw_.host_memory);
+    for (const auto& [seconds, i] : order) {
+      Candidate& c = at(candidates_, i);
+      const auto bytes = static_cast<std::int64_t>(c.bytes);
+      std::int64_t used = 0;
+      for_each_segment(c, 0, c.len - 1,
+                       [&](const Segment& g) { used = std::max(used, promised.max(g.l, g.r)); });
+      if (used + bytes > cap) continue;
+      for_each_segment(c, 0, c.len - 1, [&](const Segment& g) { promised.add(g.l, g.r, bytes); });
+      c.host_ok = true;
     }
   }
 
@@ -367,6 +418,7 @@ class Planner {
   Choice evaluate_target(const Candidate& c, Target target) {
     Choice ch;
     if (!rates_.usable(target)) return ch;
+    if (target == Target::kHost && !c.host_ok) return ch;
     if (!room(c, target)) return ch;
     const auto need = static_cast<double>(c.bytes);
     const int end = fill(bucket(target, Direction::kWrite), c, 0, c.len - 1, need, Scan::kForward);
@@ -393,8 +445,9 @@ class Planner {
     Choice ssd = evaluate_target(c, Target::kSsd);
     if (!ssd.ok || ssd.score <= 0) ssd = Choice{};
     Choice host = evaluate_target(c, Target::kHost);
+    const bool host_on_tie = opt_.prefer_host || host_choice_ == HostChoice::kDensest;
     if (host.ok && host.score > 0 &&
-        (host.score > ssd.score || (opt_.prefer_host && host.score >= ssd.score))) {
+        (host.score > ssd.score || (host_on_tie && host.score >= ssd.score))) {
       return host;
     }
     return ssd;
@@ -578,7 +631,7 @@ class Planner {
     for (Target target : {Target::kSsd, Target::kHost}) {
       if (c.done && target != c.target) continue;
       if (!rates_.usable(target)) continue;
-      if (!c.done && !room(c, target)) continue;
+      if (!c.done && (!room(c, target) || (target == Target::kHost && !c.host_ok))) continue;
       const BucketTree& tw = bucket(target, Direction::kWrite);
       const BucketTree& tr = bucket(target, Direction::kRead);
       double dw = 0;
@@ -936,6 +989,7 @@ class Planner {
   const trace::Trace& tr_;
   const Hardware& hw_;
   PlannerOptions opt_;
+  HostChoice host_choice_;
   int n_;
   CyclicOps cycle_;
   std::int64_t target_ = 0;  // bytes of device memory the plan may use
@@ -958,8 +1012,25 @@ class Planner {
 Plan make_plan(const trace::Trace& trace, const Hardware& hw, const PlannerOptions& options) {
   TIDAL_EXPECT_AS(InvalidArgument, hw.device_memory > 0,
                   "the hardware model has no device memory capacity; give it one");
-  Planner p(trace, hw, options);
-  return p.run();
+  const auto t0 = std::chrono::steady_clock::now();
+  Plan by_score = Planner(trace, hw, options).run();
+  // Host memory was the limit (full at some op) and the plan stalls: plan again with host memory
+  // promised to the periods that save the most SSD traffic per byte held, and keep the plan
+  // whose simulated iteration is shorter (the planned stall is only an upper bound of it, and
+  // ranked the two wrongly on Llama3-70B with 2 SSDs and 128 GB).
+  const bool host_full = options.use_host && hw.host_memory > 0 &&
+                         static_cast<double>(by_score.summary.peak_host_bytes) >=
+                             0.9 * static_cast<double>(hw.host_memory);
+  if (!host_full || by_score.summary.planned_stall_seconds <= 0 || !options.choose_host_by_density) {
+    return by_score;
+  }
+  Plan densest = Planner(trace, hw, options, HostChoice::kDensest).run();
+  const SimResult a = simulate(trace, &by_score, hw);
+  const SimResult b = simulate(trace, &densest, hw);
+  Plan& kept = b.fits && (!a.fits || b.iteration_seconds < a.iteration_seconds) ? densest : by_score;
+  kept.summary.planning_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return std::move(kept);
 }
 
 }  // namespace tidal::plan

@@ -27,6 +27,11 @@ struct PlannerOptions {
   /// unnecessary (memory stays at or under the target without it over the ops it frees): fewer
   /// bytes written to SSD for the same fit, and never more stall.
   bool prune = true;
+  /// When host memory fills up and the plan stalls, plan a second time with host memory promised
+  /// to the inactive periods that save the most SSD traffic per byte-second held (the shortest),
+  /// simulate both, and keep the faster plan (docs/simulator.md, "Host memory against SSD
+  /// bandwidth"). Doubles the planning time where it runs.
+  bool choose_host_by_density = true;
   /// Tensors smaller than this stay in device memory (their migration costs more than it frees).
   std::uint64_t min_bytes = 0;
   /// How the error for a plan that cannot fit tells the user to give more memory (the CLI's
