@@ -222,9 +222,8 @@ class Planner {
       c.host_ok = false;
       if (over_time(c, 0, c.len - 1) <= 0) continue;
       double seconds = 0;
-      for_each_segment(c, 0, c.len - 1, [&](const Segment& g) {
-        seconds += at(prefix, g.r + 1) - at(prefix, g.l);
-      });
+      for_each_segment(c, 0, c.len - 1,
+                       [&](const Segment& g) { seconds += at(prefix, g.r + 1) - at(prefix, g.l); });
       order.emplace_back(seconds, static_cast<int>(i));
     }
     std::sort(order.begin(), order.end());
@@ -575,6 +574,18 @@ class Planner {
     pre.wraps = pre.deadline <= pre.trigger;
   }
 
+  // Whether a migration went to the SSDs while host memory, which may take it, had no room for
+  // it: host memory was short for this plan.
+  void note_host_short(const Candidate& c, Target target) {
+    if (target == Target::kSsd && !host_short_ && c.host_ok && rates_.usable(Target::kHost)) {
+      host_short_ = !room(c, Target::kHost);
+    }
+  }
+
+ public:
+  [[nodiscard]] bool host_short() const { return host_short_; }
+
+ private:
   // ---- stage: the greedy ---------------------------------------------------------------------
 
   void greedy(Plan& plan) {
@@ -602,6 +613,7 @@ class Planner {
         heap.push({ch.score, c.bytes, top.cand});  // scores only shrink: re-queue, look again
         continue;
       }
+      note_host_short(c, ch.target);
       commit(plan, c, ch);
     }
   }
@@ -742,6 +754,7 @@ class Planner {
       add_stall(op_at(c, c.len - 1), best.stall_read * (1 + 1e-9) + 1e-12);
     }
     if (!c.done) {
+      note_host_short(c, best.target);
       Choice ch = evaluate_target(c, best.target);
       TIDAL_EXPECT(ch.ok && ch.offload_end < pk && ch.prefetch_start > pk,
                    "planner: the stall for op ", k, " did not make room; this is a bug");
@@ -1005,6 +1018,7 @@ class Planner {
   std::vector<std::pair<double, int>> ranked_;  // the fallback's options for one op
   double initial_over_time_ = 0;
   std::int64_t commits_ = 0;
+  bool host_short_ = false;
 };
 
 }  // namespace
@@ -1013,21 +1027,27 @@ Plan make_plan(const trace::Trace& trace, const Hardware& hw, const PlannerOptio
   TIDAL_EXPECT_AS(InvalidArgument, hw.device_memory > 0,
                   "the hardware model has no device memory capacity; give it one");
   const auto t0 = std::chrono::steady_clock::now();
-  Plan by_score = Planner(trace, hw, options).run();
-  // Host memory was the limit (full at some op) and the plan stalls: plan again with host memory
-  // promised to the periods that save the most SSD traffic per byte held, and keep the plan
-  // whose simulated iteration is shorter (the planned stall is only an upper bound of it, and
-  // ranked the two wrongly on Llama3-70B with 2 SSDs and 128 GB).
-  const bool host_full = options.use_host && hw.host_memory > 0 &&
-                         static_cast<double>(by_score.summary.peak_host_bytes) >=
-                             0.9 * static_cast<double>(hw.host_memory);
-  if (!host_full || by_score.summary.planned_stall_seconds <= 0 || !options.choose_host_by_density) {
+  Planner first(trace, hw, options);
+  Plan by_score = first.run();
+  // Host memory was short (a migration went to the SSDs for want of room in it), the SSDs are
+  // the scarce channel (under half of the host channel's rate) and the plan stalls: plan again
+  // with host memory promised to the periods that save the most SSD traffic per byte held, and
+  // keep the plan whose simulated iteration is shorter (the planned stall is only an upper bound
+  // of it, and ranked the two wrongly on Llama3-70B with 2 SSDs and 128 GB). Where the SSDs
+  // carry half the link or more (the h100-4ssd preset) the second plan gained at most a point
+  // and doubled the planning time.
+  const ChannelRates rates = hw.channels();
+  const bool ssds_scarce = rates[Channel::kSsdRead] < 0.5 * rates[Channel::kHostRead] ||
+                           rates[Channel::kSsdWrite] < 0.5 * rates[Channel::kHostWrite];
+  if (!options.choose_host_by_density || !options.use_host || !first.host_short() || !ssds_scarce ||
+      by_score.summary.planned_stall_seconds <= 0) {
     return by_score;
   }
   Plan densest = Planner(trace, hw, options, HostChoice::kDensest).run();
   const SimResult a = simulate(trace, &by_score, hw);
   const SimResult b = simulate(trace, &densest, hw);
-  Plan& kept = b.fits && (!a.fits || b.iteration_seconds < a.iteration_seconds) ? densest : by_score;
+  Plan& kept =
+      b.fits && (!a.fits || b.iteration_seconds < a.iteration_seconds) ? densest : by_score;
   kept.summary.planning_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return std::move(kept);

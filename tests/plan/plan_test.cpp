@@ -9,6 +9,7 @@
 #include <random>
 #include <string>
 
+#include "plan/bound_reference.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/plan/bound.hpp"
@@ -20,7 +21,6 @@
 #include "tidal/plan/simulator.hpp"
 #include "tidal/trace/io.hpp"
 #include "tidal/trace/lifetime.hpp"
-#include "plan/bound_reference.hpp"
 #include "trace/random_trace.hpp"
 
 namespace tidal::plan {
@@ -1323,6 +1323,41 @@ TEST(PlannerFuzz, NoPlanThatFitsBeatsTheStallBound) {
   });
   expect_count_above("checked", checked, 300);
   expect_count_above("positive", positive, 40);
+}
+
+// With host memory scarce, the planner's second way (host memory promised to the periods that
+// save the most SSD traffic per byte-second) is kept only where the simulator finds it faster:
+// never slower than the first way alone, faster on some cases, and it plans on its own (the
+// tie-breaking host choice) wherever it wins.
+TEST(PlannerFuzz, HostMemoryByDensityIsKeptOnlyWhereFaster) {
+  int compared = 0;
+  int faster = 0;
+  for_each_fuzz_case(
+      17, always(FuzzLink::kPerSsd), false, [&](std::uint64_t seed, const FuzzCase& fc) {
+        if (fc.hw.host_memory == 0) return;
+        Hardware hw = fc.hw;
+        hw.host_memory = fc.lifetimes.summary.peak_live_bytes / 8;  // scarce
+        hw.host_link_bw = hw.ssd_write_bw * 4;  // the SSDs carry a quarter of the link: scarce
+        PlannerOptions by_score;
+        by_score.choose_host_by_density = false;
+        const std::optional<Plan> a = try_plan(fc.trace, hw, by_score);
+        const std::optional<Plan> b = try_plan(fc.trace, hw);
+        ASSERT_EQ(a.has_value(), b.has_value()) << "seed " << seed;
+        if (!a) return;
+        const SimResult sa = simulate(fc.trace, &*a, hw);
+        const SimResult sb = simulate(fc.trace, &*b, hw);
+        if (!sa.fits) return;
+        ++compared;
+        EXPECT_TRUE(sb.fits) << "seed " << seed;
+        const double slack = 1e-9 * sa.iteration_seconds;
+        EXPECT_LE(sb.iteration_seconds, sa.iteration_seconds + slack) << "seed " << seed;
+        if (sb.iteration_seconds < sa.iteration_seconds - slack) {
+          ++faster;
+          EXPECT_GT(b->summary.bytes_to_host, 0u) << "seed " << seed;
+        }
+      });
+  expect_count_above("compared", compared, 100);
+  expect_count_above("faster", faster, 0);
 }
 
 // The bound's sweep over window ends against the reference that grows every window from every
