@@ -318,7 +318,7 @@ class WindowSweep {
     const double ssd_write = ch[Channel::kSsdWrite];
     const double read = ssd_read + ch[Channel::kHostRead];
     const double write = ssd_write + ch[Channel::kHostWrite];
-    const double cap = static_cast<double>(hw.device_memory);
+    const auto cap = static_cast<double>(hw.device_memory);
     const double host =
         read > ssd_read || write > ssd_write ? static_cast<double>(hw.host_memory) : 0;
     rate_ = {read, ssd_read, write, ssd_write};
