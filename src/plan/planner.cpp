@@ -651,6 +651,17 @@ class Planner {
       if (!c.done) {
         dw = std::max(0.0, s - bucket_sum(tw, c, 0, pk - 1));
         dr = std::max(0.0, s - bucket_sum(tr, c, pk + 1, c.len - 1));
+        // The range sums and the searches that commit add the buckets in different orders: where
+        // the sum says a transfer just fits before k and the search ends it after k, a hair of
+        // stall settles it (Llama3-70B with 400 blocks, TP 2, failed here as a planner bug).
+        if (dw == 0) {
+          const int end = fill(tw, c, 0, c.len - 1, s, Scan::kForward);
+          if (end < 0 || end >= pk) dw = s * 1e-12;
+        }
+        if (dr == 0) {
+          const int start = fill(tr, c, 0, c.len - 1, s, Scan::kBackward);
+          if (start < 0 || start <= pk) dr = s * 1e-12;
+        }
       } else if (pk <= c.offload_end) {
         dw = std::max(0.0, reserved(c.write_res, pk, c.len - 1) - bucket_sum(tw, c, 0, pk - 1));
       } else if (pk >= c.prefetch_start) {
