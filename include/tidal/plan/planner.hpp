@@ -55,6 +55,9 @@ struct PlannerOptions {
 /// When nothing feasible is left and an op still exceeds the target, the candidate covering it
 /// with the least added stall is committed together with that stall. Last (options.prune),
 /// the committed migrations that the others make unnecessary are dropped, SSD ones first.
+/// Where host memory was short, the SSDs are the scarce channel and the plan stalls
+/// (options.choose_host_by_density), a second plan promises host memory to the shortest periods
+/// first, and the plan whose simulated iteration (plan/simulator.hpp) is shorter is returned.
 ///
 /// Thread-safe for distinct arguments; runs on the calling thread. Throws
 /// tidal::InvalidArgument when even the tensors that cannot leave (the active ones) exceed the
