@@ -1325,6 +1325,41 @@ TEST(PlannerFuzz, NoPlanThatFitsBeatsTheStallBound) {
   expect_count_above("positive", positive, 40);
 }
 
+// The same on the deferred schedule's random traces, whose gradients live across the iteration
+// boundary with a gap (a tensor that existed before a window in two stretches), over device
+// memory from 30% to 90% of the peak, with and without a host tier.
+TEST(StallBoundFuzz, TheSweepMatchesOnTensorsWithAGap) {
+  int with_gap = 0;
+  int positive = 0;
+  for (std::uint64_t seed = 0; seed < 100; ++seed) {
+    trace::testutil::RandomTraceOptions ro;
+    ro.layers = 1 + static_cast<int>(seed % 4);
+    ro.max_bytes = 1ull << 30;
+    ro.gradients_set_to_none = seed % 2 == 0;
+    const trace::Trace t = optimizer_deferred(trace::testutil::random_trace(seed, ro));
+    if (std::any_of(t.tensors.begin(), t.tensors.end(),
+                    [](const trace::Tensor& x) { return x.has_gap(); })) {
+      ++with_gap;
+    }
+    const auto peak = trace::analyze_lifetimes(t).summary.peak_live_bytes;
+    for (int f : {3, 6, 9}) {
+      Hardware hw = simple_hw(peak * static_cast<std::uint64_t>(f) / 10, 1e9);
+      if (seed % 3 == 0) {
+        hw.host_link_bw = 2.5e9;
+        hw.host_memory = peak / 3;
+      }
+      const StallBound fast = stall_lower_bound(t, hw);
+      const StallBound ref = detail::stall_lower_bound_by_window_growth(t, hw);
+      EXPECT_NEAR(fast.stall_seconds, ref.stall_seconds,
+                  1e-9 * (t.compute_seconds() + ref.stall_seconds) + 1e-12)
+          << "seed " << seed << " memory " << f << "0% of the peak";
+      if (ref.stall_seconds > 0) ++positive;
+    }
+  }
+  expect_count_above("with_gap", with_gap, 40);
+  expect_count_above("positive", positive, 40);
+}
+
 // With host memory scarce, the planner's second way (host memory promised to the periods that
 // save the most SSD traffic per byte-second) is kept only where the simulator finds it faster:
 // never slower than the first way alone, faster on some cases, and it plans on its own (the
