@@ -234,8 +234,7 @@ class Planner {
     // with 128 GB and 68.2 -> 68.9% with 512 GB; 1.5x and 2x helped some of the three and hurt
     // others.
     constexpr double kOverPromise = 1.25;
-    const auto cap =
-        static_cast<std::int64_t>(kOverPromise * static_cast<double>(hw_.host_memory));
+    const auto cap = static_cast<std::int64_t>(kOverPromise * static_cast<double>(hw_.host_memory));
     for (const auto& [seconds, i] : order) {
       Candidate& c = at(candidates_, i);
       const auto bytes = static_cast<std::int64_t>(c.bytes);
