@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -167,9 +168,16 @@ void run_simulate(const SimulateArgs& a) {
   opt.planner.min_bytes = a.min_bytes;
   opt.planner.prefer_host = a.prefer_host;
   opt.planner.progress = planning_progress();
+  using Clock = std::chrono::steady_clock;
+  const auto since = [](Clock::time_point t0) {
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+  };
+  auto t0 = Clock::now();
   const auto results = plan::run_policies(policies, tr, hw, opt);
-
+  const double policies_seconds = since(t0);
+  t0 = Clock::now();
   const plan::StallBound bound = plan::stall_lower_bound(tr, hw, fraction_progress("lower bound"));
+  const double bound_seconds = since(t0);
   const double ideal_seconds = tr.compute_seconds();
   std::uint64_t trace_peak = 0;
   for (const auto& r : results) {
@@ -238,10 +246,13 @@ void run_simulate(const SimulateArgs& a) {
   }
   // The steps before the plan: warm-up and profiling under the budget, on demand.
   std::optional<plan::ProfilingPhase> phase;
+  double phase_seconds = 0;
   for (const auto& r : results) {
     if (r.policy != plan::Policy::kTidal || !r.plan || a.profile_steps <= 0) continue;
+    t0 = Clock::now();
     phase = plan::simulate_profiling_phase(tr, hw, a.profile_steps, r.sim.iteration_seconds,
                                            r.planning_seconds);
+    phase_seconds = since(t0);
     std::printf(
         "\nbefore the plan (%d warm-up and profiled steps, on demand under the budget, the "
         "model's state starting on the SSDs): step 0 %s, then %s a step (%s read, %s written); "
@@ -280,6 +291,11 @@ void run_simulate(const SimulateArgs& a) {
     j["lower_bound"] = {{"iteration_seconds", bound.iteration_seconds},
                         {"stall_seconds", bound.stall_seconds},
                         {"fraction_of_ideal", ideal_seconds / bound.iteration_seconds}};
+    // Wall time of this command's stages on this machine: the policies (planning and
+    // simulating), the bound's search, the steps before the plan.
+    j["stage_seconds"] = {{"policies", policies_seconds},
+                          {"lower_bound", bound_seconds},
+                          {"before_plan", phase_seconds}};
     nlohmann::json ps = nlohmann::json::object();
     for (const auto& r : results) {
       nlohmann::json x = r.sim;

@@ -2,9 +2,11 @@
 #include "tidal/plan/bound.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <limits>
 
+#include "plan/bound_reference.hpp"
 #include "plan/int_index.hpp"
 #include "tidal/trace/lifetime.hpp"
 
@@ -55,7 +57,8 @@ Lifespans lifespans(const trace::Trace& trace, const trace::LifetimeAnalysis& la
 
 // The dynamic programme of the bound over the windows i..j: best[k], the largest total stall
 // of disjoint windows within ops 0..k-1; from[k], the first op of the last window of that set,
-// or -1 when op k-1 ends no window.
+// or -1 when op k-1 ends no window. This one grows the windows from each start one op at a time
+// (O(ops^2)): the reference that WindowSweep is tested against.
 class WindowSearch {
  public:
   WindowSearch(const trace::Trace& trace, const Hardware& hw)
@@ -205,13 +208,248 @@ class WindowSearch {
   std::vector<OpIndex> seen_write_;  // window start that counted the tensor in W
 };
 
+// The four bounds on a window's time (docs/simulator.md), each (X - c) / r with X the bytes the
+// window reads (E) or writes (W): all reads, SSD reads, all writes, SSD writes.
+enum Term : std::uint8_t { kRead, kSsdRead, kWrite, kSsdWrite, kTerms };
+
+// Per window start i (a leaf): best[i] + P[i] + X_t(i, j) / r_t for each term t, where P is the
+// prefix sum of compute and X_t the window i..j's E or W, with range adds to E or W over starts
+// and the max over all starts; starts not yet reached hold -inf. A leaf's lazy values are its
+// raw E and W. Private to the bound; not thread-safe.
+class WindowTree {
+ public:
+  WindowTree(int n, const std::array<double, kTerms>& inv_rate) : inv_(inv_rate) {
+    while (leaves_ < n) leaves_ <<= 1;
+    constexpr double kNone = -std::numeric_limits<double>::infinity();
+    mx_.assign(2 * static_cast<std::size_t>(leaves_), {kNone, kNone, kNone, kNone});
+    lz_.assign(2 * static_cast<std::size_t>(leaves_), {0.0, 0.0});
+  }
+
+  // Start i enters with best[i] + P[i] and nothing read or written yet. No lazy value lies on
+  // its path: every add so far covered starts before it only.
+  void activate(int i, double base) {
+    int x = leaves_ + i;
+    at(mx_, x) = {base, base, base, base};
+    for (x >>= 1; x >= 1; x >>= 1) pull(x);
+  }
+
+  // Adds `bytes` to E (write false) or W (write true) of the starts [l, r].
+  void add(int l, int r, double bytes, bool write) {
+    if (l > r || bytes == 0) return;
+    add(1, 0, leaves_ - 1, l, r, write ? 0.0 : bytes, write ? bytes : 0.0);
+  }
+
+  [[nodiscard]] double max(Term t) const { return at(mx_, 1)[t]; }
+
+  // A start whose term t is the maximum (the leftmost where values tie), with its value and raw
+  // E and W.
+  struct Leaf {
+    int start;
+    double value;
+    double e;
+    double w;
+  };
+  Leaf argmax(Term t) {
+    int x = 1;
+    while (x < leaves_) {
+      push(x);
+      x = at(mx_, 2 * x)[t] >= at(mx_, 2 * x + 1)[t] ? 2 * x : 2 * x + 1;
+    }
+    return {x - leaves_, at(mx_, x)[t], at(lz_, x)[0], at(lz_, x)[1]};
+  }
+
+ private:
+  void apply(int x, double e, double w) {
+    auto& m = at(mx_, x);
+    m[kRead] += e * inv_[kRead];
+    m[kSsdRead] += e * inv_[kSsdRead];
+    m[kWrite] += w * inv_[kWrite];
+    m[kSsdWrite] += w * inv_[kSsdWrite];
+    at(lz_, x)[0] += e;
+    at(lz_, x)[1] += w;
+  }
+  void push(int x) {
+    auto& z = at(lz_, x);
+    if (z[0] == 0 && z[1] == 0) return;
+    apply(2 * x, z[0], z[1]);
+    apply(2 * x + 1, z[0], z[1]);
+    z = {0.0, 0.0};
+  }
+  void pull(int x) {
+    for (int t = 0; t < kTerms; ++t) {
+      at(mx_, x)[t] = std::max(at(mx_, 2 * x)[t], at(mx_, 2 * x + 1)[t]);
+    }
+  }
+  void add(int x, int lo, int hi, int l, int r, double e, double w) {
+    if (hi < l || lo > r) return;
+    if (l <= lo && hi <= r) {
+      apply(x, e, w);
+      return;
+    }
+    push(x);
+    const int mid = (lo + hi) / 2;
+    add(2 * x, lo, mid, l, r, e, w);
+    add(2 * x + 1, mid + 1, hi, l, r, e, w);
+    pull(x);
+  }
+
+  std::array<double, kTerms> inv_;
+  int leaves_ = 1;
+  std::vector<std::array<double, kTerms>> mx_;
+  std::vector<std::array<double, 2>> lz_;  // at a leaf: its E and W
+};
+
+// The same dynamic programme as WindowSearch, swept over the window's last op j instead of its
+// first: best[j + 1] = max(best[j], max over i of best[i] + need(i, j) - (P[j + 1] - P[i])). When
+// op j uses a tensor, every start after the tensor's previous use (that it existed before) gains
+// its bytes in E: a range add; W likewise with the ops that write a tensor the window leaves
+// needed, and a range subtraction when the tensor dies. need is the max of four terms (X - c) / r,
+// so the max over starts is the max over terms of a tree's max: O((ops + uses) log ops) in all,
+// where WindowSearch grows up to every window. Needs all four rates positive.
+class WindowSweep {
+ public:
+  WindowSweep(const trace::Trace& trace, const Hardware& hw)
+      : trace_(trace),
+        la_(trace::analyze_lifetimes(trace)),
+        spans_(lifespans(trace, la_)),
+        n_(static_cast<OpIndex>(trace.ops.size())) {
+    const ChannelRates ch = hw.channels();
+    const double ssd_read = ch[Channel::kSsdRead];
+    const double ssd_write = ch[Channel::kSsdWrite];
+    const double read = ssd_read + ch[Channel::kHostRead];
+    const double write = ssd_write + ch[Channel::kHostWrite];
+    const auto cap = static_cast<double>(hw.device_memory);
+    const double host =
+        read > ssd_read || write > ssd_write ? static_cast<double>(hw.host_memory) : 0;
+    rate_ = {read, ssd_read, write, ssd_write};
+    threshold_ = {cap, cap + host, cap, cap + host};
+    cap_ = cap;
+  }
+
+  // Whether the sweep applies: with a channel at rate 0 a term is infinite or 0, not linear.
+  [[nodiscard]] bool applies() const {
+    return std::all_of(rate_.begin(), rate_.end(), [](double r) { return r > 0; });
+  }
+
+  StallBound run(const std::function<void(double)>& progress) {
+    std::array<double, kTerms> inv{};
+    for (int t = 0; t < kTerms; ++t) inv[t] = 1.0 / rate_[t];
+    WindowTree tree(std::max(n_, 1), inv);
+    const auto nt = trace_.tensors.size();
+    std::vector<OpIndex> prev_use(nt, -1);    // last op so far that used the tensor
+    std::vector<OpIndex> prev_write(nt, -1);  // last op so far that wrote it while needed after
+    std::vector<double> best(static_cast<std::size_t>(n_) + 1, 0);
+    std::vector<OpIndex> from(static_cast<std::size_t>(n_) + 1, -1);
+    std::vector<StallWindow> window_at(static_cast<std::size_t>(n_) + 1);
+    std::vector<double> p(static_cast<std::size_t>(n_) + 1, 0);  // compute before op k
+    for (OpIndex k = 0; k < n_; ++k) {
+      at(p, k + 1) = at(p, k) + trace_.op_seconds(static_cast<std::size_t>(k));
+    }
+    for (OpIndex j = 0; j < n_; ++j) {
+      if (progress && (j & 255) == 0) progress(static_cast<double>(j) / n_);
+      tree.activate(j, at(best, j) + at(p, j));
+      const auto& op = at(trace_.ops, j);
+      auto read = [&](TensorId x) {
+        OpIndex& prev = at(prev_use, x);
+        if (prev == j) return;  // an op that lists a tensor twice uses it once
+        const auto& ten = at(trace_.tensors, x);
+        const auto bytes = static_cast<double>(ten.bytes);
+        if (ten.has_gap()) {  // existed before i: i <= freed_after or i > producer
+          tree.add(prev + 1, std::min(j, ten.freed_after), bytes, false);
+          tree.add(std::max(prev + 1, ten.producer + 1), j, bytes, false);
+        } else {
+          tree.add(std::max(prev + 1, at(spans_.begin, x) + 1), j, bytes, false);
+        }
+        prev = j;
+      };
+      for (const TensorId x : op.inputs) read(x);
+      for (const TensorId x : op.outputs) read(x);
+      for (const TensorId x : op.outputs) {
+        const auto& ten = at(trace_.tensors, x);
+        const bool needed =
+            ten.has_gap() ? j >= ten.producer : ten.persistent || at(spans_.last_use, x) > j;
+        OpIndex& prev = at(prev_write, x);
+        if (!needed || prev == j) continue;
+        tree.add(prev + 1, j, static_cast<double>(ten.bytes), true);
+        prev = j;
+      }
+      for (const TensorId x : at(spans_.dies_at, j)) {
+        OpIndex& prev = at(prev_write, x);
+        if (prev < 0) continue;
+        tree.add(0, prev, -static_cast<double>(at(trace_.tensors, x).bytes), true);
+        prev = -1;
+      }
+      // The best window ending at j over the four terms; on a tie the earliest start.
+      WindowTree::Leaf top{-1, 0, 0, 0};
+      double value = -std::numeric_limits<double>::infinity();
+      for (int t = 0; t < kTerms; ++t) {
+        const auto term = static_cast<Term>(t);
+        const double v = tree.max(term) - threshold_[t] / rate_[t] - at(p, j + 1);
+        if (v < value) continue;
+        const WindowTree::Leaf leaf = tree.argmax(term);
+        const double lv = leaf.value - threshold_[t] / rate_[t] - at(p, j + 1);
+        if (lv > value || (lv == value && leaf.start < top.start)) {
+          value = lv;
+          top = leaf;
+        }
+      }
+      // As WindowSearch: a window that stalls ties with best[j] and wins when it starts before j.
+      const double stall = value - at(best, top.start);
+      const bool take = stall > 0 && (top.start < j ? value >= at(best, j) : value > at(best, j));
+      if (take) {
+        at(best, j + 1) = value;
+        at(from, j + 1) = top.start;
+        at(window_at, j + 1) = {top.start,
+                                j,
+                                at(p, j + 1) - at(p, top.start),
+                                std::max(0.0, top.e - cap_),
+                                std::max(0.0, top.w - cap_),
+                                stall};
+      } else {
+        at(best, j + 1) = at(best, j);
+      }
+    }
+    StallBound out;
+    out.stall_seconds = at(best, n_);
+    out.iteration_seconds = trace_.compute_seconds() + out.stall_seconds;
+    for (OpIndex k = n_; k > 0;) {
+      if (at(from, k) < 0) {
+        --k;
+        continue;
+      }
+      out.windows.push_back(at(window_at, k));
+      k = at(from, k);
+    }
+    std::reverse(out.windows.begin(), out.windows.end());
+    return out;
+  }
+
+ private:
+  const trace::Trace& trace_;
+  const trace::LifetimeAnalysis la_;
+  const Lifespans spans_;
+  OpIndex n_;
+  double cap_ = 0;
+  std::array<double, kTerms> rate_{};
+  std::array<double, kTerms> threshold_{};
+};
+
 }  // namespace
 
 StallBound stall_lower_bound(const trace::Trace& trace, const Hardware& hw,
                              const std::function<void(double)>& progress) {
-  StallBound b = WindowSearch(trace, hw).run(progress);
+  WindowSweep sweep(trace, hw);
+  StallBound b = sweep.applies() ? sweep.run(progress) : WindowSearch(trace, hw).run(progress);
   if (progress) progress(1.0);
   return b;
 }
+
+namespace detail {
+
+StallBound stall_lower_bound_by_window_growth(const trace::Trace& trace, const Hardware& hw) {
+  return WindowSearch(trace, hw).run({});
+}
+
+}  // namespace detail
 
 }  // namespace tidal::plan

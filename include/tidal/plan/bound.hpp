@@ -37,11 +37,12 @@ struct StallBound {
 /// are needed after op j (W bytes) cannot all stay, so at least W - C bytes are written during
 /// it. The window takes at least max((E - C) / read rate, (W - C) / write rate), where the rates
 /// are the SSD and host channels together, and stalls by that minus T. Disjoint windows stall
-/// independently; the best set of them is found by dynamic programming over all windows
-/// (O(ops^2), cut off where no window can stall any more). Windows do not wrap around the end of
-/// the iteration, which can only make the bound lower.
-/// `progress`, when set, is called now and then with the share of window starts searched (0..1),
-/// on the calling thread.
+/// independently; the best set of them is found by dynamic programming over all windows, swept
+/// over the window's last op with a segment tree over its first (O((ops + tensor uses) log ops);
+/// where a channel has rate 0, by growing every window, O(ops^2)). Windows do not wrap around
+/// the end of the iteration, which can only make the bound lower.
+/// `progress`, when set, is called now and then with the share of ops swept (0..1), on the
+/// calling thread.
 StallBound stall_lower_bound(const trace::Trace& trace, const Hardware& hw,
                              const std::function<void(double)>& progress = {});
 

@@ -27,6 +27,11 @@ struct PlannerOptions {
   /// unnecessary (memory stays at or under the target without it over the ops it frees): fewer
   /// bytes written to SSD for the same fit, and never more stall.
   bool prune = true;
+  /// When host memory fills up and the plan stalls, plan a second time with host memory promised
+  /// to the inactive periods that save the most SSD traffic per byte-second held (the shortest),
+  /// simulate both, and keep the faster plan (docs/simulator.md, "Host memory against SSD
+  /// bandwidth"). Doubles the planning time where it runs.
+  bool choose_host_by_density = true;
   /// Tensors smaller than this stay in device memory (their migration costs more than it frees).
   std::uint64_t min_bytes = 0;
   /// How the error for a plan that cannot fit tells the user to give more memory (the CLI's
@@ -50,6 +55,9 @@ struct PlannerOptions {
 /// When nothing feasible is left and an op still exceeds the target, the candidate covering it
 /// with the least added stall is committed together with that stall. Last (options.prune),
 /// the committed migrations that the others make unnecessary are dropped, SSD ones first.
+/// Where host memory was short, the SSDs are the scarce channel and the plan stalls
+/// (options.choose_host_by_density), a second plan promises host memory to the shortest periods
+/// first, and the plan whose simulated iteration (plan/simulator.hpp) is shorter is returned.
 ///
 /// Thread-safe for distinct arguments; runs on the calling thread. Throws
 /// tidal::InvalidArgument when even the tensors that cannot leave (the active ones) exceed the

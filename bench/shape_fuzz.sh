@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Random decoder shapes in the simulator (model results, not measurements): for each shape,
+# tidal's fraction of ideal against the lower bound of any plan, the share of shapes at or above
+# 0.95 of the bound, the worst five, and the check that no plan beats the bound (a plan whose
+# iteration is shorter than the bound's is a bug in one of the two, and fails the script).
+#
+#   bench/shape_fuzz.sh [OUT.jsonl]
+#
+# Each shape draws layers, hidden size (heads of 64 or 128), key/value heads, FFN width,
+# vocabulary, batch, sequence, micro-batches, precision, tensor parallelism (1 or 2), SSDs per GPU
+# (1-4) and host memory per GPU (0-1 TB) on the h100-4ssd preset, the optimizer step after
+# backward. Environment: TIDAL_BIN (default ./build/tidal), TIDAL_FUZZ_SHAPES (200),
+# TIDAL_FUZZ_SEED (1), TIDAL_FUZZ_MAX_LAYERS (48).
+set -euo pipefail
+bin=${TIDAL_BIN:-./build/tidal}
+out=${1:-build/shape_fuzz.jsonl}
+shapes=${TIDAL_FUZZ_SHAPES:-200}
+seed=${TIDAL_FUZZ_SEED:-1}
+max_layers=${TIDAL_FUZZ_MAX_LAYERS:-48}
+[ -x "$bin" ] || { echo "no tidal binary at $bin: build first (scripts/build.sh)" >&2; exit 1; }
+mkdir -p "$(dirname "$out")"
+
+python3 - "$bin" "$out" "$shapes" "$seed" "$max_layers" <<'EOF'
+import json, random, subprocess, sys
+
+bin_, out, shapes, seed, max_layers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+rng = random.Random(seed)
+
+def draw():
+    head_dim = rng.choice([64, 128])
+    heads = rng.choice([8, 12, 16, 24, 32, 40, 48, 64])
+    hidden = heads * head_dim
+    kv = rng.choice([k for k in (1, 2, 4, 8, heads) if heads % k == 0])
+    tp = rng.choice([1, 2])
+    if heads % tp or kv % tp:
+        tp = 1
+    ffn = int(hidden * rng.uniform(2.5, 4.0)) // 256 * 256
+    vocab = rng.choice([32000, 50304, 49152, 128256])
+    batch = rng.choice([1, 2, 4, 8, 16, 32])
+    micro = rng.choice([m for m in (1, 2, 4) if batch % m == 0])
+    return {
+        "layers": rng.randint(4, max_layers), "hidden": hidden, "heads": heads, "kv_heads": kv,
+        "ffn": ffn, "vocab": vocab, "batch": batch, "seq": rng.choice([512, 1024, 2048, 4096]),
+        "micro_batches": micro, "precision": rng.choice(["fp32", "bf16-mixed"]),
+        "tensor_parallel": tp, "ssds": rng.randint(1, 4),
+        "host": rng.choice(["0", "64GB", "128GB", "256GB", "512GB", "1TB"]),
+    }
+
+rows = []
+bad = []
+with open(out, "w") as f:
+    for i in range(shapes):
+        s = draw()
+        cmd = [bin_, "simulate", "--model", "llama3-8b", "--layers", str(s["layers"]),
+               "--hidden", str(s["hidden"]), "--heads", str(s["heads"]),
+               "--kv-heads", str(s["kv_heads"]), "--ffn", str(s["ffn"]), "--vocab", str(s["vocab"]),
+               "--batch", str(s["batch"]), "--seq", str(s["seq"]),
+               "--micro-batches", str(s["micro_batches"]), "--precision", s["precision"],
+               "--tensor-parallel", str(s["tensor_parallel"]), "--hardware", "h100-4ssd",
+               "--ssd", f"{s['ssds']}x6.5/6.7GB/s", "--host-mem", s["host"],
+               "--policy", "ideal,tidal", "--profile-steps", "0", "--json"]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        row = dict(s, shape=i)
+        if p.returncode != 0:
+            row["error"] = (p.stderr.strip().splitlines() or ["?"])[-1][:200]
+        else:
+            j = json.loads(p.stdout.strip().splitlines()[-1])
+            t = j["policies"]["tidal"]
+            lb = j["lower_bound"]
+            row.update(ideal_seconds=j["compute_seconds"], tidal=t["fraction_of_ideal"],
+                       fits=t["fits"], bound=lb["fraction_of_ideal"],
+                       of_bound=t["fraction_of_ideal"] / lb["fraction_of_ideal"],
+                       planning_seconds=t.get("planning_seconds", 0.0))
+            # No plan that fits may beat the bound (1e-6 of slack for the sums' order).
+            if t["fits"] and t["iteration_seconds"] < lb["iteration_seconds"] * (1 - 1e-6):
+                bad.append(row)
+        rows.append(row)
+        f.write(json.dumps(row) + "\n")
+        print(f"shape {i}: " + (row.get("error") or
+              f"tidal {100 * row['tidal']:.1f}%, bound {100 * row['bound']:.1f}%, "
+              f"{row['of_bound']:.3f} of the bound{'' if row['fits'] else ' (no fit)'}"),
+              file=sys.stderr)
+
+ok = [r for r in rows if "error" not in r and r["fits"]]
+errors = [r for r in rows if "error" in r]
+print(f"{len(rows)} shapes (seed {seed}): {len(ok)} planned and fit, "
+      f"{len(rows) - len(ok) - len(errors)} planned but do not fit, {len(errors)} refused "
+      "(the active tensors of an op exceed device memory, or another error)")
+if ok:
+    at95 = sum(r["of_bound"] >= 0.95 for r in ok)
+    print(f"at or above 0.95 of the bound: {at95} of {len(ok)} ({100 * at95 / len(ok):.1f}%); "
+          f"lowest {min(r['of_bound'] for r in ok):.3f}")
+    print("\nthe worst 5 (fraction of the bound):\n")
+    print("| shape | layers | hidden/heads/kv | ffn | vocab | batch x seq (micro) | precision | TP | SSDs | host | tidal | bound | of bound |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in sorted(ok, key=lambda r: r["of_bound"])[:5]:
+        print(f"| {r['shape']} | {r['layers']} | {r['hidden']}/{r['heads']}/{r['kv_heads']} | {r['ffn']} | "
+              f"{r['vocab']} | {r['batch']}x{r['seq']} ({r['micro_batches']}) | {r['precision']} | "
+              f"{r['tensor_parallel']} | {r['ssds']} | {r['host']} | {100 * r['tidal']:.1f}% | "
+              f"{100 * r['bound']:.1f}% | {r['of_bound']:.3f} |")
+print(f"\nplans that beat the bound: {len(bad)}; JSON lines in {out}")
+for r in bad:
+    print(f"  shape {r['shape']}: {json.dumps(r)}")
+sys.exit(1 if bad else 0)
+EOF
