@@ -118,8 +118,7 @@ py::dict store_stats_dict(const tidal::io::StoreStats& s) {
   return TIDAL_FIELDS_DICT(s, capacity, used_bytes, file_used_bytes, bytes_written, bytes_read,
                            writes, reads, failed_requests, store_full, write_failed, read_failed,
                            read_corrupt, backend_fallback, staged_ops, busy_seconds,
-                           checksum_seconds, checksum_threads, tickets, backend, buffered,
-                           tmpfile);
+                           checksum_seconds, checksum_threads, tickets, backend, buffered, tmpfile);
 }
 
 py::dict session_stats_dict(const tt::SessionStats& s) {
