@@ -101,20 +101,21 @@ def test_activation_mode_timeline_marks_the_phases(tmp_path, store_dir):
 
 
 def test_a_slow_store_is_named_as_the_limit(store_dir):
-    # Every store request waits 5 ms (a fault plan's delay): the disk, not compute, limits.
+    # Every store request waits 30 ms (a fault plan's delay): the disk, not compute, limits, even
+    # on a loaded machine where compute takes 30 times as long (as under a parallel build).
     data = batches(seed=3, steps=5)
     holder = {}
 
     def session(model, opt):
         holder["s"] = tidal.Session("plan", dirs=[store_dir], budget="50%", model=model,
                                     optimizer=opt, strict=True, min_bytes="64KiB",
-                                    _faults={"delay_us": 5000})
+                                    _faults={"delay_us": 30000})
         return holder["s"]
 
     train_mlp(data, session)
     report = holder["s"].time_report()
     holder["s"].close()
-    assert report["stall_seconds"] > 0.3 * report["step_seconds"], report
+    assert report["stall_seconds"] > 0.05 * report["step_seconds"], report
     assert report["limit"].startswith(("SSD reads", "writes under the budget")), report["limit"]
     assert "store delivered" in report["limit"], report["limit"]
 
