@@ -73,19 +73,8 @@ command -v python3 >/dev/null || { echo "python3 is needed to read fio's JSON" >
 [ -x "$tidal_bin" ] || { echo "no tidal binary at $tidal_bin: build it or set TIDAL_BIN" >&2; exit 1; }
 [ -d "$dir" ] || { echo "$dir is not a directory" >&2; exit 1; }
 
-# The same units as tidal's parser, so both tools move exactly the same number of bytes.
-to_bytes() {
-  python3 - "$1" <<'EOF'
-import re, sys
-units = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20,
-         "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40,
-         "tb": 10**12}
-m = re.fullmatch(r"([0-9]*\.?[0-9]+)([a-z]*)", sys.argv[1].strip().lower())
-if not m or m.group(2) not in units:
-    sys.exit(f"'{sys.argv[1]}' is not a size (e.g. 2GiB, 512MiB)")
-print(int(float(m.group(1)) * units[m.group(2)]))
-EOF
-}
+# shellcheck source=bench/sizes.sh
+source "$(dirname "$0")/sizes.sh"
 size=$(to_bytes "$size_text")
 block=$(to_bytes "$block_text")
 if [ "$block" -lt 4096 ] || [ $((block % 4096)) -ne 0 ]; then

@@ -94,18 +94,8 @@ ds_version="${TIDAL_DEEPSPEED_VERSION:-0.19.8}"
 [ -x "$py" ] || { echo "no Python at $py: run scripts/setup.sh or set TIDAL_VENV" >&2; exit 1; }
 [ -d "$dir" ] || { echo "$dir is not a directory" >&2; exit 1; }
 
-to_bytes() {
-  "$py" - "$1" <<'EOF'
-import re, sys
-units = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20,
-         "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40,
-         "tb": 10**12}
-m = re.fullmatch(r"([0-9]*\.?[0-9]+)([a-z]*)", sys.argv[1].strip().lower())
-if not m or m.group(2) not in units:
-    sys.exit(f"'{sys.argv[1]}' is not a size (e.g. 2GiB, 512MiB)")
-print(int(float(m.group(1)) * units[m.group(2)]))
-EOF
-}
+# shellcheck source=bench/sizes.sh
+source "$(dirname "$0")/sizes.sh"
 
 # ---- DeepSpeed, for this benchmark only ----------------------------------------------------
 torch_version() { "$py" -c 'import torch; print(torch.__version__)'; }
