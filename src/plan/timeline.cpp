@@ -149,6 +149,15 @@ std::string limit_sentence(const TimeReport& r, const std::array<double, kNumCha
                       r.misses);
         s += b;
       }
+      if (r.misses > 0 && r.evictions > 0) {
+        char b[200];
+        std::snprintf(b, sizeof b,
+                      "; %.1f evictions a step (writes outside the plan, to stay under the "
+                      "budget) are read back as misses: the plan does not keep the budget by "
+                      "itself here",
+                      r.evictions);
+        s += b;
+      }
       return s;
     }
     s = std::string(c == Channel::kSsdRead ? "SSD reads" : "host memory reads") + ": ops waited " +
@@ -179,9 +188,14 @@ std::string limit_sentence(const TimeReport& r, const std::array<double, kNumCha
     s += "; the plan needs " + gbps(bytes / compute) + " of writes, the store delivered " +
          (delivered(Channel::kSsdWrite) > 0 ? gbps(delivered(Channel::kSsdWrite))
                                             : std::string("(not measured)")) +
-         assumed(Channel::kSsdWrite) +
-         ". A larger budget, more SSDs or host memory for offloaded tensors (--host-mem, "
-         "host_memory=) would help";
+         assumed(Channel::kSsdWrite);
+    if (r.evictions > 0 && delivered(Channel::kSsdWrite) > 1.2 * bytes / compute) {
+      s += "; the bandwidth is there: the waits are evictions, writes outside the plan made at "
+           "once, so the plan does not keep the budget by itself here. A larger budget would help";
+    } else {
+      s += ". A larger budget, more SSDs or host memory for offloaded tensors (--host-mem, "
+           "host_memory=) would help";
+    }
   }
   return s;
 }
