@@ -40,13 +40,12 @@ class ChecksumPool {
 
   /// Queues fn(arg). Thread-safe; never blocks on a job.
   void submit(Fn fn, void* arg) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(Job{fn, arg});
-      // Wake a thread only when none is idle-awake to take it (all busy or all asleep).
-      if (idle_ == 0) return;
-    }
-    cv_.notify_one();
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(Job{fn, arg});
+    // Wake a thread only when none is idle-awake to take it (all busy or all asleep). Notified
+    // under the lock: the job may finish the last request at once, and the store then destroys
+    // the pool; a notify after the unlock would touch a destroyed condition variable (TSan).
+    if (idle_ > 0) cv_.notify_one();
   }
 
   [[nodiscard]] int threads() const { return static_cast<int>(workers_.size()); }
