@@ -105,7 +105,7 @@ struct Session::Impl {
     bool at_floor = false;  // no plan can go lower
     // The plan replayed by the simulator (for the timeline), once asked; empty: not yet.
     std::vector<std::uint64_t> planned_memory;
-    double planned_stall = 0;
+    std::array<std::uint64_t, plan::kNumChannels> planned_bytes{};
   };
   std::vector<Shape> shapes;  // index = the executor's shape index
   std::map<std::vector<std::string>, std::vector<trace::Trace>> pending;  // seen, not planned
@@ -438,13 +438,12 @@ struct Session::Impl {
       const plan::SimResult r = plan::simulate(s.trace, &s.plan, hw);
       s.planned_memory = r.memory_per_op;
       for (auto& b : s.planned_memory) b += stats.untouched_bytes;
-      s.planned_stall = r.stall_seconds;
+      s.planned_bytes = plan::compile_schedule(s.trace, &s.plan, /*strict=*/false).planned_bytes;
     }
     v.planned_memory = s.planned_memory;
     v.planned_seconds = s.plan.summary.compute_seconds + s.plan.summary.planned_stall_seconds;
     v.planned_stall_seconds = s.plan.summary.planned_stall_seconds;
-    const plan::Schedule sched = plan::compile_schedule(s.trace, &s.plan, /*strict=*/false);
-    v.planned_bytes = sched.planned_bytes;
+    v.planned_bytes = s.planned_bytes;
     return v;
   }
 
