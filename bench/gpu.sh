@@ -7,6 +7,7 @@
 #       ctest label marks them, so by gtest filter) and pytest tests/python/test_cuda.py;
 #   (c) trains a GPT with CUDA tensors (`tidal train --device cuda`) in modes none, plan and
 #       activations: gpt2-small at seq 1024, with the batch that fills about half the GPU;
+#   (c2) each offloaded run writes its timeline (OUT/MODE.timeline.json for Perfetto, .svg);
 #   (d) prints one table: per mode the CUDA allocator's peak, the step time and its ratio to none,
 #       the bytes moved and the stall per step, each beside the simulator's prediction;
 #   (e) times the store moving device memory through cuFile against the pinned staging (bounce)
@@ -288,8 +289,10 @@ note "model: ${model[*]} (store: $dir, capacity ${capacity}MiB)"
 store=(--dir "$dir" --store-capacity "${capacity}MiB")
 train none 90 190 --steps $((steps + 1)) --offload none
 train plan 170 130 --steps $((steps + 3)) --offload plan --mem-budget "$budget" "${store[@]}" \
-  --save-trace "$out/plan.trace.json" --save-plan "$out/plan.plan.json"
-train activations 150 90 --steps $((steps + 2)) --offload activations "${store[@]}"
+  --save-trace "$out/plan.trace.json" --save-plan "$out/plan.plan.json" \
+  --timeline "$out/plan.timeline.json" --timeline "$out/plan.timeline.svg"
+train activations 150 90 --steps $((steps + 2)) --offload activations "${store[@]}" \
+  --timeline "$out/activations.timeline.json" --timeline "$out/activations.timeline.svg"
 
 # The simulator's inputs: a trace profiled with CUDA_LAUNCH_BLOCKING=1, so that each op's time is
 # its GPU time (the tracer times ops on the host: without it a CUDA op's time is its launch).
