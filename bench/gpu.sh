@@ -44,7 +44,7 @@
 # time limit, default 570; each stage gets what is left, less what the later ones need),
 # TIDAL_GPU_IO_SIZE (bytes per cuFile / staging run, default 2GiB), TIDAL_GPU_SIM_HARDWARE (the
 # simulator's preset, default h100-4ssd, given the SSD figures the session measured),
-# BUILD (default build-gpu), TIDAL_GPU_BUILD=0 (use BUILD as it is), TIDAL_GPU_DEVICE=cpu (checks
+# BUILD (default build-gpu), TIDAL_GPU_RUN (below), TIDAL_GPU_BUILD=0 (use BUILD as it is), TIDAL_GPU_DEVICE=cpu (checks
 # this script's flow on a machine without a GPU, on a tiny model: no GPU check, no CUDA figures).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -192,6 +192,19 @@ for f in "$build"/tidal-torch "$build"/tests/tidal_torch_tests "$build"/python/t
 done
 grep -q "TIDAL_WITH_CUDA" "$build/compile_commands.json" 2>/dev/null || [ "$device" != cuda ] ||
   note "WARNING: $build was built without the CUDA backend (TIDAL_WITH_CUDA): device memory goes nowhere"
+
+# TIDAL_GPU_RUN=CMD: after the build, run CMD (bash -c) instead of stages (b)-(e), with TIDAL_PY
+# (the build's Python), BUILD and OUT exported and PYTHONPATH holding the build's module: a
+# diagnosis on the GPU machine costs a build, not the whole script.
+if [ -n "${TIDAL_GPU_RUN:-}" ]; then
+  note "TIDAL_GPU_RUN: $TIDAL_GPU_RUN"
+  export TIDAL_PY=$py BUILD=$build OUT=$out
+  export PYTHONPATH=$build/python${PYTHONPATH:+:$PYTHONPATH}
+  rc=0
+  bash -c "$TIDAL_GPU_RUN" || rc=$?
+  note "TIDAL_GPU_RUN exited $rc"
+  exit "$rc"
+fi
 
 # ---- (b) the CUDA tests -----------------------------------------------------------------------
 export TIDAL_TEST_DIR=$dir

@@ -143,6 +143,7 @@ class Session:
         if mode != "none":
             opt.store = store_options(dirs, capacity, checksum, _faults)
         opt.memory_budget, opt.budget_fraction = parse_budget(budget)
+        self._byte_budget = opt.memory_budget
         opt.budget_option = "Session(budget=...)"
         opt.between_steps_option = "Session(between_steps=\"offloaded\")"
         opt.host_memory = parse_size(host_memory, "host_memory")
@@ -218,9 +219,12 @@ class Session:
         ref = weakref.ref(self)
 
         def piece_bytes() -> int:
+            # The budget once known; before the first plan, a budget given in bytes (so that the
+            # profiled steps already see the pieces the executed ones run), else 256 MiB.
             session = ref()
             live = session is not None and session._session is not None
             budget = session._session.stats()["memory_budget"] if live else 0
+            budget = budget or (session._byte_budget if session is not None else 0)
             return max(1 << 20, budget // 8) if budget else 256 << 20
 
         def multi_tensor(group) -> bool:

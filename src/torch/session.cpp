@@ -283,9 +283,16 @@ struct Session::Impl {
   // The planner counts the trace's tensors; the meter counts every allocation (memory no op
   // touches, allocator padding, tensors made and dropped inside an op). The difference is
   // subtracted from the budget: what the planner may use is what the meter leaves it.
+  // That difference is the process's, measured once: the profiled peak against the profiled
+  // shape's trace. A later shape's trace peak can be far lower (an optimizer step split into
+  // pieces after the first plan, say): taking the profiled peak off it would count the first
+  // shape's own tensors as unseen memory and leave the later plan no room (a CUDA MLP at half
+  // its peak got a capacity of 1 byte).
+  double unseen = -1;  // < 0: not measured yet (set by the first add_shape)
   double capacity_for(const Shape& s) const {
-    const auto unseen = std::max(0.0, static_cast<double>(stats.profiled_peak) - s.peak_live);
-    return std::max(0.0, static_cast<double>(stats.memory_budget) - unseen);
+    const double off =
+        unseen >= 0 ? unseen : std::max(0.0, static_cast<double>(stats.profiled_peak) - s.peak_live);
+    return std::max(0.0, static_cast<double>(stats.memory_budget) - off);
   }
 
   // The executor's hard budget: the user's, or, when a shape's plan cannot meet it, the least
@@ -350,6 +357,10 @@ struct Session::Impl {
   // A new step shape: plan it and hand it to the executor (made on the first).
   void add_shape(trace::Trace t) {
     refuse_compiled_code(t);
+    if (unseen < 0) {
+      const auto live = static_cast<double>(trace::analyze_lifetimes(t).summary.peak_live_bytes);
+      unseen = std::max(0.0, static_cast<double>(stats.profiled_peak) - live);
+    }
     if (opt.between_steps == BetweenSteps::kAuto && boundary < 0) choose_boundary(t);
     if (boundary_offloaded()) strip_step_end(t);
     stats.between_steps = boundary_offloaded() ? "offloaded" : "resident";
