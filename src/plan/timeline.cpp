@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <utility>
@@ -411,21 +412,37 @@ TimeReport Timeline::report(const ChannelRates& rates) const {
     ++r.steps;
     r.step_seconds += s->end - s->start;
     double in_ops = 0;
-    for (const auto& op : s->ops) in_ops += std::max(0.0, op.end - op.start);
-    double stalled = 0;
+    std::vector<std::pair<double, double>> op_spans;  // by start (ops do not overlap)
+    for (const auto& op : s->ops) {
+      in_ops += std::max(0.0, op.end - op.start);
+      if (op.end >= op.start) op_spans.emplace_back(op.start, op.end);
+    }
+    std::sort(op_spans.begin(), op_spans.end());
+    // Whether a stall lies inside a recorded op: the last op starting at or before it.
+    const auto inside_an_op = [&](const TimelineStall& st) {
+      auto it = std::upper_bound(op_spans.begin(), op_spans.end(),
+                                 std::make_pair(st.start, std::numeric_limits<double>::max()));
+      if (it == op_spans.begin()) return false;
+      --it;
+      return st.end <= it->second + 1e-9;
+    };
+    double stalled_in_ops = 0;
+    double stalled_between = 0;
     for (const auto& st : s->stalls) {
       const double d = std::max(0.0, st.end - st.start);
-      stalled += d;
+      (inside_an_op(st) ? stalled_in_ops : stalled_between) += d;
       if (st.kind == StallKind::kRead) {
         r.read_stall_seconds[index_of(st.channel)] += d;
       } else {
         r.write_stall_seconds += d;
       }
     }
-    // Stalls happen inside ops (the residency guard, before_op) or in tidal's own step-start
-    // work, which is recorded as an op: what is left of the ops' time is compute.
-    r.compute_seconds += std::max(0.0, in_ops - stalled);
-    r.between_ops_seconds += std::max(0.0, (s->end - s->start) - in_ops);
+    // Stalls happen inside ops (the residency guard, before_op), in tidal's own step-start work
+    // (recorded as an op), or between recorded ops, where an op the tracer leaves out waited
+    // (on a GPU, one on a CPU tensor: Adam's step counts). What is left of the ops' time is
+    // compute, and of the time between them the loop's own.
+    r.compute_seconds += std::max(0.0, in_ops - stalled_in_ops);
+    r.between_ops_seconds += std::max(0.0, (s->end - s->start) - in_ops - stalled_between);
     std::array<std::vector<std::pair<double, double>>, kNumChannels> spans;
     for (const auto& t : s->transfers) {
       if (t.between_steps) continue;  // not the step's: code between steps read it back

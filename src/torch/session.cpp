@@ -290,8 +290,9 @@ struct Session::Impl {
   // its peak got a capacity of 1 byte).
   double unseen = -1;  // < 0: not measured yet (set by the first add_shape)
   double capacity_for(const Shape& s) const {
-    const double off =
-        unseen >= 0 ? unseen : std::max(0.0, static_cast<double>(stats.profiled_peak) - s.peak_live);
+    const double off = unseen >= 0
+                           ? unseen
+                           : std::max(0.0, static_cast<double>(stats.profiled_peak) - s.peak_live);
     return std::max(0.0, static_cast<double>(stats.memory_budget) - off);
   }
 
