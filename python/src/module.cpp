@@ -21,6 +21,7 @@
 #include "tidal/io/store.hpp"
 #include "tidal/plan/plan.hpp"
 #include "tidal/torch/activations.hpp"
+#include "tidal/torch/executor.hpp"
 #include "tidal/torch/memory.hpp"
 #include "tidal/torch/session.hpp"
 #include "tidal/trace/io.hpp"
@@ -214,6 +215,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_memory_cap", &tt::set_cpu_memory_cap, py::arg("bytes"),
         "The strict meter: CPU allocations past `bytes` raise torch.OutOfMemoryError (0: none).");
   m.def("memory_cap", &tt::cpu_memory_cap, "The strict meter's cap in bytes, or 0 for none.");
+  m.def(
+      "out_of_memory_retries", &tt::PlanExecutor::out_of_memory_retries,
+      "Ops the residency guard ran again after an allocation past the wall was refused (the wall\n"
+      "as a GPU raises it), over the process.");
 
   using tidal::io::FaultPlan;
   using tidal::io::StoreOptions;
@@ -266,17 +271,18 @@ PYBIND11_MODULE(_C, m) {
                               : s == "offloaded" ? tt::BetweenSteps::kOffloaded
                                                  : tt::BetweenSteps::kAuto;
           });
-  def_fields(
-      session_options, TIDAL_FIELD(SessionOptions, store), TIDAL_FIELD(SessionOptions, activations),
-      TIDAL_FIELD(SessionOptions, warmup_steps), TIDAL_FIELD(SessionOptions, profile_steps),
-      TIDAL_FIELD(SessionOptions, memory_budget), TIDAL_FIELD(SessionOptions, budget_fraction),
-      TIDAL_FIELD(SessionOptions, strict_budget), TIDAL_FIELD(SessionOptions, strict_meter),
-      TIDAL_FIELD(SessionOptions, budget_option), TIDAL_FIELD(SessionOptions, between_steps_option),
-      TIDAL_FIELD(SessionOptions, host_memory), TIDAL_FIELD(SessionOptions, hardware),
-      TIDAL_FIELD(SessionOptions, model_name), TIDAL_FIELD(SessionOptions, batch),
-      TIDAL_FIELD(SessionOptions, seq), TIDAL_FIELD(SessionOptions, timeline_steps),
-      TIDAL_FIELD(SessionOptions, timeline_chosen_steps),
-      TIDAL_FIELD(SessionOptions, timeline_path));
+  def_fields(session_options, TIDAL_FIELD(SessionOptions, store),
+             TIDAL_FIELD(SessionOptions, activations), TIDAL_FIELD(SessionOptions, warmup_steps),
+             TIDAL_FIELD(SessionOptions, profile_steps), TIDAL_FIELD(SessionOptions, memory_budget),
+             TIDAL_FIELD(SessionOptions, budget_fraction),
+             TIDAL_FIELD(SessionOptions, strict_budget), TIDAL_FIELD(SessionOptions, strict_meter),
+             TIDAL_FIELD(SessionOptions, wall_by_retry), TIDAL_FIELD(SessionOptions, budget_option),
+             TIDAL_FIELD(SessionOptions, between_steps_option),
+             TIDAL_FIELD(SessionOptions, host_memory), TIDAL_FIELD(SessionOptions, hardware),
+             TIDAL_FIELD(SessionOptions, model_name), TIDAL_FIELD(SessionOptions, batch),
+             TIDAL_FIELD(SessionOptions, seq), TIDAL_FIELD(SessionOptions, timeline_steps),
+             TIDAL_FIELD(SessionOptions, timeline_chosen_steps),
+             TIDAL_FIELD(SessionOptions, timeline_path));
 
   py::class_<tt::Session, Holder<tt::Session>>(m, "Session")
       .def(py::init<tt::SessionOptions>(), py::call_guard<py::gil_scoped_release>())

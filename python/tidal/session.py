@@ -90,9 +90,13 @@ class Session:
     device: the device whose memory the budget is about and the meter measures ("cuda:0"); by
     default the model's (its first parameter's), else the CPU. On CUDA the meter reads the
     caching allocator's allocated bytes.
-    strict: the strict meter (CPU): from the first executed step on, an allocation that would
-    take the process over the budget first has tensors the running op does not read written out,
-    and when none is left raises torch.OutOfMemoryError, as a GPU with that much memory would.
+    strict: the strict meter: from the first executed step on (from step 0 with a budget in
+    bytes), an allocation that would take the process over the budget first has tensors the
+    running op does not read written out, and when none is left raises torch.OutOfMemoryError,
+    as a GPU with that much memory would. On CUDA the budget becomes the caching allocator's
+    memory fraction (it counts reserved memory), and an op refused memory is run again once
+    tensors are written out. wall_by_retry: raise the CPU's wall that way too (tests the GPU's
+    path on a CPU).
     timeline_steps: the steps the timeline keeps (the last ones; 0: none): what ran, each transfer
     on its channel, stalls and memory against the budget (write_timeline), and where the time
     went (time_report). timeline: a file to write it to when the session closes (a Chrome trace
@@ -123,6 +127,7 @@ class Session:
                  profile_steps: int = 2,
                  strict_budget: bool = False,
                  strict: bool = False,
+                 wall_by_retry: bool = False,
                  between_steps: str = "auto",
                  adaptive: bool = True,
                  checksum: bool = True,
@@ -144,6 +149,7 @@ class Session:
             opt.store = store_options(dirs, capacity, checksum, _faults)
         opt.memory_budget, opt.budget_fraction = parse_budget(budget)
         self._byte_budget = opt.memory_budget
+        self._piece_bytes = None  # the optimizer step's pieces (_split_multi_tensor_steps)
         opt.budget_option = "Session(budget=...)"
         opt.between_steps_option = "Session(between_steps=\"offloaded\")"
         opt.host_memory = parse_size(host_memory, "host_memory")
@@ -160,6 +166,7 @@ class Session:
         opt.profile_steps = profile_steps
         opt.strict_budget = strict_budget
         opt.strict_meter = strict
+        opt.wall_by_retry = wall_by_retry
         if between_steps == "auto" and _distributed(model):
             # DDP's and FSDP2's collectives read parameters and gradients as raw buffers, which
             # no hook brings back from the SSD: their step boundary stays resident.
@@ -213,19 +220,27 @@ class Session:
     def _split_multi_tensor_steps(self, optimizer) -> None:
         # A foreach or fused optimizer step is one op over every parameter of a group, with its
         # gradient and state: no plan can bring less than all of them in at once. For the step,
-        # each group is split into groups of at most an eighth of the budget (the same
-        # hyperparameters; the state is kept by parameter): the same elementwise arithmetic, bit
-        # for bit, in pieces that fit. The groups come back after the step.
+        # each group is split into groups of at most an eighth of the budget (or of the state,
+        # before the budget is known; the same hyperparameters; the state is kept by
+        # parameter): the same elementwise arithmetic, bit for bit, in pieces that fit. The
+        # groups come back after the step.
         ref = weakref.ref(self)
 
-        def piece_bytes() -> int:
-            # The budget once known; before the first plan, a budget given in bytes (so that the
-            # profiled steps already see the pieces the executed ones run), else 256 MiB.
+        def piece_bytes(state: int) -> int:
+            # Fixed at the first step, so that every step (profiled or executed) has the same
+            # pieces, and so the same ops (a piece size changed after the first plan would make
+            # a new step shape, planned from what the old one measured): an eighth of a budget
+            # known then (in bytes, or already measured), else an eighth of the groups' state
+            # (`state` bytes), at most 64 MiB.
             session = ref()
-            live = session is not None and session._session is not None
-            budget = session._session.stats()["memory_budget"] if live else 0
-            budget = budget or (session._byte_budget if session is not None else 0)
-            return max(1 << 20, budget // 8) if budget else 256 << 20
+            if session is None:
+                return 64 << 20
+            if session._piece_bytes is None:
+                live = session._session is not None
+                budget = session._session.stats()["memory_budget"] if live else 0
+                budget = budget or session._byte_budget or min(state, 512 << 20)
+                session._piece_bytes = max(1 << 20, budget // 8)
+            return session._piece_bytes
 
         def multi_tensor(group) -> bool:
             if group.get("fused") or group.get("foreach"):
@@ -239,7 +254,9 @@ class Session:
                 return
             if not any(multi_tensor(g) for g in opt.param_groups):
                 return
-            limit = piece_bytes()
+            # the parameter, its gradient and (Adam) two moments
+            limit = piece_bytes(sum(4 * p.numel() * p.element_size() for g in opt.param_groups
+                                    if multi_tensor(g) for p in g["params"]))
             groups = []
             for g in opt.param_groups:
                 if not multi_tensor(g):

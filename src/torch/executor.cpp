@@ -58,6 +58,11 @@ std::atomic<int> g_unsettled{0};
 // the guard records the storages of every op running now, at any depth and on any thread:
 // those are never written out from under it.
 std::atomic<bool> g_track_inputs{false};
+// The wall as a GPU raises it (PlanExecutor::retry_out_of_memory): an op refused memory is run
+// again after the executor has written tensors out. Ops retried, over the process.
+std::atomic<bool> g_retry_oom{false};
+std::atomic<std::uint64_t> g_oom_retries{0};
+constexpr int kMaxOomRetries = 16;
 // While the executor has no plan: the guard also notes what each op reads and makes (LRU order).
 std::atomic<bool> g_note_lru{false};
 std::mutex g_in_use_mu;
@@ -91,6 +96,43 @@ class InUse {
   c10::ArrayRef<c10::StorageImpl*> storages_;
 };
 
+// Runs `op` (its inputs made resident first) with the wall of set_device_memory_wall: an
+// allocation past it throws c10::OutOfMemoryError, as the GPU's caching allocator does. Then the
+// executor writes out tensors the op does not read and the op runs again from its arguments,
+// kept here. The guard runs at every depth, so the op caught is the innermost that allocates:
+// an allocating op (at::empty) or a kernel that makes its outputs before it writes anything.
+// Each further try frees twice as much (a fragmented cache needs more than the request).
+void run_making_room(const c10::OperatorHandle& op, c10::DispatchKeySet below,
+                     torch::jit::Stack* stack, PlanExecutor& ex,
+                     c10::ArrayRef<c10::StorageImpl*> resident) {
+  const std::size_t n = op.schema().arguments().size();
+  const std::size_t base = stack->size() - n;
+  const std::vector<c10::IValue> args(stack->begin() + static_cast<std::ptrdiff_t>(base),
+                                      stack->end());
+  for (int attempt = 0;; ++attempt) {
+    try {
+      if (!resident.empty()) ex.ensure_resident(resident);
+      op.redispatchBoxed(below, stack);
+      return;
+    } catch (const c10::OutOfMemoryError& e) {
+      const std::uint64_t refused = take_last_refused_bytes();
+      const std::uint64_t freed =
+          attempt < kMaxOomRetries ? ex.make_room_after_refusal(refused, attempt) : 0;
+      if (freed == 0) {
+        C10_THROW_ERROR(OutOfMemoryError,
+                        std::string(e.what_without_backtrace()) + " (tidal: " + op.schema().name() +
+                            " was refused memory under the wall and nothing more could be "
+                            "written out after " +
+                            std::to_string(attempt) + " tries: " + ex.last_reclaim_shortfall() +
+                            ")");
+      }
+      g_oom_retries.fetch_add(1, std::memory_order_relaxed);
+      stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
+      stack->insert(stack->end(), args.begin(), args.end());
+    }
+  }
+}
+
 // The residency guard (see executor.hpp): runs before every op of a guarded thread, at any
 // depth, and may throw, which a RecordFunction callback may not.
 void residency_guard(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
@@ -118,11 +160,17 @@ void residency_guard(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
   const InUse in_use(track ? c10::ArrayRef<c10::StorageImpl*>(storages)
                            : c10::ArrayRef<c10::StorageImpl*>());
   const bool note = track && g_note_lru.load(std::memory_order_acquire);
-  if (!storages.empty()) {
-    if (note) ex->note_inputs(storages);
-    if (reads) ex->ensure_resident(storages);
+  const auto below = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kGuardKey);
+  if (ex != nullptr && track && g_retry_oom.load(std::memory_order_acquire)) {
+    if (note && !storages.empty()) ex->note_inputs(storages);
+    run_making_room(op, below, stack, *ex, reads ? storages : decltype(storages){});
+  } else {
+    if (!storages.empty()) {
+      if (note) ex->note_inputs(storages);
+      if (reads) ex->ensure_resident(storages);
+    }
+    op.redispatchBoxed(below, stack);
   }
-  op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kGuardKey), stack);
   if (note) {
     // What the op made may be written out too (a gradient no op has read yet, say).
     c10::SmallVector<c10::StorageImpl*, 4> made;
@@ -145,6 +193,7 @@ void set_residency_guard(bool on) { c10::impl::tls_set_dispatch_key_included(kGu
 
 struct PlanExecutor::Impl {
   enum class State { kResident, kWriting, kOffloaded, kReading };
+  std::string shortfall;  // why the last reclaim freed less than asked, or empty
   struct Slot {
     c10::weak_intrusive_ptr<c10::StorageImpl> weak{c10::intrusive_ptr<c10::StorageImpl>()};
     State state = State::kResident;
@@ -799,6 +848,14 @@ bool movable_storage(const c10::StorageImpl& storage) {
 
 void PlanExecutor::track_inputs(bool on) { g_track_inputs.store(on, std::memory_order_release); }
 
+void PlanExecutor::retry_out_of_memory(bool on) {
+  g_retry_oom.store(on, std::memory_order_release);
+}
+
+std::uint64_t PlanExecutor::out_of_memory_retries() {
+  return g_oom_retries.load(std::memory_order_relaxed);
+}
+
 void PlanExecutor::note_inputs(c10::ArrayRef<c10::StorageImpl*> storages, bool recent) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   Impl& m = *impl_;
@@ -918,12 +975,32 @@ std::uint64_t PlanExecutor::reclaim(std::uint64_t bytes) {
                     });
   m.stats.reclaimed_bytes += freed;
   if (m.meter_bytes() > target) {
-    note_reclaim_shortfall(
+    m.shortfall =
         m.stats.write_failures > 0
             ? "writes to the store failed (" + m.stats.write_error + ")"
-            : "every tensor left in memory is read by the running op, held, or under min_bytes");
+            : "every tensor left in memory is read by the running op, held, or under min_bytes";
+    note_reclaim_shortfall(m.shortfall);
   }
   return freed;
+}
+
+std::uint64_t PlanExecutor::make_room_after_refusal(std::uint64_t refused, int attempt) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  Impl& m = *impl_;
+  m.poll();
+  const std::uint64_t want = std::max<std::uint64_t>(refused, std::uint64_t{1} << 20)
+                             << std::min(attempt, 10);
+  const std::uint64_t meter = m.meter_bytes();
+  const std::uint64_t over = meter + want > m.opt.budget ? meter + want - m.opt.budget : 0;
+  m.shortfall.clear();
+  return reclaim(std::max(over, want));
+}
+
+std::string PlanExecutor::last_reclaim_shortfall() const {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  return impl_->shortfall.empty()
+             ? "every tensor left in memory is read by the running op, held, or under min_bytes"
+             : impl_->shortfall;
 }
 
 void PlanExecutor::set_budget(std::uint64_t bytes) {

@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -18,12 +19,17 @@
 
 #include "tidal/common/units.hpp"
 
+#if defined(TIDAL_TORCH_CUDA)
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
 namespace tidal::torch_layer {
 namespace {
 
 std::string format_bytes_u(std::uint64_t b) { return format_bytes(static_cast<double>(b)); }
 
 thread_local std::string t_shortfall;  // note_reclaim_shortfall, for the refusal being made
+thread_local std::uint64_t t_last_refused = 0;  // take_last_refused_bytes
 
 // The tracking allocator. Sizes live in a side table (the DataPtr deleter only receives one
 // pointer), so the counters subtract exactly what they added.
@@ -122,6 +128,7 @@ class TrackingCpuAllocator final : public c10::Allocator {
       if (fits()) return;
     }
     refusals_.fetch_add(1, std::memory_order_relaxed);
+    t_last_refused = padded;
     const std::uint64_t now = current_.load(std::memory_order_relaxed);
     C10_THROW_ERROR(
         OutOfMemoryError,
@@ -209,6 +216,41 @@ ScopedCpuMemoryCap::ScopedCpuMemoryCap(std::uint64_t bytes)
 
 ScopedCpuMemoryCap::~ScopedCpuMemoryCap() {
   if (cpu_memory_cap() == bytes_) set_cpu_memory_cap(previous_);
+}
+
+std::uint64_t take_last_refused_bytes() {
+  const std::uint64_t b = t_last_refused;
+  t_last_refused = 0;
+  return b;
+}
+
+bool set_device_memory_wall(const c10::Device& device, std::uint64_t bytes) {
+  if (device.is_cpu()) {
+    set_cpu_memory_cap(bytes);
+    return true;
+  }
+#if defined(TIDAL_TORCH_CUDA)
+  if (device.is_cuda()) {
+    const c10::DeviceIndex index = device.has_index() ? device.index() : 0;
+    (void)at::empty({0}, at::TensorOptions().device(c10::Device(c10::kCUDA, index)));
+    auto* allocator = c10::cuda::CUDACachingAllocator::get();
+    const std::size_t total = allocator->getMemoryInfo(index).second;
+    if (total == 0) return false;
+    static std::once_flag observer_once;
+    std::call_once(observer_once, [] {
+      // Called on the allocating thread just before the caching allocator throws.
+      c10::cuda::CUDACachingAllocator::attachOutOfMemoryObserver(
+          [](std::int64_t, std::size_t allocated, std::size_t, std::size_t) {
+            t_last_refused = allocated;
+          });
+    });
+    const double fraction =
+        bytes == 0 ? 1.0 : std::min(1.0, static_cast<double>(bytes) / static_cast<double>(total));
+    allocator->setMemoryFraction(fraction, index);
+    return true;
+  }
+#endif
+  return false;
 }
 
 MemoryMeter::MemoryMeter(c10::Device device) : device_(device) {

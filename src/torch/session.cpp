@@ -134,9 +134,10 @@ struct Session::Impl {
   // The wall stands from step 0 (strict meter, a budget in bytes, on the CPU): the warm-up and
   // profiled steps run under an executor without a plan, which writes out the storages ops read
   // least recently whenever an allocation would cross the budget.
+  // On a GPU the same, with the wall raised the way the device raises it (apply_cap).
   bool walled_from_start() const {
     return opt.mode == OffloadMode::kPlan && opt.strict_meter && opt.memory_budget > 0 &&
-           opt.device.is_cpu();
+           (opt.device.is_cpu() || opt.device.is_cuda());
   }
 
   void start_profiling() {
@@ -283,17 +284,9 @@ struct Session::Impl {
   // The planner counts the trace's tensors; the meter counts every allocation (memory no op
   // touches, allocator padding, tensors made and dropped inside an op). The difference is
   // subtracted from the budget: what the planner may use is what the meter leaves it.
-  // That difference is the process's, measured once: the profiled peak against the profiled
-  // shape's trace. A later shape's trace peak can be far lower (an optimizer step split into
-  // pieces after the first plan, say): taking the profiled peak off it would count the first
-  // shape's own tensors as unseen memory and leave the later plan no room (a CUDA MLP at half
-  // its peak got a capacity of 1 byte).
-  double unseen = -1;  // < 0: not measured yet (set by the first add_shape)
   double capacity_for(const Shape& s) const {
-    const double off = unseen >= 0
-                           ? unseen
-                           : std::max(0.0, static_cast<double>(stats.profiled_peak) - s.peak_live);
-    return std::max(0.0, static_cast<double>(stats.memory_budget) - off);
+    const auto unseen = std::max(0.0, static_cast<double>(stats.profiled_peak) - s.peak_live);
+    return std::max(0.0, static_cast<double>(stats.memory_budget) - unseen);
   }
 
   // The executor's hard budget: the user's, or, when a shape's plan cannot meet it, the least
@@ -358,10 +351,6 @@ struct Session::Impl {
   // A new step shape: plan it and hand it to the executor (made on the first).
   void add_shape(trace::Trace t) {
     refuse_compiled_code(t);
-    if (unseen < 0) {
-      const auto live = static_cast<double>(trace::analyze_lifetimes(t).summary.peak_live_bytes);
-      unseen = std::max(0.0, static_cast<double>(stats.profiled_peak) - live);
-    }
     if (opt.between_steps == BetweenSteps::kAuto && boundary < 0) choose_boundary(t);
     if (boundary_offloaded()) strip_step_end(t);
     stats.between_steps = boundary_offloaded() ? "offloaded" : "resident";
@@ -420,23 +409,51 @@ struct Session::Impl {
   // The wall is the executor's budget: the memory budget, or, when no plan meets it and the
   // session runs at the least peak a plan reaches (not strict_budget; budget_reason says so),
   // that peak.
+  // On a GPU the caching allocator refuses past the wall (set_device_memory_wall) and frees
+  // nothing first: the residency guard has the executor write tensors out and runs the refused
+  // op again (PlanExecutor::retry_out_of_memory). SessionOptions::wall_by_retry raises the CPU's
+  // wall that way too.
   bool cap_on = false;
+  bool cap_by_retry = false;
+  bool cap_unavailable_said = false;
   std::uint64_t wall = 0;
   std::uint64_t cap_previous = 0;
   std::uint64_t reclaimer_token = 0;
   void set_wall(std::uint64_t bytes) {
     wall = bytes;
     executor->set_budget(bytes);
-    if (cap_on) set_cpu_memory_cap(bytes);
+    if (!cap_on) return;
+    if (cap_by_retry) {
+      (void)set_device_memory_wall(opt.device, bytes);
+    } else {
+      set_cpu_memory_cap(bytes);
+    }
   }
   void apply_cap() {
-    if (!opt.strict_meter || cap_on || !executor || !opt.device.is_cpu() || wall == 0) return;
-    cap_previous = cpu_memory_cap();
-    PlanExecutor* ex = executor.get();
-    reclaimer_token = set_cpu_memory_reclaimer([ex](std::uint64_t b) { return ex->reclaim(b); });
+    if (!opt.strict_meter || cap_on || !executor || wall == 0) return;
+    if (opt.device.is_cpu() && !opt.wall_by_retry) {
+      cap_previous = cpu_memory_cap();
+      PlanExecutor* ex = executor.get();
+      reclaimer_token = set_cpu_memory_reclaimer([ex](std::uint64_t b) { return ex->reclaim(b); });
+      PlanExecutor::track_inputs(true);
+      set_cpu_memory_cap(wall);
+      cap_on = true;
+      return;
+    }
+    cap_previous = opt.device.is_cpu() ? cpu_memory_cap() : 0;
+    if (!set_device_memory_wall(opt.device, wall)) {
+      if (!cap_unavailable_said) {
+        cap_unavailable_said = true;
+        stats.notice = "the strict meter has no wall on " + opt.device.str() +
+                       " (this torch cannot cap that device's allocator): the plan keeps the "
+                       "budget, and nothing refuses an allocation past it";
+      }
+      return;
+    }
     PlanExecutor::track_inputs(true);
-    set_cpu_memory_cap(wall);
+    PlanExecutor::retry_out_of_memory(true);
     cap_on = true;
+    cap_by_retry = true;
   }
   // The plan's view of a step of shape `index`, for the timeline: the simulator's replay of the
   // plan on its trace (memory per op, in the meter's bytes: plus what no step touches).
@@ -491,9 +508,15 @@ struct Session::Impl {
   void lift_cap() {
     if (!cap_on) return;
     PlanExecutor::track_inputs(false);
-    set_cpu_memory_cap(cap_previous);
-    clear_cpu_memory_reclaimer(reclaimer_token);
+    if (cap_by_retry) {
+      PlanExecutor::retry_out_of_memory(false);
+      (void)set_device_memory_wall(opt.device, cap_previous);
+    } else {
+      set_cpu_memory_cap(cap_previous);
+      clear_cpu_memory_reclaimer(reclaimer_token);
+    }
     cap_on = false;
+    cap_by_retry = false;
   }
 
   // torch.compile's generated kernels read and write tensors without going through ATen's

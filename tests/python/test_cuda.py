@@ -157,6 +157,43 @@ def test_plan_mode_on_cuda_is_bit_identical_and_executes(reference, store_dir):
     holder["s"].make_resident()  # every moved tensor back on the device before teardown
 
 
+def test_a_model_twice_the_budget_trains_within_it_from_step_0_on_cuda(reference, store_dir):
+    """strict=True with a budget in bytes on CUDA: the caching allocator's memory fraction is the
+    wall from step 0, and an op refused memory runs again once the executor has written tensors
+    out. The model's state (weights, gradients, Adam's moments) is about twice what the budget
+    leaves it: every step, warm-up and profiling included, stays within the budget by the
+    allocator's own peak, with the losses of training without tidal, bit for bit."""
+    data, ref_losses, ref_params, _ = reference
+    model = make_mlp(seed=3)
+    state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    budget = torch.cuda.memory_allocated() + state // 2
+    retries = tidal._C.out_of_memory_retries()
+    holder = {}
+
+    def session(model, opt):
+        holder["s"] = tidal.Session(mode="plan", dirs=[store_dir], budget=budget, strict=True,
+                                    capacity="512MiB", min_bytes="64KiB", model=model,
+                                    optimizer=opt, between_steps="offloaded", name="mlp-wall")
+        return holder["s"]
+
+    losses, params, stats, peaks = train(data, session)
+    assert_same_training(losses, params, ref_losses, ref_params)
+    why = dict(budget=budget, state=state, peaks=peaks, step_peaks=[s.step_peak for s in stats],
+               notice=stats[-1].notice, reason=stats[-1].budget_reason,
+               retries=tidal._C.out_of_memory_retries() - retries)
+    assert [s.state for s in stats[:3]] == ["warmup", "profiling", "executing"], why
+    assert max(peaks) <= budget, why
+    assert stats[0].bytes_written > 0, why  # the warm-up step already moved state out
+    holder["s"].make_resident()
+    holder["s"].close()
+    # The wall goes with the session: the allocator may use the whole device again.
+    big = torch.empty(4 * budget, dtype=torch.uint8, device=DEVICE)
+    del big
+
+
 def test_offload_activations_on_cuda_is_bit_identical_and_uses_the_store(store_dir):
     data = cuda_batches(seed=2, steps=4)
 

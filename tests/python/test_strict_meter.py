@@ -123,6 +123,44 @@ def test_a_model_twice_the_budget_trains_within_it_from_step_0(store_dir):
     assert tidal._C.memory_cap() == 0
 
 
+@pytest.mark.parametrize("budget_kind", ["bytes", "share"])
+def test_the_wall_raised_as_a_gpu_raises_it(store_dir, budget_kind):
+    """wall_by_retry: the cap refuses at once, as the CUDA caching allocator refuses past its
+    memory fraction, and nothing frees memory inside the allocation; the residency guard has the
+    executor write tensors out and runs the refused op again. The same training bit for bit,
+    every step within the budget: from step 0 with a budget in bytes (the model's state is
+    twice the budget), from the first executed step with a share."""
+    data = batches(seed=15, steps=8)
+    model = make_mlp(seed=11)
+    state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
+    ref_losses, ref_params, _ = train(data)
+    budget = tidal.memory_stats()["current_bytes"] + state // 2 if budget_kind == "bytes" else "50%"
+    refusals = tidal.memory_stats()["refusals"]
+    retries = tidal._C.out_of_memory_retries()
+    holder = {}
+
+    session = plan_session(holder, store_dir, budget=budget, between_steps="offloaded",
+                           wall_by_retry=True)
+
+    losses, params, stats = train(data, session)
+    assert torch.equal(losses, ref_losses), (losses - ref_losses).abs().max()
+    for p, r in zip(params, ref_params):
+        assert torch.equal(p, r)
+    wall = stats[-1].memory_budget
+    walled = stats if budget_kind == "bytes" else stats[3:]
+    assert all(s.step_peak <= wall for s in walled), ([s.step_peak for s in walled], wall)
+    if budget_kind == "bytes":
+        # The path was taken: allocations were refused and the refused ops ran again. (With a
+        # share, the plan keeps the budget by itself: no refusal need happen.)
+        assert tidal.memory_stats()["refusals"] > refusals
+        assert tidal._C.out_of_memory_retries() > retries
+        assert stats[0].bytes_written > 0
+    holder.clear()
+    gc.collect()
+    assert tidal._C.memory_cap() == 0, "the cap goes with its session"
+
+
 def test_the_planner_chooses_the_step_boundary_and_state_dict_reads_true_bytes(store_dir):
     """Default options: at 50% of an MLP whose peak is mostly its state, no plan meets the
     budget with every tensor in memory at each step's end, so the session keeps them on the SSD

@@ -205,6 +205,20 @@ class PlanExecutor final : public OpListener, public StepObserver {
   /// thread) so that no eviction or reclaim writes one out from under it. On while an executor
   /// without a plan exists; the session turns it on with the strict meter.
   static void track_inputs(bool on);
+  /// The wall as a GPU raises it (set_device_memory_wall): the residency guard catches an op's
+  /// c10::OutOfMemoryError, has the executor write out tensors the op does not read
+  /// (make_room_after_refusal) and runs the op again, up to 16 times, before the error goes to
+  /// the caller with the reason. Needs track_inputs. The session turns it on with the strict
+  /// meter on a GPU.
+  static void retry_out_of_memory(bool on);
+  /// Ops the guard ran again after a refusal, over the process.
+  [[nodiscard]] static std::uint64_t out_of_memory_retries();
+  /// After a refused allocation of `refused` bytes (0: unknown) on try `attempt` (from 0):
+  /// writes out enough that it would fit under the budget, and at least the request times
+  /// 2^attempt; returns the bytes freed (0: nothing more can move).
+  std::uint64_t make_room_after_refusal(std::uint64_t refused, int attempt);
+  /// Why the last reclaim freed less than asked.
+  [[nodiscard]] std::string last_reclaim_shortfall() const;
 
   /// Changes the hard budget (0: none). Call between steps.
   void set_budget(std::uint64_t bytes);

@@ -66,6 +66,21 @@ void clear_cpu_memory_reclaimer(std::uint64_t token);
 /// message carries it.
 void note_reclaim_shortfall(std::string why);
 
+/// A device's wall, the way a GPU raises it: from now on an allocation that would take the
+/// device's memory past `bytes` is refused with c10::OutOfMemoryError, and nothing is asked to
+/// free memory first (the residency guard of an executor with retry_out_of_memory on writes
+/// tensors out and runs the refused op again). CUDA: the caching allocator's memory fraction
+/// (bytes over the device's total; it counts the memory the allocator reserved, so a
+/// fragmented cache reaches it first); CPU: the strict meter's cap, with the reclaimer left as
+/// it is. 0 lifts the wall. Returns false where the device has no such wall (a torch built
+/// without CUDA, another device type). Thread-safe.
+bool set_device_memory_wall(const c10::Device& device, std::uint64_t bytes);
+
+/// The bytes of this thread's last allocation refused for want of memory (the strict meter's,
+/// or on CUDA the caching allocator's, seen through its out-of-memory observer), or 0; reading
+/// it clears it.
+std::uint64_t take_last_refused_bytes();
+
 /// Sets the cap for the life of the object and puts the previous one back after.
 class ScopedCpuMemoryCap {
  public:

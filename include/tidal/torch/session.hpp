@@ -92,14 +92,22 @@ struct SessionOptions {
   /// end_step() that would have started it (true), or run with the smallest peak a plan can
   /// reach and say why in stats() (false, the default: a training loop is never stopped for it).
   bool strict_budget = false;
-  /// Plan mode on the CPU: the strict meter (set_cpu_memory_cap) at the budget from the first
+  /// Plan mode: the strict meter (set_cpu_memory_cap) at the budget from the first
   /// executed step on, with the executor as its reclaimer. An allocation that would cross the
   /// budget writes out tensors the running op does not read, and when none is left is refused
   /// with c10::OutOfMemoryError, as a GPU with that much memory would refuse it. When no plan
   /// meets the budget and strict_budget is off, the session runs at the least peak a plan
   /// reaches (stats().budget_reason says so) and the wall stands there. Tests and benchmarks
-  /// run with it on. (On a GPU the device's memory is the wall.)
+  /// run with it on. On a CUDA device it sets the caching allocator's memory fraction at the
+  /// budget (it counts the memory the allocator reserved), and an op refused memory there is
+  /// run again after the executor writes tensors out, so that a model larger than the budget
+  /// trains from step 0 with a budget in bytes. Without CUDA in torch, a notice says the wall
+  /// is not there.
   bool strict_meter = false;
+  /// The strict meter on the CPU raised the way a GPU raises it: the cap refuses at once, and
+  /// the residency guard writes tensors out and runs the refused op again (rather than a
+  /// reclaimer freeing memory inside the allocation). Tests the GPU's path where there is no GPU.
+  bool wall_by_retry = false;
   /// How messages name the budget to the user: the options here, or a front-end's flag (the
   /// CLI sets "--mem-budget").
   std::string budget_option = "SessionOptions::memory_budget or budget_fraction";
