@@ -26,7 +26,12 @@ The budget: --budget bytes (default: the DeepSpeed side's timed peak of round 1,
 runs in no more memory than DeepSpeed used). tidal runs Session(strict=True) at that budget:
 an allocation past it is refused as on a GPU. DeepSpeed has no such knob: its peak is what its
 configuration gives; --ds-cap runs it under the same wall (tidal.memory_cap) to show whether it
-fits.
+fits. --also-budget B runs tidal a second time each round at B (bytes, or N% of the plain run's
+peak), lower than DeepSpeed's configuration reaches ("tidal-low" in the table).
+Also printed: each side's forward / backward / optimizer-step seconds (DeepSpeed's step includes
+its NVMe swaps of the optimizer state; tidal's includes end_step), used to calibrate the
+simulator's ZeRO-Infinity model (docs/simulator.md); --save-trace FILE writes the first tidal
+run's profiled trace for `tidal simulate --trace FILE`.
 """
 
 import argparse
@@ -154,17 +159,22 @@ def run_side(a):
             tidal.reset_peak_memory()
             io0 = proc_io()
             t0 = time.perf_counter()
+            marks = []
             try:
                 if engine is not None:
                     loss = engine(x, y)
+                    marks.append(time.perf_counter())
                     engine.backward(loss)
+                    marks.append(time.perf_counter())
                     engine.step()
                 else:
                     if session:
                         session.begin_step()
                     opt.zero_grad(set_to_none=False)
                     loss = model(x, y)
+                    marks.append(time.perf_counter())
                     loss.backward()
+                    marks.append(time.perf_counter())
                     opt.step()
                     if session:
                         session.end_step()
@@ -175,7 +185,10 @@ def run_side(a):
             io1 = proc_io()
             row = {"loss": loss.item(), "seconds": seconds,
                    "peak": tidal.memory_stats()["peak_bytes"],
-                   "read_bytes": io1[0] - io0[0], "write_bytes": io1[1] - io0[1]}
+                   "read_bytes": io1[0] - io0[0], "write_bytes": io1[1] - io0[1],
+                   # forward (with tidal's begin_step), backward, optimizer step (with
+                   # DeepSpeed's swaps of the step, or tidal's end_step)
+                   "phases": [marks[0] - t0, marks[1] - marks[0], t0 + seconds - marks[1]]}
             if session:
                 s = session.stats()
                 row.update(step_peak=s.step_peak, store_read=s.bytes_read,
@@ -197,6 +210,9 @@ def run_side(a):
                        steps_over_budget=s.steps_over_budget,
                        between_steps=s.between_steps, plan_summary=s.plan_summary,
                        notice=s.notice or s.budget_reason)
+        if session and a.save_trace and session.trace_json():
+            with open(a.save_trace, "w") as f:
+                f.write(session.trace_json())
         out["vm_hwm"] = vm_hwm()
         out["vm_hwm_at_start"] = rss0
         out["store_files_bytes"] = sum(os.path.getsize(os.path.join(d, f))
@@ -223,7 +239,10 @@ def side_cmd(a, side, json_out, budget):
 def run_one(a, side, budget, tag):
     path = os.path.join(a.work, f"{tag}.json")
     t0 = time.time()
-    r = subprocess.run(side_cmd(a, side, path, budget), stdout=subprocess.PIPE,
+    cmd = side_cmd(a, side, path, budget)
+    if a.save_trace and tag == "tidal.1":
+        cmd += ["--save-trace", a.save_trace]
+    r = subprocess.run(cmd, stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, text=True)
     if r.returncode != 0 or not os.path.exists(path):
         sys.stderr.write(r.stderr[-6000:])
@@ -257,6 +276,11 @@ def summary(r, skip):
     return s
 
 
+def phases_of(r, skip):
+    rows = [x["phases"] for x in r["steps"][skip:]]
+    return "/".join(f"{med([p[i] for p in rows]):.2f}" for i in range(3)) if rows else "-"
+
+
 def mib(b):
     return f"{b / 2**20:.1f}"
 
@@ -271,9 +295,21 @@ def driver(a):
         sys.exit(f"the reference run failed: {ref['error']}")
     budget = a.budget_bytes
     runs = {"deepspeed": [], "tidal": []}
+    low = a.also_budget
+    if low and low.endswith("%"):
+        low = int(float(low[:-1]) / 100 * summary(ref, a.skip)["peak"])
+    elif low:
+        low = int(low)
+    if low:
+        runs["tidal-low"] = []
     for rnd in range(1, a.rounds + 1):
         order = ["deepspeed", "tidal"] if rnd % 2 == 1 else ["tidal", "deepspeed"]
+        if low:
+            order.append("tidal-low")
         for side in order:
+            if side == "tidal-low":
+                runs[side].append(run_one(a, "tidal", low, f"tidal-low.{rnd}"))
+                continue
             if side == "tidal" and not budget:
                 ds = runs["deepspeed"][0] if runs["deepspeed"] else {}
                 sm = summary(ds, a.skip) if ds.get("steps") else {}
@@ -288,15 +324,15 @@ def driver(a):
     print(f"reference (plain PyTorch, no offload, same process kind): peak "
           f"{mib(rsum['peak'])} MiB, {rsum['seconds']:.2f} s/step, {ref['parameters']} "
           f"parameters (state with AdamW: {mib(16 * ref['parameters'])} MiB)")
-    for r in runs["deepspeed"] + runs["tidal"]:
+    for r in [r for v in runs.values() for r in v]:
         if r.get("error") or r.get("refused"):
             print(f"{r['side']}: {r.get('error') or 'refused: ' + r['refused']}")
     head = (f"{'side':10} {'round':>5} {'peak MiB':>9} {'run peak':>9} {'VmHWM MiB':>9} "
             f"{'s/step':>7} {'SSD read/step':>14} {'SSD write/step':>14} {'store r/w MiB':>15}")
     print(head)
-    per = {"deepspeed": [], "tidal": []}
+    per = {k: [] for k in runs}
     for rnd in range(a.rounds):
-        for side in ("deepspeed", "tidal"):
+        for side in runs:
             r = runs[side][rnd]
             s = summary(r, a.skip)
             per[side].append(s)
@@ -323,9 +359,17 @@ def driver(a):
                     if "seconds" in t and "seconds" in d]
         print("step-time ratio per round: " + ", ".join(f"{x:.2f}x" for x in ds_first) +
               " (DeepSpeed first in odd rounds)")
-    t = runs["tidal"][0]
-    if t.get("budget"):
-        print(f"tidal: budget {mib(t['budget'])} MiB, within budget: {t.get('within_budget')}, "
+    def phases(side):
+        rows = [x["phases"] for r in runs[side] for x in r["steps"][a.skip:]]
+        return "/".join(f"{med([p[i] for p in rows]):.2f}" for i in range(3)) if rows else "-"
+    print("forward/backward/optimizer-step seconds (medians of the timed steps, all rounds): "
+          f"plain {phases_of(ref, a.skip)}, " +
+          ", ".join(f"{side} {phases(side)}" for side in runs))
+    for side in [k for k in runs if k.startswith("tidal")]:
+        t = runs[side][0]
+        if not t.get("budget"):
+            continue
+        print(f"{side}: budget {mib(t['budget'])} MiB, within budget: {t.get('within_budget')}, "
               f"steps over it {t.get('steps_over_budget')}, refusals {t.get('refusals')}, step boundary {t.get('between_steps')}; "
               f"{t.get('plan_summary', '')}")
     d = runs["deepspeed"][0]
@@ -334,11 +378,13 @@ def driver(a):
               f"NVMe (the rest below min_aio_bytes, in CPU memory); swap files "
               f"{mib(d.get('store_files_bytes', 0))} MiB at the end")
     print("losses, round 1:")
-    print(f"{'step':>4} {'plain':>9} {'DeepSpeed':>10} {'tidal':>9}")
+    print(f"{'step':>4} {'plain':>9} {'DeepSpeed':>10} {'tidal':>9}" +
+          (f" {'tidal-low':>10}" if low else ""))
     for i in range(a.steps):
         def at(r):
             return f"{r['steps'][i]['loss']:.4f}" if i < len(r["steps"]) else "not run"
-        print(f"{i:4d} {at(ref):>9} {at(runs['deepspeed'][0]):>10} {at(runs['tidal'][0]):>9}")
+        print(f"{i:4d} {at(ref):>9} {at(runs['deepspeed'][0]):>10} {at(runs['tidal'][0]):>9}" +
+              (f" {at(runs['tidal-low'][0]):>10}" if low else ""))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"reference": ref, "runs": runs, "budget": budget,
@@ -357,6 +403,10 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--skip", type=int, default=4)
     p.add_argument("--budget", default="0", help="bytes or a size; 0: DeepSpeed's peak")
+    p.add_argument("--also-budget", default="",
+                   help="also run tidal at this budget each round (bytes, or N%% of the plain "
+                        "run's peak), below what DeepSpeed can reach")
+    p.add_argument("--save-trace", help="tidal side: write the profiled trace here")
     p.add_argument("--ds-cap", action="store_true",
                    help="run DeepSpeed's steps under the same wall (tidal.memory_cap)")
     p.add_argument("--layers", type=int, default=4)
