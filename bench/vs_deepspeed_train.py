@@ -26,7 +26,8 @@ The budget: --budget bytes (default: the DeepSpeed side's timed peak of round 1,
 runs in no more memory than DeepSpeed used). tidal runs Session(strict=True) at that budget:
 an allocation past it is refused as on a GPU. DeepSpeed has no such knob: its peak is what its
 configuration gives; --ds-cap runs it under the same wall (tidal.memory_cap) to show whether it
-fits. --also-budget B runs tidal a second time each round at B (bytes, or N% of the plain run's
+fits. --ds-pipeline also runs DeepSpeed with pipeline_write on (its optimizer swapper then
+overlaps a sub-group's swap-out with the next one's swap-in and Adam) each round. --also-budget B runs tidal a second time each round at B (bytes, or N% of the plain run's
 peak), lower than DeepSpeed's configuration reaches ("tidal-low" in the table).
 Also printed: each side's forward / backward / optimizer-step seconds (DeepSpeed's step includes
 its NVMe swaps of the optimizer state; tidal's includes end_step), used to calibrate the
@@ -78,8 +79,16 @@ def ds_config(a, nvme):
             "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": False,
                               "buffer_count": a.ds_buffers, "buffer_size": 4 * a.d * a.d,
                               "max_in_cpu": 0},
+            # pipeline_read/pipeline_write off (DeepSpeed's default): each sub-group's swap-in,
+            # CPU Adam and swap-out run one after the other. --ds-pipeline: pipeline_write on
+            # (a sub-group's swap-out overlaps the next one's swap-in and Adam), which needs 8
+            # buffers here ("ran out of swap buffers" with 4). pipeline_read fails with 0.19.8
+            # here: AssertionError at pipelined_optimizer_swapper.py:138 (assert
+            # self.swap_ops[SYNC_SWAP_IN] is not None) with 4 buffers, "ran out of swap
+            # buffers" with 8 and pipeline_write on too.
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": False,
-                                  "buffer_count": 4},
+                                  "buffer_count": 8 if a.ds_pipeline else 4,
+                                  "pipeline_read": False, "pipeline_write": a.ds_pipeline},
             "sub_group_size": a.ds_sub_group,
             "stage3_param_persistence_threshold": 0,
             # With the default reuse distance (1e9) parameters fetched in forward stay in their
@@ -233,6 +242,9 @@ def side_cmd(a, side, json_out, budget):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     if a.ds_cap:
         cmd.append("--ds-cap")
+    if side == "deepspeed-pipelined":
+        cmd[cmd.index("--side") + 1] = "deepspeed"
+        cmd.append("--ds-pipeline")
     return cmd
 
 
@@ -302,13 +314,20 @@ def driver(a):
         low = int(low)
     if low:
         runs["tidal-low"] = []
+    if a.ds_pipeline:
+        runs["deepspeed-pipelined"] = []
     for rnd in range(1, a.rounds + 1):
         order = ["deepspeed", "tidal"] if rnd % 2 == 1 else ["tidal", "deepspeed"]
         if low:
             order.append("tidal-low")
+        if a.ds_pipeline:
+            order.append("deepspeed-pipelined")
         for side in order:
             if side == "tidal-low":
                 runs[side].append(run_one(a, "tidal", low, f"tidal-low.{rnd}"))
+                continue
+            if side == "deepspeed-pipelined":
+                runs[side].append(run_one(a, side, budget, f"{side}.{rnd}"))
                 continue
             if side == "tidal" and not budget:
                 ds = runs["deepspeed"][0] if runs["deepspeed"] else {}
@@ -407,6 +426,9 @@ def main():
                    help="also run tidal at this budget each round (bytes, or N%% of the plain "
                         "run's peak), below what DeepSpeed can reach")
     p.add_argument("--save-trace", help="tidal side: write the profiled trace here")
+    p.add_argument("--ds-pipeline", action="store_true",
+                   help="side: DeepSpeed with pipeline_write; driver: also run that "
+                        "variant each round (deepspeed-pipelined)")
     p.add_argument("--ds-cap", action="store_true",
                    help="run DeepSpeed's steps under the same wall (tidal.memory_cap)")
     p.add_argument("--layers", type=int, default=4)
