@@ -260,7 +260,7 @@ for x in main["rounds"]:
           f"{x['tidal_write_gbps']:.2f} ({x['write_ratio']:.2f}x), read "
           f"{x['deepnvme_read_gbps']:.2f} vs {x['tidal_read_gbps']:.2f} ({x['read_ratio']:.2f}x)")
 print(f"verified: {'yes, every byte on both sides' if verified else 'NO'}")
-print("Training against ZeRO-Infinity: not measured by this script")
+print("Training against ZeRO-Infinity: bench/vs_deepspeed_train.sh (not run by this script)")
 if json_out:
     with open(json_out, "w") as out:
         json.dump({"checksum": checksum, "memory": memory, "deepnvme_threads": ds_threads,

@@ -243,28 +243,88 @@ trace::Trace zero_trace(const trace::Trace& given, double cpu_step_seconds) {
   return out;
 }
 
+// Bytes per parameter element of a trace: 2 where the whole trace is bf16, else 4 (fp32, and
+// bf16-mixed's fp32 weights).
+double parameter_element_bytes(const trace::Trace& t) {
+  const auto it = t.meta.find("precision");
+  return it != t.meta.end() && it->second == "bf16" ? 2.0 : 4.0;
+}
+
 // ZeRO-3 style movement: parameters (above the persistence threshold) come in before each use
-// with a lookahead of about one block and leave right after; gradients leave after their last
-// use and must be out before the CPU step.
+// and leave right after (a release: the SSD or host copy is current, so no write); gradients
+// leave after their last use and must be out before the CPU step.
+//
+// How far ahead a parameter's read starts is DeepSpeed's prefetch: when a module starts, ZeRO-3
+// fetches the parameters of the modules after it, in the order of the recorded trace, while the
+// elements in flight stay under the prefetch bucket. So a parameter's read starts when the use
+// of the parameter before it starts, and earlier only while the parameters used in between sum
+// to less than the bucket; never before the first parameter use of its forward/backward pass
+// (the trace restarts with each pass, and nothing is fetched during the optimizer step, which
+// is updating these very parameters). With a bucket of 0, one block of ops ahead instead.
 Plan zero_plan(const trace::Trace& t, const Hardware& hw, Target target, const PolicyOptions& opt) {
   Plan p = empty_plan(t, hw);
   const auto la = trace::analyze_lifetimes(t);
   const auto n = static_cast<OpIndex>(t.ops.size());
   const OpIndex cpu_op = n - 1;
+  const std::vector<int> pass = pass_of_ops(t);
   int layers = 0;
   OpIndex fwd_ops = 0;
   for (const auto& op : t.ops) {
     layers = std::max(layers, op.layer + 1);
     if (op.phase == Phase::kForward) ++fwd_ops;
   }
-  const auto passes = static_cast<OpIndex>(pass_of_ops(t).back() + 1);
-  const OpIndex lookahead =
+  const auto passes = static_cast<OpIndex>(pass.back() + 1);
+  const OpIndex block_ops =
       std::max<OpIndex>(1, layers > 0 ? fwd_ops / (static_cast<OpIndex>(layers) * passes) : 4);
+  auto managed = [&](const trace::Tensor& x) {
+    return x.cls == TensorClass::kParameter && x.persistent &&
+           x.bytes >= opt.zero_persistence_bytes;
+  };
+  // The ops that use managed parameters, in order, with the elements they use.
+  const double element_bytes = parameter_element_bytes(t);
+  std::vector<OpIndex> use_ops;
+  std::vector<double> use_elements;
+  std::vector<std::int64_t> use_index(static_cast<std::size_t>(n), -1);
+  for (const auto& op : t.ops) {
+    double elements = 0;
+    std::vector<TensorId> seen;
+    for (const auto* ids : {&op.inputs, &op.outputs}) {
+      for (TensorId id : *ids) {
+        const auto& x = t.tensors[static_cast<std::size_t>(id)];
+        if (!managed(x) || std::find(seen.begin(), seen.end(), id) != seen.end()) continue;
+        seen.push_back(id);
+        elements += static_cast<double>(x.bytes) / element_bytes;
+      }
+    }
+    if (seen.empty()) continue;
+    use_index[static_cast<std::size_t>(op.index)] = static_cast<std::int64_t>(use_ops.size());
+    use_ops.push_back(op.index);
+    use_elements.push_back(elements);
+  }
+  const auto bucket = static_cast<double>(opt.zero_prefetch_bucket_elements);
+  // The op after which the read of a parameter used at op b is issued (cpu_op: when the step
+  // before the iteration ends).
+  auto prefetch_trigger = [&](OpIndex b) {
+    std::int64_t i = use_index[static_cast<std::size_t>(b)];
+    const int pass_b = pass[static_cast<std::size_t>(b)];
+    if (i > 0 &&
+        pass[static_cast<std::size_t>(use_ops[static_cast<std::size_t>(i - 1)])] == pass_b) {
+      --i;  // the module before starts the read
+      double between = 0;
+      while (i > 0 &&
+             pass[static_cast<std::size_t>(use_ops[static_cast<std::size_t>(i - 1)])] == pass_b &&
+             between + use_elements[static_cast<std::size_t>(i)] < bucket) {
+        between += use_elements[static_cast<std::size_t>(i)];
+        --i;
+      }
+    }
+    const OpIndex start = use_ops[static_cast<std::size_t>(i)];
+    return start == 0 ? cpu_op : start - 1;
+  };
   for (const auto& tensor : t.tensors) {
     const auto& life = la.tensors[static_cast<std::size_t>(tensor.id)];
     if (life.uses.empty() || tensor.bytes == 0) continue;
-    if (tensor.cls == TensorClass::kParameter && tensor.persistent &&
-        tensor.bytes >= opt.zero_persistence_bytes) {
+    if (managed(tensor)) {
       for (const auto& period : life.periods) {
         const OpIndex a = period.last_use;
         const OpIndex b = period.next_use;
@@ -272,11 +332,19 @@ Plan zero_plan(const trace::Trace& t, const Hardware& hw, Target target, const P
         if (gap < 2) continue;
         PlanAction off;
         set_action(off, tensor.id, tensor.bytes, ActionKind::kOffload, a, (a + 1) % n, target);
-        // Prefetch `lookahead` ops ahead of the use, but not before the offload's deadline.
-        const OpIndex back = std::min<OpIndex>(lookahead, gap - 1);
+        OpIndex trigger = 0;
+        if (bucket > 0) {
+          trigger = prefetch_trigger(b);
+          // Not before the release: a read issued earlier starts when the period does.
+          const bool after_release =
+              period.wraps ? (trigger == cpu_op || trigger < b) : (trigger > a && trigger < b);
+          if (!after_release) trigger = (a + 1) % n;
+        } else {
+          const OpIndex back = std::min<OpIndex>(block_ops, gap - 1);
+          trigger = ((b - 1 - back) % n + n) % n;
+        }
         PlanAction pre;
-        set_action(pre, tensor.id, tensor.bytes, ActionKind::kPrefetch,
-                   ((b - 1 - back) % n + n) % n, b, target);
+        set_action(pre, tensor.id, tensor.bytes, ActionKind::kPrefetch, trigger, b, target);
         p.actions.push_back(off);
         p.actions.push_back(pre);
       }
@@ -307,24 +375,37 @@ PolicyResult run_zero(const trace::Trace& tr, const Hardware& hw, const PolicyOp
   const auto params = static_cast<double>(bytes_of(tr, TensorClass::kParameter));
   const auto grads = static_cast<double>(bytes_of(tr, TensorClass::kGradient));
   const auto states = static_cast<double>(bytes_of(tr, TensorClass::kOptimizerState));
-  const double elems = params / 4;
-  double step = hw.cpu_adam_rate > 0 ? elems / hw.cpu_adam_rate : 0;
+  const double elems = params / parameter_element_bytes(tr);
+  const double compute = hw.cpu_adam_rate > 0 ? elems / hw.cpu_adam_rate : 0;
+  double step = compute;
+  // ZeRO-Infinity's step on NVMe, as DeepSpeed's partitioned optimizer swapper runs it, per
+  // sub-group: read the fp32 master parameters, both Adam moments and the fp32 gradients; CPU
+  // Adam; write the master parameters and moments back, and the updated parameters to the
+  // parameter swap files that the next forward reads (measured with DeepSpeed 0.19.8:
+  // bench/vs_deepspeed_train.sh, docs/results.md).
+  const double step_read = 4 * elems + states + 4 * elems;
+  const double step_write = 4 * elems + states + params;
   ChannelRates rates;
   Target target = Target::kHost;
+  std::ostringstream note;
   if (infinity) {
-    // The CPU step streams parameters, gradients and states from NVMe and writes back
-    // parameters and states, overlapped with the arithmetic.
-    step = std::max({step, (params + grads + states) / std::max(1.0, hw.ssd_read_total()),
-                     (params + states) / std::max(1.0, hw.ssd_write_total())});
+    const double t_read = step_read / std::max(1.0, hw.ssd_read_total());
+    const double t_write = step_write / std::max(1.0, hw.ssd_write_total());
+    step = opt.zero_overlap_step_io ? std::max({compute, t_read, t_write})
+                                    : compute + t_read + t_write;
     rates[Channel::kSsdWrite] = hw.ssd_write_total();
     rates[Channel::kSsdRead] = hw.ssd_read_total();
     target = Target::kSsd;
+    note << "CPU step " << format_seconds(step) << " (reads " << format_bytes(step_read) << " in "
+         << format_seconds(t_read) << ", Adam " << format_seconds(compute) << ", writes "
+         << format_bytes(step_write) << " in " << format_seconds(t_write)
+         << (opt.zero_overlap_step_io ? ", overlapped" : ", one after the other") << ")";
   } else {
     rates[Channel::kHostWrite] = rates[Channel::kHostRead] = hw.host_link_bw;
+    note << "CPU Adam step " << format_seconds(step);
   }
   PolicyOptions o = opt;
   o.sim.channels = rates;
-  std::ostringstream note;
   auto attempt = [&](const trace::Trace& base) {
     const trace::Trace z = zero_trace(base, step);
     Plan plan = zero_plan(z, hw, target, o);
@@ -341,9 +422,18 @@ PolicyResult run_zero(const trace::Trace& tr, const Hardware& hw, const PolicyOp
       checkpointed = true;
     }
   }
+  if (infinity) {
+    // The step's swaps are SSD traffic of the iteration too (endurance included).
+    sim.ssd_bytes_read += static_cast<std::uint64_t>(step_read);
+    sim.ssd_bytes_written += static_cast<std::uint64_t>(step_write);
+    if (hw.ssd_tbw > 0 && hw.ssd_count > 0) {
+      sim.ssd_lifetime_iterations =
+          hw.ssd_tbw * hw.ssd_count / static_cast<double>(sim.ssd_bytes_written);
+      sim.ssd_lifetime_days = sim.ssd_lifetime_iterations * sim.iteration_seconds / 86400.0;
+    }
+  }
   r.sim = sim;
   r.fits = sim.fits;
-  note << "CPU Adam step " << format_seconds(step);
   if (checkpointed) note << "; with layer-wise activation checkpointing";
   if (!infinity && params + grads + states > static_cast<double>(hw.host_memory)) {
     r.fits = false;

@@ -1008,6 +1008,98 @@ TEST(Policies, RecomputeTraceDropsAndRemakesActivations) {
             trace::analyze_lifetimes(t).summary.peak_live_bytes);
 }
 
+// ZeRO-3's parameter reads start no earlier than its prefetch bucket lets them (DeepSpeed's
+// stage3_prefetch_bucket_size): with a bucket of one element, at the use of the parameter
+// before; with an unbounded one, at the pass's first parameter use or the release, whichever is
+// later; never during the CPU step.
+TEST(Policies, ZeroPrefetchBucketLimitsHowFarAheadParametersAreRead) {
+  Hardware hw = hardware_preset("h100-4ssd");
+  const trace::Trace t = transformer_trace(preset_blocks("llama3.2-1b", 3), 1, 128, hw);
+  PolicyOptions base;
+  // The ops of the ZeRO rewrite keep their indices up to the optimizer step (after backward).
+  std::vector<bool> uses_param(t.ops.size(), false);
+  for (const auto& op : t.ops) {
+    for (TensorId id : op.inputs) {
+      const auto& x = t.tensors[static_cast<std::size_t>(id)];
+      if (x.cls == TensorClass::kParameter && x.bytes >= base.zero_persistence_bytes)
+        uses_param[static_cast<std::size_t>(op.index)] = true;
+    }
+  }
+  const auto first_use = static_cast<OpIndex>(
+      std::find(uses_param.begin(), uses_param.end(), true) - uses_param.begin());
+  auto lookahead_sum = [&](std::uint64_t bucket, bool check_tight, bool check_unbounded) {
+    PolicyOptions o = base;
+    o.zero_prefetch_bucket_elements = bucket;
+    const PolicyResult r = run_policy(Policy::kZeroInfinity, t, hw, o);
+    EXPECT_TRUE(r.fits) << r.note;
+    EXPECT_TRUE(r.plan.has_value());
+    const OpIndex cpu_op = r.plan->num_ops - 1;
+    std::int64_t sum = 0;
+    int prefetches = 0;
+    for (const auto& a : r.plan->actions) {
+      if (a.kind != ActionKind::kPrefetch) continue;
+      ++prefetches;
+      // Never issued before the step ends for a use in the next iteration.
+      if (a.wraps) EXPECT_TRUE(a.trigger == cpu_op || a.trigger < a.deadline) << a.trigger;
+      if (a.wraps && a.trigger == cpu_op) continue;
+      EXPECT_LT(a.trigger, a.deadline);
+      sum += a.deadline - a.trigger;
+      if (check_tight) {
+        // Between the op that starts the read and the use, no other parameter is used.
+        for (OpIndex k = a.trigger + 2; k < a.deadline; ++k)
+          EXPECT_FALSE(uses_param[static_cast<std::size_t>(k)])
+              << "op " << k << " between " << a.trigger << " and " << a.deadline;
+      }
+      if (check_unbounded) EXPECT_GE(a.trigger, first_use - 1);
+    }
+    EXPECT_GT(prefetches, 10);
+    return sum;
+  };
+  const std::int64_t tight = lookahead_sum(1, true, false);
+  const std::int64_t deepspeed_default = lookahead_sum(50'000'000, false, false);
+  const std::int64_t unbounded = lookahead_sum(std::uint64_t{1} << 62, false, true);
+  EXPECT_LT(tight, deepspeed_default);
+  EXPECT_LT(deepspeed_default, unbounded);
+}
+
+// ZeRO-Infinity's optimizer step swaps in the fp32 master parameters, both moments and the fp32
+// gradients, runs CPU Adam, then swaps out the master parameters, the moments and the updated
+// parameters: one after the other by default (DeepSpeed's pipeline_read/pipeline_write off),
+// overlapped on request. The step's swaps count as SSD traffic.
+TEST(Policies, ZeroInfinityStepReadsComputesAndWritesInTurn) {
+  const Hardware hw = hardware_preset("h100-4ssd");
+  const trace::Trace t = transformer_trace(preset_blocks("llama3.2-1b", 3), 1, 128, hw);
+  double params = 0;
+  double grads = 0;
+  double states = 0;
+  for (const auto& x : t.tensors) {
+    if (x.cls == TensorClass::kParameter) params += static_cast<double>(x.bytes);
+    if (x.cls == TensorClass::kGradient) grads += static_cast<double>(x.bytes);
+    if (x.cls == TensorClass::kOptimizerState) states += static_cast<double>(x.bytes);
+  }
+  const double elements = params / 4;
+  const double read = 8 * elements + states;
+  const double write = 4 * elements + states + params;
+  const double t_read = read / (hw.ssd_count * hw.ssd_read_bw);
+  const double t_write = write / (hw.ssd_count * hw.ssd_write_bw);
+  const double adam = elements / hw.cpu_adam_rate;
+  PolicyOptions serial;
+  PolicyOptions overlapped;
+  overlapped.zero_overlap_step_io = true;
+  const PolicyResult s = run_policy(Policy::kZeroInfinity, t, hw, serial);
+  const PolicyResult o = run_policy(Policy::kZeroInfinity, t, hw, overlapped);
+  ASSERT_TRUE(s.fits && o.fits) << s.note << " / " << o.note;
+  EXPECT_NEAR(s.sim.iteration_seconds - o.sim.iteration_seconds,
+              adam + t_read + t_write - std::max({adam, t_read, t_write}),
+              1e-9 * s.sim.iteration_seconds);
+  // In steady state the parameters' releases write nothing (their SSD copy is current): the
+  // writes are the gradients and the step's swap-out.
+  EXPECT_EQ(s.sim.ssd_bytes_written,
+            static_cast<std::uint64_t>(grads) + static_cast<std::uint64_t>(write));
+  EXPECT_GE(s.sim.ssd_bytes_read, static_cast<std::uint64_t>(read));
+  EXPECT_GT(s.sim.ssd_lifetime_days, 0);
+}
+
 // ---- lower bound ---------------------------------------------------------------------------
 
 // tidal's plan for the trace fits and stalls no less than the bound.

@@ -43,6 +43,15 @@ struct PolicyOptions {
   /// ZeRO-3 keeps parameters under this many bytes resident (param persistence threshold,
   /// 1e5 elements in fp32).
   std::uint64_t zero_persistence_bytes = 400000;
+  /// ZeRO-3 fetches parameters ahead of their use only up to this many elements in flight
+  /// (DeepSpeed's stage3_prefetch_bucket_size, default 5e7): a parameter's read starts at the
+  /// use of the parameter before it, or earlier only while the parameters used in between stay
+  /// under the bucket. 0: one block of ops ahead (the model before issue 26).
+  std::uint64_t zero_prefetch_bucket_elements = 50'000'000;
+  /// ZeRO-Infinity's optimizer step on NVMe: false (DeepSpeed's default, pipeline_read and
+  /// pipeline_write off) runs each sub-group's swap-in, CPU Adam and swap-out one after the
+  /// other, so the step takes read + compute + write; true overlaps them (the maximum).
+  bool zero_overlap_step_io = false;
 };
 
 /// One policy's outcome on one trace and hardware.
