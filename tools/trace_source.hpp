@@ -32,6 +32,7 @@ struct TraceSource {
   bool optimizer_in_backward = false;
   bool optimizer_deferred = false;
   int micro_batches = 1;
+  bool layer_major = false;
   int data_parallel = 1;
   int tensor_parallel = 1;
   std::string precision = "fp32";
@@ -127,6 +128,10 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
                   "forward and backward pass, accumulating gradients; one optimizer step after "
                   "the last (gradient accumulation)")
       ->capture_default_str();
+  cmd->add_flag("--layer-major", s.layer_major,
+                "with --model and --micro-batches: every micro-batch through a layer before the "
+                "next layer, in forward and backward (GreedySnake's vertical order: each layer's "
+                "weights read once per pass; every micro-batch's activations alive at once)");
   cmd->add_option("--data-parallel", s.data_parallel,
                   "with --model: data parallelism over this many GPUs; --batch is the global "
                   "batch, split over them, and the gradients are all-reduced on the GPU link "
@@ -189,9 +194,9 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
     TIDAL_EXPECT_AS(InvalidArgument, s.precision == "fp32",
                     "--precision builds an analytic trace (--model); a profiled trace has the "
                     "sizes and times its training loop measured");
-    TIDAL_EXPECT_AS(InvalidArgument, s.micro_batches == 1,
-                    "--micro-batches builds an analytic trace (--model); a profiled trace has the "
-                    "passes its training loop ran");
+    TIDAL_EXPECT_AS(InvalidArgument, s.micro_batches == 1 && !s.layer_major,
+                    "--micro-batches and --layer-major build an analytic trace (--model); a "
+                    "profiled trace has the passes its training loop ran, in its order");
     TIDAL_EXPECT_AS(InvalidArgument, s.data_parallel == 1 && s.tensor_parallel == 1,
                     "--data-parallel and --tensor-parallel build an analytic trace (--model); a "
                     "profiled trace is the GPU it was profiled on");
@@ -223,6 +228,9 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
   plan::AnalyticTraceOptions topt;
   topt.optimizer = optimizer_schedule(s.optimizer_in_backward, s.optimizer_deferred);
   topt.micro_batches = s.micro_batches;
+  TIDAL_EXPECT_AS(InvalidArgument, !s.layer_major || s.micro_batches > 1,
+                  "--layer-major orders micro-batches: give --micro-batches 2 or more");
+  topt.layer_major = s.layer_major;
   topt.data_parallel = s.data_parallel;
   topt.tensor_parallel = s.tensor_parallel;
   topt.precision = plan::precision_from_string(s.precision);

@@ -260,10 +260,14 @@ class TransformerTraceBuilder {
     // batch; the first backward op that writes a gradient makes it, the later ones (in this and
     // the next micro-batches) accumulate into it, and the optimizer step reads it once after the
     // last.
-    for (int mb = 0; mb < M; ++mb) {
-      b_.set_prefix(M > 1 ? "mb" + std::to_string(mb) + "." : "");
-      last_micro_batch_ = mb == M - 1;
-      micro_batch();
+    if (M > 1 && opt_.layer_major) {
+      layer_major();
+    } else {
+      for (int mb = 0; mb < M; ++mb) {
+        b_.set_prefix(M > 1 ? "mb" + std::to_string(mb) + "." : "");
+        last_micro_batch_ = mb == M - 1;
+        micro_batch();
+      }
     }
     b_.set_prefix("");
     b_.optimizer_step();
@@ -399,6 +403,44 @@ class TransformerTraceBuilder {
     TensorId gx = head_forward_backward(x);
     for (int l = cfg_.layers - 1; l >= 0; --l) gx = block_backward(l, gx);
     embedding_backward(gx);
+  }
+
+  // GreedySnake's vertical order: every micro-batch through a layer before the next layer, in
+  // forward and in backward. Each layer's weights are read once per pass for all micro-batches
+  // and its gradients are complete after its last micro-batch's backward; every micro-batch's
+  // saved activations are alive at once between the passes.
+  void layer_major() {
+    const int M = opt_.micro_batches;
+    struct MicroBatch {
+      TensorId tokens = -1, targets = -1, x = -1;
+      std::vector<Saved> saved;
+    };
+    std::vector<MicroBatch> mbs(static_cast<std::size_t>(M));
+    const auto each = [&](const auto& body) {
+      for (int mb = 0; mb < M; ++mb) {
+        MicroBatch& m = mbs[static_cast<std::size_t>(mb)];
+        b_.set_prefix("mb" + std::to_string(mb) + ".");
+        last_micro_batch_ = mb == M - 1;
+        tokens_ = m.tokens;
+        targets_ = m.targets;
+        saved_.swap(m.saved);
+        body(m);
+        saved_.swap(m.saved);
+      }
+    };
+    const auto T = static_cast<std::uint64_t>(tokens());
+    each([&](MicroBatch& m) {
+      m.tokens = tokens_ = b_.tensor(b_.prefix() + "tokens", T * 8, TensorClass::kInput);
+      m.targets = targets_ = b_.tensor(b_.prefix() + "targets", T * 8, TensorClass::kInput);
+      saved_.assign(static_cast<std::size_t>(cfg_.layers), Saved{});
+      m.x = embedding_forward();
+    });
+    for (int l = 0; l < cfg_.layers; ++l) each([&](MicroBatch& m) { m.x = block_forward(l, m.x); });
+    each([&](MicroBatch& m) { m.x = head_forward_backward(m.x); });  // m.x: the gradient now
+    for (int l = cfg_.layers - 1; l >= 0; --l) {
+      each([&](MicroBatch& m) { m.x = block_backward(l, m.x); });
+    }
+    each([&](MicroBatch& m) { embedding_backward(m.x); });
   }
 
   TensorId embedding_forward() {
@@ -725,7 +767,10 @@ trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch,
   t.model = cfg.name;
   t.device = "cuda:0";
   t.batch = batch / options.data_parallel;
-  if (options.micro_batches > 1) t.meta["micro_batches"] = std::to_string(options.micro_batches);
+  if (options.micro_batches > 1) {
+    t.meta["micro_batches"] = std::to_string(options.micro_batches);
+    t.meta["micro_batch_order"] = options.layer_major ? "layer-major" : "sequential";
+  }
   if (options.data_parallel > 1) t.meta["data_parallel"] = std::to_string(options.data_parallel);
   if (options.tensor_parallel > 1)
     t.meta["tensor_parallel"] = std::to_string(options.tensor_parallel);

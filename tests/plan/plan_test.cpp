@@ -808,6 +808,113 @@ TEST(ModelTrace, MicroBatchesAccumulateGradientsUntilOneStep) {
   EXPECT_THROW(transformer_trace(three_blocks("gpt2-small"), 4, 128, hw, bad), InvalidArgument);
 }
 
+// GreedySnake's vertical order: the same ops (each one's inputs, outputs and time) in another
+// order; every micro-batch through a layer before the next layer; each weight read by one run
+// of consecutive ops per pass in forward; the in-backward updates of a layer right after its last
+// micro-batch's backward.
+TEST(ModelTrace, LayerMajorRunsEveryMicroBatchThroughALayerBeforeTheNext) {
+  const Hardware hw = hardware_preset("h100-4ssd");
+  for (const char* name : {"gpt2-small", "llama3.2-1b"}) {
+    const TransformerConfig cfg = three_blocks(name);
+    constexpr int kM = 4;
+    for (int schedule = 0; schedule < 3; ++schedule) {
+      AnalyticTraceOptions opt;
+      opt.micro_batches = kM;
+      opt.optimizer = static_cast<OptimizerSchedule>(schedule);
+      const trace::Trace seq = transformer_trace(cfg, 2 * kM, 128, hw, opt);
+      opt.layer_major = true;
+      const trace::Trace t = transformer_trace(cfg, 2 * kM, 128, hw, opt);
+      ASSERT_NO_THROW(trace::validate(t));
+      EXPECT_EQ(t.meta.at("micro_batch_order"), "layer-major");
+      EXPECT_EQ(seq.meta.at("micro_batch_order"), "sequential");
+      // The same ops, by name, with the same tensors (by name) and times.
+      ASSERT_EQ(t.ops.size(), seq.ops.size());
+      std::map<std::string, const trace::Op*> by_name;
+      for (const auto& op : seq.ops) by_name[op.name] = &op;
+      const auto names = [](const trace::Trace& tr, const std::vector<TensorId>& ids) {
+        std::vector<std::string> out;
+        for (TensorId i : ids) out.push_back(tr.tensors[static_cast<std::size_t>(i)].name);
+        std::sort(out.begin(), out.end());
+        return out;
+      };
+      for (const auto& op : t.ops) {
+        ASSERT_EQ(by_name.count(op.name), 1U) << op.name;
+        const trace::Op& o = *by_name[op.name];
+        EXPECT_EQ(names(t, op.inputs), names(seq, o.inputs)) << op.name;
+        EXPECT_EQ(names(t, op.outputs), names(seq, o.outputs)) << op.name;
+        EXPECT_NEAR(op.duration(), o.duration(), 1e-12) << op.name;
+      }
+      EXPECT_NEAR(t.compute_seconds(), seq.compute_seconds(), 1e-9);
+      // Forward: block l of every micro-batch before block l + 1 of any; micro-batches in order
+      // within a block. Backward: the same, from the last block down.
+      int last_layer = -1;
+      int last_mb = -1;
+      bool backward = false;
+      for (const auto& op : t.ops) {
+        const int mb = micro_batch_of(op);
+        if (mb < 0 || op.layer < 0) continue;
+        if (op.phase == Phase::kBackward && !backward) {
+          backward = true;
+          last_layer = cfg.layers;
+          last_mb = -1;
+        }
+        if (op.layer != last_layer) {
+          EXPECT_EQ(op.layer, backward ? last_layer - 1 : last_layer + 1) << op.name;
+          EXPECT_EQ(mb, 0) << op.name;
+          last_layer = op.layer;
+        } else {
+          EXPECT_GE(mb, last_mb) << op.name;
+        }
+        last_mb = mb;
+      }
+      EXPECT_TRUE(backward);
+      EXPECT_EQ(last_layer, 0);
+      // Each block's weights are read by forward ops of that block only, all of them between
+      // the block's first and last forward op: one run per pass, not one per micro-batch.
+      const auto la = trace::analyze_lifetimes(t);
+      for (const auto& w : t.tensors) {
+        if (w.cls != TensorClass::kParameter || w.name.rfind("layers.", 0) != 0) continue;
+        OpIndex first = trace::kNoOp, last = trace::kNoOp;
+        for (OpIndex u : la.tensors[static_cast<std::size_t>(w.id)].uses) {
+          if (t.ops[static_cast<std::size_t>(u)].phase != Phase::kForward) continue;
+          if (first == trace::kNoOp) first = u;
+          last = u;
+        }
+        ASSERT_NE(first, trace::kNoOp) << w.name;
+        for (OpIndex u = first; u <= last; ++u) {
+          const trace::Op& op = t.ops[static_cast<std::size_t>(u)];
+          if (op.phase == Phase::kOptimizer) continue;  // deferred updates of the same block
+          EXPECT_EQ(op.layer, t.ops[static_cast<std::size_t>(first)].layer)
+              << w.name << " at " << op.name;
+        }
+      }
+      // The price: every micro-batch's saved activations are alive at once, from its forward to
+      // its backward: the first block's input of each micro-batch lives until the end.
+      for (int mb = 0; mb < kM; ++mb) {
+        const std::string x = "mb" + std::to_string(mb) + ".embedding.out";
+        const auto it = std::find_if(t.tensors.begin(), t.tensors.end(),
+                                     [&](const trace::Tensor& v) { return v.name == x; });
+        ASSERT_NE(it, t.tensors.end()) << x;
+        const auto& uses = la.tensors[static_cast<std::size_t>(it->id)].uses;
+        EXPECT_EQ(t.ops[static_cast<std::size_t>(uses.back())].layer, 0) << x;
+        EXPECT_EQ(t.ops[static_cast<std::size_t>(uses.back())].phase, Phase::kBackward) << x;
+        EXPECT_LT(uses.front(), static_cast<OpIndex>(t.ops.size() / 4)) << x;
+      }
+      if (schedule == 1) {
+        // In-backward: a block's updates come before any op of the block below it.
+        for (std::size_t i = 0; i < t.ops.size(); ++i) {
+          const auto& op = t.ops[i];
+          if (op.phase != Phase::kOptimizer || op.layer < 1) continue;
+          for (std::size_t j = 0; j < i; ++j) {
+            EXPECT_FALSE(t.ops[j].layer == op.layer - 1 && t.ops[j].phase == Phase::kBackward)
+                << op.name << " after " << t.ops[j].name;
+          }
+        }
+      }
+    }
+  }
+}
+
 bool is_all_reduce(const trace::Op& op) {
   return op.name.size() > 11 && op.name.compare(op.name.size() - 11, 11, ".all_reduce") == 0;
 }

@@ -89,6 +89,15 @@ struct AnalyticTraceOptions {
   /// updates it before its first use in the next iteration's first micro-batch. The batch must be
   /// divisible by it.
   int micro_batches = 1;
+  /// With micro_batches > 1: GreedySnake's vertical ("layer-major") order, every micro-batch
+  /// through a layer before the next layer, in forward and in backward (the embedding, the head
+  /// and loss likewise), instead of one micro-batch's forward and backward after the other.
+  /// Each layer's weights are then read once per pass rather than once per micro-batch, and its
+  /// gradients are complete, and its in-backward AdamW ops can run, as soon as its last
+  /// micro-batch's backward has run; in exchange every micro-batch's saved activations are
+  /// alive between forward and backward. The same ops and flops in another order;
+  /// Trace::meta["micro_batch_order"] says which.
+  bool layer_major = false;
   /// Bytes per element of each tensor class, and the matmul rate: Hardware::gpu_flops for fp32,
   /// Hardware::gpu_flops_bf16 (when set) for the bf16 ones. The bf16 copies of the fp32 weights
   /// that autocast makes in bf16-mixed are not modelled.
