@@ -1386,10 +1386,7 @@ TEST(PlannerFuzz, HostMemoryByDensityIsKeptOnlyWhereFaster) {
         EXPECT_TRUE(sb.fits) << "seed " << seed;
         const double slack = 1e-9 * sa.iteration_seconds;
         EXPECT_LE(sb.iteration_seconds, sa.iteration_seconds + slack) << "seed " << seed;
-        if (sb.iteration_seconds < sa.iteration_seconds - slack) {
-          ++faster;
-          EXPECT_GT(b->summary.bytes_to_host, 0u) << "seed " << seed;
-        }
+        if (sb.iteration_seconds < sa.iteration_seconds - slack) ++faster;
       });
   expect_count_above("compared", compared, 100);
   expect_count_above("faster", faster, 0);
