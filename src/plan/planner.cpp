@@ -1172,12 +1172,15 @@ Plan make_plan_with(const trace::Trace& trace, const Hardware& hw, const Planner
   // A third way where host memory is short: the SSDs only for the periods over the ops where
   // host memory cannot hold what must leave (HostChoice::kSsdWhereNeeded). The fastest plan
   // that fits is kept.
-  Plan plans[3] = {std::move(by_score),
-                   Planner(trace, hw, options, internals, HostChoice::kDensest).run(),
-                   Planner(trace, hw, options, internals, HostChoice::kSsdWhereNeeded).run()};
+  std::vector<Plan> plans;
+  plans.push_back(std::move(by_score));
+  plans.push_back(Planner(trace, hw, options, internals, HostChoice::kDensest).run());
+  if (internals.ssd_where_needed) {
+    plans.push_back(Planner(trace, hw, options, internals, HostChoice::kSsdWhereNeeded).run());
+  }
   std::size_t best = 0;
   SimResult best_sim = simulate(trace, &plans[0], hw);
-  for (std::size_t i = 1; i < 3; ++i) {
+  for (std::size_t i = 1; i < plans.size(); ++i) {
     const SimResult r = simulate(trace, &plans[i], hw);
     if (r.fits && (!best_sim.fits || r.iteration_seconds < best_sim.iteration_seconds)) {
       best = i;

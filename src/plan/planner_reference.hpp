@@ -26,10 +26,14 @@ struct PlannerInternals {
   /// rounding. On Llama3-70B with 400 blocks the exact one re-scored each candidate about 90
   /// times (2.8 million re-scores, 2 s); with 1e-3, 0.5 million.
   double greedy_tolerance = 1e-3;
+  /// Where make_plan plans a second time (host memory short, SSDs scarce, a stall), it also
+  /// plans a third time with the SSDs only where host memory cannot hold what must leave.
+  bool ssd_where_needed = true;
 };
 
-/// The planner before issue 27: nominal moves, a scan of every candidate, the exact greedy.
-inline PlannerInternals reference_internals() { return {false, false, 1e-12}; }
+/// The planner before issue 27: nominal moves, a scan of every candidate, the exact greedy, two
+/// ways where host memory is short.
+inline PlannerInternals reference_internals() { return {false, false, 1e-12, false}; }
 
 /// make_plan() with the given internals.
 Plan make_plan_with(const trace::Trace& trace, const Hardware& hw, const PlannerOptions& options,
