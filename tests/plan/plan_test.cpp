@@ -1075,6 +1075,72 @@ TEST(StallBound, WriteAndReadWindows) {
   expect_plan_respects(t, hw, b);
 }
 
+TEST(StallBound, ReadsOfTheWholeIterationChainTheWindows) {
+  // Three persistent tensors of 100 B used in turn every fourth op, A B C A B C over 24 ops, with
+  // 100 B of device memory and 10 B/s: an op's own tensor fills the memory, so none stays
+  // between its uses. Inside the iteration A is read once (for op 12), B and C twice (before
+  // their first use, the iteration starting with at most A in memory, and between their uses):
+  // 500 B, 50 s against 24 s of compute, 26 s of stall. The windows alone credit each window
+  // with a full memory at its start: ops 0-8 and 12-20 read 200 B each in 9 s, 22 s.
+  const trace::Trace t =
+      hand_trace(24, {{100, true, {0, 12}}, {100, true, {4, 16}}, {100, true, {8, 20}}});
+  const Hardware hw = simple_hw(100, 10);
+  EXPECT_NEAR(detail::stall_lower_bound_by_windows(t, hw).stall_seconds, 22.0, 1e-9);
+  const StallBound b = stall_lower_bound(t, hw);
+  EXPECT_NEAR(b.stall_seconds, 26.0, 1e-9);
+  ASSERT_EQ(b.windows.size(), 1u);
+  EXPECT_EQ(b.windows[0].first, 0);
+  EXPECT_EQ(b.windows[0].last, 23);
+  EXPECT_NEAR(b.windows[0].read_bytes, 500.0, 1e-9);
+  expect_plan_respects(t, hw, b);
+}
+
+// The packing of the read term against every integer choice on small random instances (with
+// whole-number data the interval packing has a whole-number optimum, its matrix having
+// consecutive ones: the greedy by last op must find it).
+TEST(StallBound, PackingMatchesBruteForce) {
+  std::mt19937_64 rng(8);
+  int nonzero = 0;
+  for (int round = 0; round < 300; ++round) {
+    const int n = 1 + static_cast<int>(rng() % 7);
+    const int m = 1 + static_cast<int>(rng() % 5);
+    std::vector<detail::KeptInterval> iv;
+    for (int i = 0; i < m; ++i) {
+      int l = static_cast<int>(rng() % static_cast<unsigned>(n));
+      int r = static_cast<int>(rng() % static_cast<unsigned>(n));
+      if (l > r) std::swap(l, r);
+      iv.push_back({l, r, 1 + static_cast<std::int64_t>(rng() % 3)});
+    }
+    std::vector<std::int64_t> cap(static_cast<std::size_t>(n));
+    for (auto& c : cap) c = static_cast<std::int64_t>(rng() % 5) - 1;  // sometimes below zero
+    // Every y with 0 <= y_i <= bytes_i, odometer style.
+    std::vector<std::int64_t> y(iv.size(), 0);
+    std::int64_t best = 0;
+    for (;;) {
+      bool ok = true;
+      for (int k = 0; k < n && ok; ++k) {
+        std::int64_t used = 0;
+        for (std::size_t i = 0; i < iv.size(); ++i) {
+          if (iv[i].l <= k && k <= iv[i].r) used += y[i];
+        }
+        ok = used <= std::max<std::int64_t>(0, cap[static_cast<std::size_t>(k)]);
+      }
+      if (ok) {
+        std::int64_t sum = 0;
+        for (std::int64_t v : y) sum += v;
+        best = std::max(best, sum);
+      }
+      std::size_t i = 0;
+      while (i < y.size() && y[i] == iv[i].bytes) y[i++] = 0;
+      if (i == y.size()) break;
+      ++y[i];
+    }
+    ASSERT_EQ(detail::max_kept_bytes(iv, cap), best) << "round " << round;
+    if (best > 0) ++nonzero;
+  }
+  EXPECT_GT(nonzero, 100);
+}
+
 // ---- fuzzing -------------------------------------------------------------------------------
 
 // One random case of the fuzz tests: a trace of `seed`'s shape, device memory 30-110% of its
@@ -1281,6 +1347,7 @@ TEST(PlannerFuzz, PruningNeverWritesMoreAndKeepsTheInvariants) {
 TEST(PlannerFuzz, NoPlanThatFitsBeatsTheStallBound) {
   int checked = 0;
   int positive = 0;
+  int by_reads = 0;
   const auto link = [](std::uint64_t seed) {
     return seed % 4 < 2 ? FuzzLink::kPerSsd : FuzzLink::kPerArray;
   };
@@ -1305,6 +1372,10 @@ TEST(PlannerFuzz, NoPlanThatFitsBeatsTheStallBound) {
     }
     EXPECT_NEAR(sum, b.stall_seconds, slack) << "seed " << seed;
     if (b.stall_seconds > 0) ++positive;
+    // The whole iteration's read term is never below the windows', and is the bound in some.
+    const double windows = detail::stall_lower_bound_by_windows(t, hw).stall_seconds;
+    EXPECT_GE(b.stall_seconds, windows - slack) << "seed " << seed;
+    if (b.stall_seconds > windows + slack) ++by_reads;
 
     std::vector<Plan> plans;
     for (bool prune : {true, false}) {
@@ -1325,6 +1396,7 @@ TEST(PlannerFuzz, NoPlanThatFitsBeatsTheStallBound) {
   });
   expect_count_above("checked", checked, 300);
   expect_count_above("positive", positive, 40);
+  expect_count_above("by_reads", by_reads, 20);
 }
 
 // The same on the deferred schedule's random traces, whose gradients live across the iteration
@@ -1350,7 +1422,7 @@ TEST(StallBoundFuzz, TheSweepMatchesOnTensorsWithAGap) {
         hw.host_link_bw = 2.5e9;
         hw.host_memory = peak / 3;
       }
-      const StallBound fast = stall_lower_bound(t, hw);
+      const StallBound fast = detail::stall_lower_bound_by_windows(t, hw);
       const StallBound ref = detail::stall_lower_bound_by_window_growth(t, hw);
       EXPECT_NEAR(fast.stall_seconds, ref.stall_seconds,
                   1e-9 * (t.compute_seconds() + ref.stall_seconds) + 1e-12)
@@ -1526,7 +1598,7 @@ TEST(StallBoundFuzz, TheSweepFindsWhatGrowingEveryWindowFinds) {
     return seed % 4 < 2 ? FuzzLink::kPerSsd : FuzzLink::kPerArray;
   };
   for_each_fuzz_case(5, link, true, [&](std::uint64_t seed, const FuzzCase& fc) {
-    const StallBound fast = stall_lower_bound(fc.trace, fc.hw);
+    const StallBound fast = detail::stall_lower_bound_by_windows(fc.trace, fc.hw);
     const StallBound ref = detail::stall_lower_bound_by_window_growth(fc.trace, fc.hw);
     const double slack = 1e-9 * (fc.trace.compute_seconds() + ref.stall_seconds) + 1e-12;
     EXPECT_NEAR(fast.stall_seconds, ref.stall_seconds, slack) << "seed " << seed;
