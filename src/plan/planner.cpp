@@ -763,6 +763,8 @@ class Planner {
       if (k < 0) k = first_over(0, n_ - 1);
       if (k < 0) break;
       for (int pass = 0; pass < 2 && is_over(k); ++pass) relieve(plan, k, pass == 1);
+      // Last resort where only some periods may take the SSDs (HostChoice::kSsdWhereNeeded):
+      // any of them (elsewhere the SSDs were open to all and this finds nothing new).
       if (is_over(k)) {
         any_ssd_ = true;
         relieve(plan, k, false);
