@@ -8,6 +8,7 @@
 
 #include "plan/bound_reference.hpp"
 #include "plan/int_index.hpp"
+#include "plan/segment_trees.hpp"
 #include "tidal/trace/lifetime.hpp"
 
 namespace tidal::plan {
@@ -51,6 +52,93 @@ Lifespans lifespans(const trace::Trace& trace, const trace::LifetimeAnalysis& la
     if (!trace.tensors[t].persistent) {
       at(out.dies_at, out.last_use[t]).push_back(static_cast<TensorId>(t));
     }
+  }
+  return out;
+}
+
+// The reads no plan avoids within one iteration (docs/simulator.md, "Lower bound", the
+// packing term). Between two uses a and b of a tensor (and, for a tensor that exists when the
+// iteration starts, between the start and its first use), either the tensor is in device
+// memory at every op in between, or at one of them it is not, and then all of its bytes are
+// read before b, inside the iteration. At op k the tensors kept that way and the ones op k uses
+// share the device memory C. Keeping the most bytes is an interval packing with capacity
+// C - active(k) at op k; its fractional optimum (the greedy below) bounds every plan's, so the
+// bytes read are at least the intervals' bytes less it. For the SSD reads the same with C + H
+// per op: a tensor read from host memory was in host memory at the op where it was not in
+// device memory.
+struct ReadFloor {
+  double all = 0;  // bytes read from the SSDs and host memory together, at least
+  double ssd = 0;  // bytes read from the SSDs, at least
+};
+
+bool by_last_op(const detail::KeptInterval& x, const detail::KeptInterval& y) {
+  return x.r != y.r ? x.r < y.r : x.l > y.l;
+}
+
+// The intervals between consecutive uses of each tensor (ops strictly between), and from the
+// iteration's start to the first use of a tensor that exists then; only where the tensor exists
+// throughout.
+std::vector<detail::KeptInterval> use_intervals(const trace::Trace& trace,
+                                                const trace::LifetimeAnalysis& la) {
+  std::vector<detail::KeptInterval> out;
+  for (std::size_t t = 0; t < trace.tensors.size(); ++t) {
+    const trace::Tensor& ten = trace.tensors[t];
+    const auto& uses = la.tensors[t].uses;
+    const auto bytes = static_cast<std::int64_t>(ten.bytes);
+    if (uses.empty() || bytes == 0) continue;
+    // Whether the tensor exists at every op of [l, r].
+    const auto exists = [&](OpIndex l, OpIndex r) {
+      return !ten.has_gap() || std::max(l, ten.freed_after + 1) > std::min(r, ten.producer - 1);
+    };
+    if (ten.persistent && uses.front() > 0 && exists(0, uses.front() - 1)) {
+      out.push_back({0, uses.front() - 1, bytes});
+    }
+    for (std::size_t i = 1; i < uses.size(); ++i) {
+      const OpIndex l = uses[i - 1] + 1;
+      const OpIndex r = uses[i] - 1;
+      if (l <= r && exists(l, r)) out.push_back({l, r, bytes});
+    }
+  }
+  std::sort(out.begin(), out.end(), by_last_op);
+  return out;
+}
+
+// The most bytes of `intervals` (sorted by last op) that can stay, an interval taking any share
+// of its bytes, when op k holds at most cap[k]: by last op, each takes what every op it spans
+// still has. Exchange argument (docs/simulator.md): some optimum agrees with the greedy on the
+// interval that ends first, so the greedy is optimal.
+std::int64_t pack(const std::vector<detail::KeptInterval>& intervals,
+                  const std::vector<std::int64_t>& cap) {
+  // The tree holds minus the room left per op, so that its max is minus the least room.
+  std::vector<std::int64_t> neg(cap.size());
+  for (std::size_t k = 0; k < cap.size(); ++k) neg[k] = -std::max<std::int64_t>(0, cap[k]);
+  detail::RangeTree room(neg);
+  std::int64_t kept = 0;
+  for (const detail::KeptInterval& u : intervals) {
+    const std::int64_t take = std::min(u.bytes, -room.max(u.l, u.r));
+    if (take <= 0) continue;
+    room.add(u.l, u.r, take);
+    kept += take;
+  }
+  return kept;
+}
+
+ReadFloor read_floor(const trace::Trace& trace, const trace::LifetimeAnalysis& la,
+                     std::uint64_t device, std::uint64_t host) {
+  ReadFloor out;
+  const std::vector<detail::KeptInterval> intervals = use_intervals(trace, la);
+  std::int64_t total = 0;
+  for (const detail::KeptInterval& u : intervals) total += u.bytes;
+  std::vector<std::int64_t> cap(la.active_bytes.size());
+  for (std::size_t k = 0; k < cap.size(); ++k) {
+    cap[k] = static_cast<std::int64_t>(device) - static_cast<std::int64_t>(la.active_bytes[k]);
+  }
+  out.all = static_cast<double>(total - pack(intervals, cap));
+  if (host > 0) {
+    for (auto& c : cap) c += static_cast<std::int64_t>(host);
+    out.ssd = static_cast<double>(total - pack(intervals, cap));
+  } else {
+    out.ssd = out.all;
   }
   return out;
 }
@@ -438,16 +526,45 @@ class WindowSweep {
 
 StallBound stall_lower_bound(const trace::Trace& trace, const Hardware& hw,
                              const std::function<void(double)>& progress) {
-  WindowSweep sweep(trace, hw);
-  StallBound b = sweep.applies() ? sweep.run(progress) : WindowSearch(trace, hw).run(progress);
+  StallBound b = detail::stall_lower_bound_by_windows(trace, hw, progress);
+  // The whole iteration as one window, with the reads no plan avoids (the packing term): where
+  // it is longer than the windows' sum, it is the bound.
+  const auto n = static_cast<OpIndex>(trace.ops.size());
+  if (n > 0) {
+    const ChannelRates ch = hw.channels();
+    const bool host = hw.host_memory > 0 && ch[Channel::kHostRead] > 0;
+    const ReadFloor f = read_floor(trace, trace::analyze_lifetimes(trace), hw.device_memory,
+                                   host ? hw.host_memory : 0);
+    const double ssd_rate = ch[Channel::kSsdRead];
+    const double rate = ssd_rate + (host ? ch[Channel::kHostRead] : 0.0);
+    const double compute = trace.compute_seconds();
+    const double need = std::max(transfer_seconds(f.all, rate), transfer_seconds(f.ssd, ssd_rate));
+    if (need - compute > b.stall_seconds) {
+      b.stall_seconds = need - compute;
+      b.iteration_seconds = compute + b.stall_seconds;
+      b.windows = {StallWindow{0, n - 1, compute, f.all, 0.0, b.stall_seconds}};
+    }
+  }
   if (progress) progress(1.0);
   return b;
 }
 
 namespace detail {
 
+StallBound stall_lower_bound_by_windows(const trace::Trace& trace, const Hardware& hw,
+                                        const std::function<void(double)>& progress) {
+  WindowSweep sweep(trace, hw);
+  return sweep.applies() ? sweep.run(progress) : WindowSearch(trace, hw).run(progress);
+}
+
 StallBound stall_lower_bound_by_window_growth(const trace::Trace& trace, const Hardware& hw) {
   return WindowSearch(trace, hw).run({});
+}
+
+std::int64_t max_kept_bytes(std::vector<KeptInterval> intervals,
+                            const std::vector<std::int64_t>& cap) {
+  std::sort(intervals.begin(), intervals.end(), by_last_op);
+  return pack(intervals, cap);
 }
 
 }  // namespace detail

@@ -264,4 +264,55 @@ class Fenwick {
   std::vector<double> t_;
 };
 
+/// Intervals of ops, each under an id and a version, with stabbing queries: the ids of the
+/// intervals that contain an op. An id's intervals are replaced by inserting new ones under a
+/// newer version; the old ones are dropped lazily, when a query meets them. Each interval is
+/// kept at the O(log n) nodes that cover it, so a query costs O(log n + the entries it meets),
+/// and each stale entry is met at most once. The least-stall fallback asks, per op over the
+/// target, for the migrations whose tensor is still in device memory there; a scan of every
+/// candidate made it quadratic in the ops.
+class IntervalStab {
+ public:
+  explicit IntervalStab(int n) : n_(n) {
+    while (leaves_ < n_) leaves_ <<= 1;
+    node_.resize(2 * static_cast<std::size_t>(leaves_));
+  }
+
+  /// Adds [l, r] (nothing when l > r) under id and version.
+  void insert(int l, int r, int id, std::uint32_t version) {
+    const Entry e{id, version};
+    for (int a = l + leaves_, b = r + leaves_ + 1; a < b; a >>= 1, b >>= 1) {
+      if ((a & 1) != 0) at(node_, a++).push_back(e);
+      if ((b & 1) != 0) at(node_, --b).push_back(e);
+    }
+  }
+
+  /// Calls fn(id) for each interval containing op k whose version is current(id); drops the
+  /// others. The order is the nodes' (leaf up), each node's in insertion order but for drops.
+  template <class Current, class Fn>
+  void stab(int k, Current current, Fn fn) {
+    for (int x = k + leaves_; x >= 1; x >>= 1) {
+      auto& v = at(node_, x);
+      for (std::size_t i = 0; i < v.size();) {
+        if (v[i].version != current(v[i].id)) {
+          v[i] = v.back();
+          v.pop_back();
+          continue;
+        }
+        fn(v[i].id);
+        ++i;
+      }
+    }
+  }
+
+ private:
+  struct Entry {
+    int id;
+    std::uint32_t version;
+  };
+  int n_;
+  int leaves_ = 1;
+  std::vector<std::vector<Entry>> node_;
+};
+
 }  // namespace tidal::plan::detail

@@ -4,12 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <optional>
 #include <random>
 #include <string>
 
 #include "plan/bound_reference.hpp"
+#include "plan/planner_reference.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/plan/bound.hpp"
@@ -1272,6 +1274,72 @@ TEST(StallBound, WriteAndReadWindows) {
   expect_plan_respects(t, hw, b);
 }
 
+TEST(StallBound, ReadsOfTheWholeIterationChainTheWindows) {
+  // Three persistent tensors of 100 B used in turn every fourth op, A B C A B C over 24 ops, with
+  // 100 B of device memory and 10 B/s: an op's own tensor fills the memory, so none stays
+  // between its uses. Inside the iteration A is read once (for op 12), B and C twice (before
+  // their first use, the iteration starting with at most A in memory, and between their uses):
+  // 500 B, 50 s against 24 s of compute, 26 s of stall. The windows alone credit each window
+  // with a full memory at its start: ops 0-8 and 12-20 read 200 B each in 9 s, 22 s.
+  const trace::Trace t =
+      hand_trace(24, {{100, true, {0, 12}}, {100, true, {4, 16}}, {100, true, {8, 20}}});
+  const Hardware hw = simple_hw(100, 10);
+  EXPECT_NEAR(detail::stall_lower_bound_by_windows(t, hw).stall_seconds, 22.0, 1e-9);
+  const StallBound b = stall_lower_bound(t, hw);
+  EXPECT_NEAR(b.stall_seconds, 26.0, 1e-9);
+  ASSERT_EQ(b.windows.size(), 1u);
+  EXPECT_EQ(b.windows[0].first, 0);
+  EXPECT_EQ(b.windows[0].last, 23);
+  EXPECT_NEAR(b.windows[0].read_bytes, 500.0, 1e-9);
+  expect_plan_respects(t, hw, b);
+}
+
+// The packing of the read term against every integer choice on small random instances (with
+// whole-number data the interval packing has a whole-number optimum, its matrix having
+// consecutive ones: the greedy by last op must find it).
+TEST(StallBound, PackingMatchesBruteForce) {
+  std::mt19937_64 rng(8);
+  int nonzero = 0;
+  for (int round = 0; round < 300; ++round) {
+    const int n = 1 + static_cast<int>(rng() % 7);
+    const int m = 1 + static_cast<int>(rng() % 5);
+    std::vector<detail::KeptInterval> iv;
+    for (int i = 0; i < m; ++i) {
+      int l = static_cast<int>(rng() % static_cast<unsigned>(n));
+      int r = static_cast<int>(rng() % static_cast<unsigned>(n));
+      if (l > r) std::swap(l, r);
+      iv.push_back({l, r, 1 + static_cast<std::int64_t>(rng() % 3)});
+    }
+    std::vector<std::int64_t> cap(static_cast<std::size_t>(n));
+    for (auto& c : cap) c = static_cast<std::int64_t>(rng() % 5) - 1;  // sometimes below zero
+    // Every y with 0 <= y_i <= bytes_i, odometer style.
+    std::vector<std::int64_t> y(iv.size(), 0);
+    std::int64_t best = 0;
+    for (;;) {
+      bool ok = true;
+      for (int k = 0; k < n && ok; ++k) {
+        std::int64_t used = 0;
+        for (std::size_t i = 0; i < iv.size(); ++i) {
+          if (iv[i].l <= k && k <= iv[i].r) used += y[i];
+        }
+        ok = used <= std::max<std::int64_t>(0, cap[static_cast<std::size_t>(k)]);
+      }
+      if (ok) {
+        std::int64_t sum = 0;
+        for (std::int64_t v : y) sum += v;
+        best = std::max(best, sum);
+      }
+      std::size_t i = 0;
+      while (i < y.size() && y[i] == iv[i].bytes) y[i++] = 0;
+      if (i == y.size()) break;
+      ++y[i];
+    }
+    ASSERT_EQ(detail::max_kept_bytes(iv, cap), best) << "round " << round;
+    if (best > 0) ++nonzero;
+  }
+  EXPECT_GT(nonzero, 100);
+}
+
 // ---- fuzzing -------------------------------------------------------------------------------
 
 // One random case of the fuzz tests: a trace of `seed`'s shape, device memory 30-110% of its
@@ -1478,6 +1546,7 @@ TEST(PlannerFuzz, PruningNeverWritesMoreAndKeepsTheInvariants) {
 TEST(PlannerFuzz, NoPlanThatFitsBeatsTheStallBound) {
   int checked = 0;
   int positive = 0;
+  int by_reads = 0;
   const auto link = [](std::uint64_t seed) {
     return seed % 4 < 2 ? FuzzLink::kPerSsd : FuzzLink::kPerArray;
   };
@@ -1502,6 +1571,10 @@ TEST(PlannerFuzz, NoPlanThatFitsBeatsTheStallBound) {
     }
     EXPECT_NEAR(sum, b.stall_seconds, slack) << "seed " << seed;
     if (b.stall_seconds > 0) ++positive;
+    // The whole iteration's read term is never below the windows', and is the bound in some.
+    const double windows = detail::stall_lower_bound_by_windows(t, hw).stall_seconds;
+    EXPECT_GE(b.stall_seconds, windows - slack) << "seed " << seed;
+    if (b.stall_seconds > windows + slack) ++by_reads;
 
     std::vector<Plan> plans;
     for (bool prune : {true, false}) {
@@ -1522,6 +1595,7 @@ TEST(PlannerFuzz, NoPlanThatFitsBeatsTheStallBound) {
   });
   expect_count_above("checked", checked, 300);
   expect_count_above("positive", positive, 40);
+  expect_count_above("by_reads", by_reads, 20);
 }
 
 // The same on the deferred schedule's random traces, whose gradients live across the iteration
@@ -1547,7 +1621,7 @@ TEST(StallBoundFuzz, TheSweepMatchesOnTensorsWithAGap) {
         hw.host_link_bw = 2.5e9;
         hw.host_memory = peak / 3;
       }
-      const StallBound fast = stall_lower_bound(t, hw);
+      const StallBound fast = detail::stall_lower_bound_by_windows(t, hw);
       const StallBound ref = detail::stall_lower_bound_by_window_growth(t, hw);
       EXPECT_NEAR(fast.stall_seconds, ref.stall_seconds,
                   1e-9 * (t.compute_seconds() + ref.stall_seconds) + 1e-12)
@@ -1557,6 +1631,97 @@ TEST(StallBoundFuzz, TheSweepMatchesOnTensorsWithAGap) {
   }
   expect_count_above("with_gap", with_gap, 40);
   expect_count_above("positive", positive, 40);
+}
+
+// The plan of detail::make_plan_with, or nothing where none fits.
+std::optional<Plan> try_plan_with(const trace::Trace& t, const Hardware& hw,
+                                  const detail::PlannerInternals& in) {
+  try {
+    return detail::make_plan_with(t, hw, PlannerOptions{}, in);
+  } catch (const InvalidArgument&) {
+    return std::nullopt;
+  }
+}
+
+// The least-stall fallback's index of the candidates at an op changes its time, not its plan:
+// on random traces and machines the plan is the one a scan of every candidate makes, action for
+// action and stall for stall, with booked spans and without.
+TEST(PlannerFuzz, TheFallbacksIndexMakesTheScansPlan) {
+  int compared = 0;
+  int stalled = 0;
+  for_each_fuzz_case(
+      31, always(FuzzLink::kPerSsd), true, [&](std::uint64_t seed, const FuzzCase& fc) {
+        for (bool booked : {true, false}) {
+          detail::PlannerInternals in;
+          in.booked_spans = booked;
+          detail::PlannerInternals scan = in;
+          scan.index_candidates = false;
+          const std::optional<Plan> a = try_plan_with(fc.trace, fc.hw, in);
+          const std::optional<Plan> b = try_plan_with(fc.trace, fc.hw, scan);
+          ASSERT_EQ(a.has_value(), b.has_value()) << "seed " << seed;
+          if (!a) continue;
+          ++compared;
+          if (!a->stalls.empty()) ++stalled;
+          ASSERT_EQ(a->actions.size(), b->actions.size()) << "seed " << seed;
+          for (std::size_t i = 0; i < a->actions.size(); ++i) {
+            const PlanAction& x = a->actions[i];
+            const PlanAction& y = b->actions[i];
+            EXPECT_TRUE(x.tensor == y.tensor && x.kind == y.kind && x.trigger == y.trigger &&
+                        x.deadline == y.deadline && x.target == y.target)
+                << "seed " << seed << " action " << i;
+          }
+          EXPECT_EQ(a->stalls, b->stalls) << "seed " << seed;
+        }
+      });
+  expect_count_above("compared", compared, 300);
+  expect_count_above("stalled", stalled, 40);
+}
+
+// The planner against the one before issue 27 (nominal moves in the fallback, a scan of every
+// candidate, the exact lazy greedy) on random traces and machines: it fits wherever that one
+// fits, its planned stall still bounds its simulated stall, and over all cases its simulated
+// iterations add up to within 1% of the reference's (each case may go either way: the spans
+// that end at their booked buckets free other ops, and the fallback then moves others).
+TEST(PlannerFuzz, BookedSpansPlanNoWorseThanTheReference) {
+  int compared = 0;
+  int differ = 0;
+  double sum_new = 0;
+  double sum_ref = 0;
+  for_each_fuzz_case(
+      57, always(FuzzLink::kPerArray), true, [&](std::uint64_t seed, const FuzzCase& fc) {
+        PlannerOptions keep;
+        keep.prune = false;
+        std::optional<Plan> ref;
+        std::optional<Plan> now;
+        try {
+          ref = detail::make_plan_with(fc.trace, fc.hw, keep, detail::reference_internals());
+        } catch (const InvalidArgument&) {
+        }
+        try {
+          now = detail::make_plan_with(fc.trace, fc.hw, keep, detail::PlannerInternals{});
+        } catch (const InvalidArgument&) {
+        }
+        ASSERT_EQ(ref.has_value(), now.has_value()) << "seed " << seed;
+        if (!ref) return;
+        const SimResult r = simulate(fc.trace, &*ref, fc.hw);
+        const SimResult n = simulate(fc.trace, &*now, fc.hw);
+        if (r.fits) {
+          EXPECT_TRUE(n.fits) << "seed " << seed;
+        }
+        const double slack = 1e-6 * fc.trace.compute_seconds() + 1e-9;
+        EXPECT_LE(n.stall_seconds, now->summary.planned_stall_seconds * (1 + 1e-6) + slack)
+            << "seed " << seed;
+        if (!r.fits || !n.fits) return;
+        ++compared;
+        if (std::abs(n.iteration_seconds - r.iteration_seconds) > slack) ++differ;
+        sum_new += n.iteration_seconds;
+        sum_ref += r.iteration_seconds;
+      });
+  // Seed 57: 220 cases, 6 differ (3 faster, 3 slower; the largest change +5%, 90.2 -> 94.7 s),
+  // 0.2% more in all.
+  EXPECT_LE(sum_new, sum_ref * 1.01);
+  expect_count_above("compared", compared, 200);
+  expect_count_above("differ", differ, 3);
 }
 
 // With host memory scarce, the planner's second way (host memory promised to the periods that
@@ -1585,10 +1750,38 @@ TEST(PlannerFuzz, HostMemoryByDensityIsKeptOnlyWhereFaster) {
         EXPECT_TRUE(sb.fits) << "seed " << seed;
         const double slack = 1e-9 * sa.iteration_seconds;
         EXPECT_LE(sb.iteration_seconds, sa.iteration_seconds + slack) << "seed " << seed;
-        if (sb.iteration_seconds < sa.iteration_seconds - slack) {
-          ++faster;
-          EXPECT_GT(b->summary.bytes_to_host, 0u) << "seed " << seed;
-        }
+        if (sb.iteration_seconds < sa.iteration_seconds - slack) ++faster;
+      });
+  expect_count_above("compared", compared, 100);
+  expect_count_above("faster", faster, 0);
+}
+
+// The third way where host memory is short (the SSDs only for what host memory cannot hold) is
+// kept only where the simulator finds it faster: never slower than the two ways alone, and
+// faster on some random traces with scarce host memory and SSDs.
+TEST(PlannerFuzz, SsdWhereNeededIsKeptOnlyWhereFaster) {
+  int compared = 0;
+  int faster = 0;
+  for_each_fuzz_case(
+      23, always(FuzzLink::kPerSsd), false, [&](std::uint64_t seed, const FuzzCase& fc) {
+        if (fc.hw.host_memory == 0) return;
+        Hardware hw = fc.hw;
+        hw.host_memory = fc.lifetimes.summary.peak_live_bytes / 4;
+        hw.host_link_bw = hw.ssd_write_bw * 4;
+        detail::PlannerInternals two;
+        two.ssd_where_needed = false;
+        const std::optional<Plan> a = try_plan_with(fc.trace, hw, two);
+        const std::optional<Plan> b = try_plan_with(fc.trace, hw, detail::PlannerInternals{});
+        ASSERT_EQ(a.has_value(), b.has_value()) << "seed " << seed;
+        if (!a) return;
+        const SimResult sa = simulate(fc.trace, &*a, hw);
+        const SimResult sb = simulate(fc.trace, &*b, hw);
+        if (!sa.fits) return;
+        ++compared;
+        EXPECT_TRUE(sb.fits) << "seed " << seed;
+        const double slack = 1e-9 * sa.iteration_seconds;
+        EXPECT_LE(sb.iteration_seconds, sa.iteration_seconds + slack) << "seed " << seed;
+        if (sb.iteration_seconds < sa.iteration_seconds - slack) ++faster;
       });
   expect_count_above("compared", compared, 100);
   expect_count_above("faster", faster, 0);
@@ -1604,7 +1797,7 @@ TEST(StallBoundFuzz, TheSweepFindsWhatGrowingEveryWindowFinds) {
     return seed % 4 < 2 ? FuzzLink::kPerSsd : FuzzLink::kPerArray;
   };
   for_each_fuzz_case(5, link, true, [&](std::uint64_t seed, const FuzzCase& fc) {
-    const StallBound fast = stall_lower_bound(fc.trace, fc.hw);
+    const StallBound fast = detail::stall_lower_bound_by_windows(fc.trace, fc.hw);
     const StallBound ref = detail::stall_lower_bound_by_window_growth(fc.trace, fc.hw);
     const double slack = 1e-9 * (fc.trace.compute_seconds() + ref.stall_seconds) + 1e-12;
     EXPECT_NEAR(fast.stall_seconds, ref.stall_seconds, slack) << "seed " << seed;

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 #include <vector>
 
@@ -185,6 +186,53 @@ TEST(Fenwick, RangeSumsMatchBruteForce) {
       const auto [l, r] = range(rng, n);
       ASSERT_EQ(tree.sum(l, r), l > r ? 0.0 : ref_sum(ref, l, r));
     }
+  }
+}
+
+// Ids with one or two intervals each, replaced at random under new versions, against the brute
+// force list of each id's current intervals: a stab reports exactly the ids (once each) whose
+// current intervals contain the op.
+TEST(IntervalStab, StabsMatchBruteForce) {
+  std::mt19937_64 rng(29);
+  for (const int n : kSizes) {
+    constexpr int kIds = 40;
+    IntervalStab index(n);
+    std::vector<std::uint32_t> version(kIds, 0);
+    std::vector<std::vector<std::pair<int, int>>> ref(kIds);
+    const auto replace = [&](int id) {
+      ++at(version, id);
+      auto& mine = at(ref, id);
+      mine.clear();
+      // Two disjoint intervals, either possibly empty, as a migration's prefix and suffix.
+      auto [l, r] = range(rng, n);
+      if (l > r) return;  // no interval at all
+      const int mid = l + (r - l) / 2;
+      const std::pair<int, int> parts[2] = {{l, mid - static_cast<int>(rng() % 2)}, {mid + 1, r}};
+      for (const auto& [a, b] : parts) {
+        if (rng() % 5 == 0 || a > b) continue;
+        mine.emplace_back(a, b);
+        index.insert(a, b, id, at(version, id));
+      }
+    };
+    for (int id = 0; id < kIds; ++id) replace(id);
+    int reported = 0;
+    for (int step = 0; step < 400; ++step) {
+      if (rng() % 2 == 0) replace(static_cast<int>(rng() % kIds));
+      const int k = static_cast<int>(rng() % static_cast<unsigned>(n));
+      std::vector<int> got;
+      index.stab(
+          k, [&](int id) { return at(version, id); }, [&](int id) { got.push_back(id); });
+      std::sort(got.begin(), got.end());
+      std::vector<int> want;
+      for (int id = 0; id < kIds; ++id) {
+        for (const auto& [a, b] : at(ref, id)) {
+          if (a <= k && k <= b) want.push_back(id);
+        }
+      }
+      ASSERT_EQ(got, want) << "n " << n << " step " << step;
+      reported += static_cast<int>(got.size());
+    }
+    EXPECT_GT(reported, 0) << "n " << n;
   }
 }
 

@@ -29,8 +29,9 @@ struct PlannerOptions {
   bool prune = true;
   /// When host memory fills up and the plan stalls, plan a second time with host memory promised
   /// to the inactive periods that save the most SSD traffic per byte-second held (the shortest),
-  /// simulate both, and keep the faster plan (docs/simulator.md, "Host memory against SSD
-  /// bandwidth"). Doubles the planning time where it runs.
+  /// and a third time with the SSDs only for the periods over the ops where host memory cannot
+  /// hold what must leave; simulate all three and keep the fastest that fits (docs/simulator.md,
+  /// "Host memory against SSD bandwidth"). Triples the planning time where it runs.
   bool choose_host_by_density = true;
   /// Tensors smaller than this stay in device memory (their migration costs more than it frees).
   std::uint64_t min_bytes = 0;
@@ -51,13 +52,15 @@ struct PlannerOptions {
 /// e), a prefetch fills read buckets backward from b - 1 (it starts in bucket p); the tensor is
 /// gone for the ops e+1 .. p-1. The score of a candidate is the compute time of the ops in that
 /// span whose memory still exceeds the target; the best is committed (SSD first, then host
-/// memory within its cap), scores are re-evaluated lazily when popped (they only shrink).
+/// memory within its cap), scores are re-evaluated lazily when popped (they only shrink; a
+/// candidate within 0.1% of the best queued score is taken).
 /// When nothing feasible is left and an op still exceeds the target, the candidate covering it
 /// with the least added stall is committed together with that stall. Last (options.prune),
 /// the committed migrations that the others make unnecessary are dropped, SSD ones first.
 /// Where host memory was short, the SSDs are the scarce channel and the plan stalls
 /// (options.choose_host_by_density), a second plan promises host memory to the shortest periods
-/// first, and the plan whose simulated iteration (plan/simulator.hpp) is shorter is returned.
+/// first, a third admits to the SSDs only the periods that host memory cannot hold, and the
+/// plan whose simulated iteration (plan/simulator.hpp) is shortest is returned.
 ///
 /// Thread-safe for distinct arguments; runs on the calling thread. Throws
 /// tidal::InvalidArgument when even the tensors that cannot leave (the active ones) exceed the

@@ -1,0 +1,42 @@
+// How the planner runs its stages (private to plan/): make_plan's settings, and the planner as
+// it was before its least-stall fallback was made linear (issue 27), kept as the reference the
+// tests compare plans with. Torch-free.
+#pragma once
+
+#include "tidal/plan/hardware.hpp"
+#include "tidal/plan/plan.hpp"
+#include "tidal/plan/planner.hpp"
+#include "tidal/trace/trace.hpp"
+
+namespace tidal::plan::detail {
+
+/// The planner's internal choices; the defaults are make_plan's.
+struct PlannerInternals {
+  /// A transfer the least-stall fallback moves ends at its booked buckets: a moved prefetch
+  /// starts at the first bucket it has bytes in, a moved offload completes at the last. false:
+  /// it starts (completes) next to the op it was moved for, and the next op over the target
+  /// moves it again at no cost; on Llama3-70B with 200 blocks 5.57 of the fallback's 5.60
+  /// million moves were such nominal ones.
+  bool booked_spans = true;
+  /// The fallback asks an index (segment_trees.hpp's IntervalStab) for the candidates that can
+  /// still leave device memory at an op; false: it scans every candidate at every op.
+  bool index_candidates = true;
+  /// The greedy commits a re-scored candidate when its score is within this share of the best
+  /// score still queued (a (1 - tolerance)-approximate lazy greedy); 1e-12: exact up to
+  /// rounding. On Llama3-70B with 400 blocks the exact one re-scored each candidate about 90
+  /// times (2.8 million re-scores, 2 s); with 1e-3, 0.5 million.
+  double greedy_tolerance = 1e-3;
+  /// Where make_plan plans a second time (host memory short, SSDs scarce, a stall), it also
+  /// plans a third time with the SSDs only where host memory cannot hold what must leave.
+  bool ssd_where_needed = true;
+};
+
+/// The planner before issue 27: nominal moves, a scan of every candidate, the exact greedy, two
+/// ways where host memory is short.
+inline PlannerInternals reference_internals() { return {false, false, 1e-12, false}; }
+
+/// make_plan() with the given internals.
+Plan make_plan_with(const trace::Trace& trace, const Hardware& hw, const PlannerOptions& options,
+                    const PlannerInternals& internals);
+
+}  // namespace tidal::plan::detail
