@@ -98,12 +98,14 @@ inline void check_trace_fits(const plan::AnalyticTraceSize& size,
       " available here: give fewer layers (--layers; about ",
       static_cast<long long>(static_cast<double>(cfg.layers) * static_cast<double>(avail) / need),
       " fit) or run on a machine with more memory");
-  // The planner's least-stall stage and the lower bound grow with the square of the ops (about
-  // 25 s for 20,000 ops on one core): say so before a long wait, with the way out.
-  if (size.ops > 50000) {
+  // Planning grows faster than the ops (about as their 1.6th power: 6 s for 96,000 ops, 4.5
+  // minutes for 960,000 on one core of the 2-core VM, issue 27): say so before a long wait,
+  // with the way out.
+  if (size.ops > 200000) {
     std::fprintf(stderr,
-                 "note: %lld ops; planning time grows with the square of the ops, so this may "
-                 "take long (progress shows on a terminal; Ctrl-C stops it)\n",
+                 "note: %lld ops; planning time grows faster than the ops (about 4.5 minutes for "
+                 "a million on one core), so this may take long (progress shows on a terminal; "
+                 "Ctrl-C stops it)\n",
                  static_cast<long long>(size.ops));
   }
 }
