@@ -393,11 +393,16 @@ class TransformerTraceBuilder {
 
   [[nodiscard]] std::int64_t tokens() const { return mb_batch_ * seq_; }
 
-  void micro_batch() {
+  // A micro-batch's inputs (its tokens and targets) and its empty record of saved activations.
+  void begin_micro_batch() {
     const auto T = static_cast<std::uint64_t>(tokens());
     tokens_ = b_.tensor(b_.prefix() + "tokens", T * 8, TensorClass::kInput);
     targets_ = b_.tensor(b_.prefix() + "targets", T * 8, TensorClass::kInput);
     saved_.assign(static_cast<std::size_t>(cfg_.layers), Saved{});
+  }
+
+  void micro_batch() {
+    begin_micro_batch();
     TensorId x = embedding_forward();
     for (int l = 0; l < cfg_.layers; ++l) x = block_forward(l, x);
     TensorId gx = head_forward_backward(x);
@@ -428,11 +433,10 @@ class TransformerTraceBuilder {
         saved_.swap(m.saved);
       }
     };
-    const auto T = static_cast<std::uint64_t>(tokens());
     each([&](MicroBatch& m) {
-      m.tokens = tokens_ = b_.tensor(b_.prefix() + "tokens", T * 8, TensorClass::kInput);
-      m.targets = targets_ = b_.tensor(b_.prefix() + "targets", T * 8, TensorClass::kInput);
-      saved_.assign(static_cast<std::size_t>(cfg_.layers), Saved{});
+      begin_micro_batch();
+      m.tokens = tokens_;
+      m.targets = targets_;
       m.x = embedding_forward();
     });
     for (int l = 0; l < cfg_.layers; ++l) each([&](MicroBatch& m) { m.x = block_forward(l, m.x); });

@@ -61,6 +61,8 @@ std::atomic<bool> g_track_inputs{false};
 // The wall as a GPU raises it (PlanExecutor::retry_out_of_memory): an op refused memory is run
 // again after the executor has written tensors out. Ops retried, over the process.
 std::atomic<bool> g_retry_oom{false};
+constexpr const char* kNothingLeftToMove =
+    "every tensor left in memory is read by the running op, held, or under min_bytes";
 std::atomic<std::uint64_t> g_oom_retries{0};
 constexpr int kMaxOomRetries = 16;
 // While the executor has no plan: the guard also notes what each op reads and makes (LRU order).
@@ -163,7 +165,9 @@ void residency_guard(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
   const auto below = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kGuardKey);
   if (ex != nullptr && track && g_retry_oom.load(std::memory_order_acquire)) {
     if (note && !storages.empty()) ex->note_inputs(storages);
-    run_making_room(op, below, stack, *ex, reads ? storages : decltype(storages){});
+    run_making_room(
+        op, below, stack, *ex,
+        reads ? c10::ArrayRef<c10::StorageImpl*>(storages) : c10::ArrayRef<c10::StorageImpl*>());
   } else {
     if (!storages.empty()) {
       if (note) ex->note_inputs(storages);
@@ -975,10 +979,9 @@ std::uint64_t PlanExecutor::reclaim(std::uint64_t bytes) {
                     });
   m.stats.reclaimed_bytes += freed;
   if (m.meter_bytes() > target) {
-    m.shortfall =
-        m.stats.write_failures > 0
-            ? "writes to the store failed (" + m.stats.write_error + ")"
-            : "every tensor left in memory is read by the running op, held, or under min_bytes";
+    m.shortfall = m.stats.write_failures > 0
+                      ? "writes to the store failed (" + m.stats.write_error + ")"
+                      : kNothingLeftToMove;
     note_reclaim_shortfall(m.shortfall);
   }
   return freed;
@@ -998,9 +1001,7 @@ std::uint64_t PlanExecutor::make_room_after_refusal(std::uint64_t refused, int a
 
 std::string PlanExecutor::last_reclaim_shortfall() const {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
-  return impl_->shortfall.empty()
-             ? "every tensor left in memory is read by the running op, held, or under min_bytes"
-             : impl_->shortfall;
+  return impl_->shortfall.empty() ? kNothingLeftToMove : impl_->shortfall;
 }
 
 void PlanExecutor::set_budget(std::uint64_t bytes) {
