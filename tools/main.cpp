@@ -14,6 +14,10 @@
 #include "commands.hpp"
 #include "tidal/common/error.hpp"
 
+#ifdef TIDAL_WITH_TORCH
+#include <c10/util/Exception.h>
+#endif
+
 namespace {
 
 #ifdef TIDAL_TORCH_CLI
@@ -73,6 +77,16 @@ int main(int argc, char** argv) {
   } catch (const tidal::Error& e) {
     std::cerr << "tidal: error: " << e.what() << "\n";
     return 1;
+#ifdef TIDAL_WITH_TORCH
+  } catch (const c10::OutOfMemoryError& e) {
+    // A budget too small for the step (the strict meter's wall, or the GPU's): the message says
+    // what to change; torch's stack trace would bury it.
+    std::cerr << "tidal: error: out of memory: " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const c10::Error& e) {
+    std::cerr << "tidal: unexpected error: " << e.what_without_backtrace() << "\n";
+    return 2;
+#endif
   } catch (const std::exception& e) {
     std::cerr << "tidal: unexpected error: " << e.what() << "\n";
     return 2;

@@ -35,6 +35,16 @@ inline std::shared_ptr<c10::Event> record_on_current_stream(const c10::Device& d
   return event;
 }
 
+/// As record_on_current_stream, with timing: two such events give the device time between them
+/// (c10::Event::elapsedTime), where the host's clock gives only when the work was queued.
+inline std::shared_ptr<c10::Event> record_timed_on_current_stream(const c10::Device& device) {
+  if (device.is_cpu()) return nullptr;
+  c10::impl::VirtualGuardImpl impl(device.type());
+  auto event = std::make_shared<c10::Event>(device.type(), c10::EventFlag::BACKEND_DEFAULT);
+  event->record(impl.getStream(device));
+  return event;
+}
+
 /// The stream that device memory for reads is allocated on: one per device, from the device's
 /// stream pool, on which tidal queues no work. The caching allocator hands out a block freed on
 /// a stream at once to the next allocation on that stream, trusting stream order, while kernels
