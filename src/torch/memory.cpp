@@ -20,6 +20,7 @@
 #include "tidal/common/units.hpp"
 
 #if defined(TIDAL_TORCH_CUDA)
+#include <c10/core/AllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
@@ -238,6 +239,16 @@ bool set_device_memory_wall(const c10::Device& device, std::uint64_t bytes) {
     if (total == 0) return false;
     static std::once_flag observer_once;
     std::call_once(observer_once, [] {
+      // The caching allocator counts the wall in reserved segments, and a segment it cut from
+      // cudaMalloc stays reserved while any block of it is in use: memory the executor frees
+      // could not be used for another size, and the wall would refuse well under the budget.
+      // Expandable segments map 2 MiB pages and give back what is free. Unless the user chose
+      // the allocator's settings (PYTORCH_CUDA_ALLOC_CONF, PYTORCH_ALLOC_CONF), they are turned
+      // on here; segments made before stay as they are.
+      if (std::getenv("PYTORCH_CUDA_ALLOC_CONF") == nullptr &&
+          std::getenv("PYTORCH_ALLOC_CONF") == nullptr) {
+        c10::CachingAllocator::setAllocatorSettings("expandable_segments:True");
+      }
       // Called on the allocating thread just before the caching allocator throws.
       c10::cuda::CUDACachingAllocator::attachOutOfMemoryObserver(
           [](std::int64_t, std::size_t allocated, std::size_t, std::size_t) {

@@ -301,7 +301,8 @@ void run_train(const TrainArgs& args) {
                "%s\n",
                c.name.c_str(), static_cast<double>(c.parameter_count()) / 1e6,
                static_cast<long long>(options.batch), static_cast<long long>(options.seq),
-               options.device.str().c_str(), torch_layer::blas_library().c_str(),
+               options.device.str().c_str(),
+               options.device.is_cuda() ? "cuBLAS" : torch_layer::blas_library().c_str(),
                args.offload.c_str());
   if (session.store()) {
     const auto st = session.store()->stats();
@@ -474,7 +475,7 @@ void run_train(const TrainArgs& args) {
     j["model"] = c.name;
     j["parameters"] = c.parameter_count();
     j["device"] = options.device.str();
-    j["blas"] = torch_layer::blas_library();
+    j["blas"] = options.device.is_cuda() ? std::string("cuBLAS") : torch_layer::blas_library();
     j["batch"] = options.batch;
     j["seq"] = options.seq;
     j["seed"] = options.seed;
