@@ -6,6 +6,7 @@ allocator's peak.
 Every test here skips, with the reason, on a machine where torch sees no CUDA device (bench/gpu.sh
 runs them on a GPU machine)."""
 
+import contextlib
 import os
 import re
 
@@ -157,26 +158,28 @@ def test_plan_mode_on_cuda_is_bit_identical_and_executes(reference, store_dir):
     holder["s"].make_resident()  # every moved tensor back on the device before teardown
 
 
-def wide_mlp(seed: int) -> torch.nn.Module:
-    """An MLP of 25M parameters (100 MB), so that its state is far above the CUDA caching
-    allocator's granularity (2 MiB pages, 20 MiB segments): the conftest MLP's 10 MB would give a
-    wall smaller than one segment."""
+def deep_mlp(seed: int) -> torch.nn.Module:
+    """An MLP of 17M parameters (67 MB) in 4 MiB weights: its state is far above the CUDA caching
+    allocator's granularity (2 MiB pages, 20 MiB segments; the conftest MLP's 10 MB would give a
+    wall smaller than one segment), while the optimizer step of one weight (the weight, its
+    gradient, Adam's two moments and a temporary) fits well within half of it."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(),
-                               torch.nn.Linear(4096, 4096), torch.nn.ReLU(),
-                               torch.nn.Linear(4096, 1024), torch.nn.ReLU(),
-                               torch.nn.Linear(1024, 10))
+    layers = []
+    for _ in range(16):
+        layers += [torch.nn.Linear(1024, 1024), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(1024, 10))
 
 
-def train_wide(data, make_session=None):
-    """wide_mlp(3) trained with Adam on `data`, an ordinary loop. Returns the losses, the final
-    weights (on the CPU), the session's stats after each step and the CUDA allocator's peak of
-    each step. The session is closed (and its wall lifted) whatever happens."""
-    model = wide_mlp(seed=3).to(DEVICE)
+def train_deep(data, make_session=None):
+    """deep_mlp(3) trained with Adam on `data`, an ordinary loop, inside `with session:` (which
+    ends a step an exception left open and closes the session, lifting its wall). Returns the
+    losses, the final weights (on the CPU), the session's stats after each step and the CUDA
+    allocator's peak of each step."""
+    model = deep_mlp(seed=3).to(DEVICE)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    session = make_session(model, opt) if make_session else None
     losses, stats, peaks = [], [], []
-    try:
+    session = make_session(model, opt) if make_session else None
+    with session if session else contextlib.nullcontext():
         for x, y in data:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -195,9 +198,6 @@ def train_wide(data, make_session=None):
         if session:
             session.make_resident()
         params = [p.detach().cpu() for p in model.parameters()]
-    finally:
-        if session:
-            session.close()
     return torch.stack(losses), params, stats, peaks
 
 
@@ -210,7 +210,7 @@ def test_a_model_twice_the_budget_trains_within_it_from_step_0_on_cuda(store_dir
     g = torch.Generator().manual_seed(8)
     data = [(torch.randn(128, 1024, generator=g).to(DEVICE),
              torch.randint(0, 10, (128,), generator=g).to(DEVICE)) for _ in range(STEPS)]
-    ref_losses, ref_params, _, _ = train_wide(data)
+    ref_losses, ref_params, _, _ = train_deep(data)
     state = 4 * sum(p.numel() * p.element_size() for p in ref_params)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -224,7 +224,7 @@ def test_a_model_twice_the_budget_trains_within_it_from_step_0_on_cuda(store_dir
                              capacity="2GiB", min_bytes="64KiB", model=model, optimizer=opt,
                              between_steps="offloaded", name="mlp-wall")
 
-    losses, params, stats, peaks = train_wide(data, session)
+    losses, params, stats, peaks = train_deep(data, session)
     why = dict(budget=budget, state=state, peaks=peaks, step_peaks=[s.step_peak for s in stats],
                notice=stats[-1].notice, reason=stats[-1].budget_reason,
                retries=tidal._C.out_of_memory_retries() - retries)
