@@ -45,6 +45,11 @@ Env read_env() {
                     "' must be 0 or 1");
     e.memory_store = (*v == "1");
   }
+  if (auto v = get("TIDAL_HUGE_PAGES")) {
+    TIDAL_EXPECT_AS(InvalidArgument, *v == "0" || *v == "1", "TIDAL_HUGE_PAGES='", *v,
+                    "' must be 0 or 1");
+    e.huge_pages = (*v == "1");
+  }
   if (auto v = get("TIDAL_TIMELINE")) {
     TIDAL_EXPECT_AS(InvalidArgument, !v->empty(),
                     "TIDAL_TIMELINE is empty: give the file to write the timeline to, or unset it");

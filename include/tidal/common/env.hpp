@@ -19,6 +19,8 @@ struct Env {
   std::optional<int> queue_depth;            ///< TIDAL_QUEUE_DEPTH: requests in flight per file
   std::optional<bool> checksum;              ///< TIDAL_CHECKSUM: 0|1
   std::optional<bool> memory_store;  ///< TIDAL_MEMORY_STORE: 0|1, a store on tmpfs/ramfs allowed
+  /// TIDAL_HUGE_PAGES: 0|1 (default 1), host tensors of 2 MiB or more on transparent huge pages
+  std::optional<bool> huge_pages;
   /// TIDAL_TIMELINE: a file each Session writes its timeline to when it ends, where the program
   /// names none (a Chrome trace; an SVG for a name ending in .svg).
   std::optional<std::string> timeline;
