@@ -444,6 +444,8 @@ def main():
     p.add_argument("--ds-sub-group", type=int, default=1 << 20)
     p.add_argument("--port", type=int, default=29517)
     a = p.parse_args()
+    # The swap and store files go under --dir: made here, as the other benches make theirs.
+    os.makedirs(a.dir, exist_ok=True)
     if a.side:
         import tidal
         a.budget = tidal.parse_bytes(a.budget) if not a.budget.isdigit() else int(a.budget)

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -123,6 +124,30 @@ TEST(MemoryMeter, AllocationsAre4KiBAlignedAndPadded) {
   EXPECT_EQ(after.frees - before.frees, 7u);
   meter.reset_peak();
   EXPECT_EQ(meter.peak_bytes(), meter.current_bytes());
+}
+
+// Tensors of 2 MiB or more start on a 2 MiB boundary (TIDAL_HUGE_PAGES, on by default), so that
+// their whole 2 MiB pages can be huge pages; the meter still counts their 4 KiB-padded size,
+// and their bytes read and write as any tensor's.
+TEST(MemoryMeter, LargeAllocationsStartOnA2MiBBoundary) {
+  if (std::getenv("TIDAL_HUGE_PAGES") != nullptr &&
+      std::string(std::getenv("TIDAL_HUGE_PAGES")) == "0") {
+    GTEST_SKIP() << "TIDAL_HUGE_PAGES=0";
+  }
+  MemoryMeter meter;
+  constexpr std::uint64_t kHuge = std::uint64_t{2} << 20;
+  std::vector<torch::Tensor> keep;
+  for (std::int64_t n : {2 << 20, (2 << 20) + 1, 5 << 20, 17 << 20}) {
+    auto t = torch::randint(0, 255, {n}, torch::kUInt8);
+    const auto addr = reinterpret_cast<std::uintptr_t>(t.data_ptr());
+    EXPECT_EQ(addr % kHuge, 0u) << n;
+    EXPECT_EQ(tidal::torch_layer::tracked_allocation_bytes(t.data_ptr()),
+              tidal::align_up(static_cast<std::uint64_t>(n), 4096))
+        << n;
+    auto copy = t.clone();
+    EXPECT_TRUE(torch::equal(copy, t)) << n;
+    keep.push_back(copy);
+  }
 }
 
 // The strict meter: past the cap an allocation throws the error class a GPU's caching allocator
