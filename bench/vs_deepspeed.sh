@@ -4,7 +4,8 @@
 #
 #   bench/vs_deepspeed.sh [--rounds N] [--pause S] [--block B] [--depth Q] [--no-checksum]
 #                         [--sweep] [--sweep-size SIZE] [--sweep-rounds N] [--ds-threads N]
-#                         [--memory populated|huge|pageable] [--json FILE] DIR [SIZE]
+#                         [--memory populated|huge|pageable] [--json FILE]
+#                         [--train] [--train-rounds N] DIR [SIZE]
 #
 # Both sides: O_DIRECT, requests of B bytes (default 1MiB) with Q (default 16) in flight on one
 # file in DIR, SIZE bytes (default 2GiB) written then read back, every byte verified.
@@ -27,6 +28,9 @@
 # --sweep then measures block sizes 1MiB and 8MiB at queue depths 16, 32 and 128 (the block
 # sizes and depths of DeepSpeed's ds_nvme_tune, plus tidal's default depth 16), each with
 # --sweep-size bytes (default 1GiB) and --sweep-rounds rounds (default 2).
+# --train then trains the Python example's GPT with DeepSpeed ZeRO-Infinity and with tidal's plan
+# mode side by side (bench/vs_deepspeed_train.sh --dir DIR --rounds N --also-budget 50%, N from
+# --train-rounds, default 2; about 8 minutes here) and prints its table.
 #
 # Set-up: DeepSpeed is installed into the project's venv ($TIDAL_VENV, default .venv) for this
 # benchmark only (it is not a dependency of tidal), and only when pip's dry run shows that torch
@@ -40,7 +44,7 @@ set -euo pipefail
 usage() {
   echo "usage: $0 [--rounds N] [--pause S] [--block B] [--depth Q] [--no-checksum] [--sweep]" >&2
   echo "          [--sweep-size SIZE] [--sweep-rounds N] [--ds-threads N] [--memory KIND]" >&2
-  echo "          [--json FILE] DIR [SIZE]" >&2
+  echo "          [--json FILE] [--train] [--train-rounds N] DIR [SIZE]" >&2
   exit 2
 }
 
@@ -56,6 +60,8 @@ sweep_rounds=2
 ds_threads=1
 memory=populated
 json_out=""
+train=0
+train_rounds=2
 args=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -70,6 +76,8 @@ while [ $# -gt 0 ]; do
     --ds-threads) [ $# -ge 2 ] || usage; ds_threads="$2"; shift ;;
     --memory) [ $# -ge 2 ] || usage; memory="$2"; shift ;;
     --json) [ $# -ge 2 ] || usage; json_out="$2"; shift ;;
+    --train) train=1 ;;
+    --train-rounds) [ $# -ge 2 ] || usage; train_rounds="$2"; shift ;;
     -h|--help) usage ;;
     -*) echo "unknown option: $1" >&2; usage ;;
     *) args+=("$1") ;;
@@ -77,7 +85,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 if [ ${#args[@]} -lt 1 ] || [ ${#args[@]} -gt 2 ]; then usage; fi
-for v in rounds sweep_rounds depth ds_threads; do
+for v in rounds sweep_rounds depth ds_threads train_rounds; do
   [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || { echo "--${v//_/-} must be a positive integer" >&2; exit 2; }
 done
 [[ "$pause" =~ ^[0-9]+$ ]] || { echo "--pause must be whole seconds" >&2; exit 2; }
@@ -188,7 +196,8 @@ if [ "$sweep" -eq 1 ]; then
   done
 fi
 
-"$py" - "$tmp" "$json_out" "${checksum_flag:-checksums on}" "$ds_threads" "$memory" <<'EOF'
+rc=0
+"$py" - "$tmp" "$json_out" "${checksum_flag:-checksums on}" "$ds_threads" "$memory" <<'EOF' || rc=$?
 import json, math, statistics, sys
 
 tmp, json_out, checksum, ds_threads, memory = (sys.argv[1], sys.argv[2], sys.argv[3],
@@ -260,7 +269,7 @@ for x in main["rounds"]:
           f"{x['tidal_write_gbps']:.2f} ({x['write_ratio']:.2f}x), read "
           f"{x['deepnvme_read_gbps']:.2f} vs {x['tidal_read_gbps']:.2f} ({x['read_ratio']:.2f}x)")
 print(f"verified: {'yes, every byte on both sides' if verified else 'NO'}")
-print("Training against ZeRO-Infinity: bench/vs_deepspeed_train.sh (not run by this script)")
+print("Training against ZeRO-Infinity: bench/vs_deepspeed_train.sh (--train runs it here)")
 if json_out:
     with open(json_out, "w") as out:
         json.dump({"checksum": checksum, "memory": memory, "deepnvme_threads": ds_threads,
@@ -269,3 +278,9 @@ if json_out:
         out.write("\n")
 sys.exit(0 if verified else 3)
 EOF
+[ "$rc" -eq 0 ] || exit "$rc"
+# ---- training against ZeRO-Infinity (--train) ----------------------------------------------
+if [ "$train" = 1 ]; then
+  echo "== training: bench/vs_deepspeed_train.sh --dir $dir --rounds $train_rounds --also-budget 50%" >&2
+  bash "$root/bench/vs_deepspeed_train.sh" --dir "$dir" --rounds "$train_rounds" --also-budget 50%
+fi
