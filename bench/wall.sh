@@ -16,7 +16,7 @@
 # (model flags; default gpt2-small at seq 1024, batch 1 on a GPU, gpt-tiny on the CPU, whose
 # tensors are small, with --min-offload 4KiB),
 # TIDAL_WALL_SHARE (the budget as a share of the model state, default 0.75), TIDAL_WALL_STEPS
-# (default 5). Writes OUT/none.json, OUT/plan.json, OUT/plan.timeline.json, OUT/plan.svg and
+# (default 5), TIDAL_WALL_PLAN_FLAGS (more flags for the plan run, e.g. "--host-mem 16GiB"). Writes OUT/none.json, OUT/plan.json, OUT/plan.timeline.json, OUT/plan.svg and
 # OUT/table.txt. Exit status 1 when a step went over the budget or a loss differs.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -62,7 +62,7 @@ PY
 echo "== budget $budget bytes: $share of the model state" >&2
 # shellcheck disable=SC2086
 "$bin" train $model --device "$device" --steps "$steps" --offload plan --strict-meter \
-  --mem-budget "$budget" --dir "$dir" --timeline "$out/plan.timeline.json" \
+  --mem-budget "$budget" --dir "$dir" ${TIDAL_WALL_PLAN_FLAGS:-} --timeline "$out/plan.timeline.json" \
   --timeline "$out/plan.svg" --json >"$out/plan.log" 2>&1 || {
   tail -20 "$out/plan.log" >&2
   exit 1
@@ -77,12 +77,15 @@ state = 16 * none["parameters"]
 mib = 2**20
 print(f"device {device}, {none['model']} seq {none['seq']} batch {none['batch']}: "
       f"model state {state / mib:.1f} MiB, budget {budget / mib:.1f} MiB")
-print(f"{'mode':<6} {'max step peak MiB':>18} {'s/step':>8} {'moved/step GB':>14}")
+print(f"{'mode':<6} {'max step peak MiB':>18} {'s/step':>8} {'SSD GB/step':>12} "
+      f"{'host GB/step':>13}")
 for name, j in (("none", none), ("plan", plan)):
     secs = sorted(j["step_seconds"][1:] or j["step_seconds"])
-    moved = (j["bytes_read"] + j["bytes_written"]) / max(1, len(j["step_seconds"])) / 1e9
+    n = max(1, len(j["step_seconds"]))
+    ssd = (j["bytes_read"] + j["bytes_written"]) / n / 1e9
+    host = (j.get("bytes_to_host", 0) + j.get("bytes_from_host", 0)) / n / 1e9
     print(f"{name:<6} {max(j['step_peak_bytes']) / mib:>18.1f} "
-          f"{secs[len(secs) // 2]:>8.3f} {moved:>14.2f}")
+          f"{secs[len(secs) // 2]:>8.3f} {ssd:>12.2f} {host:>13.2f}")
 over = [(i, b) for i, b in enumerate(plan["step_peak_bytes"]) if b > budget]
 same = plan["losses"] == none["losses"]
 print("per-step peaks (MiB):", " ".join(f"{b / mib:.1f}" for b in plan["step_peak_bytes"]))
