@@ -465,6 +465,24 @@ struct PlanExecutor::Impl {
     issued(s, plan::Direction::kRead);
   }
 
+  // A planned read ahead of its op. Its memory may be refused where the wall is the device's
+  // own (PlanExecutor::retry_out_of_memory: the CUDA allocator's fraction, or the CPU cap
+  // refusing at once): this runs in a RecordFunction callback, which must not throw, and the
+  // trigger's other actions (the writes that make room) must still run. Then the tensor stays
+  // offloaded and false is returned; the caller holds it, and the guard reads it when an op
+  // needs it.
+  bool start_prefetch(c10::StorageImpl& impl, Slot& s, std::int64_t due) {
+    try {
+      start_read(impl, s, io::Priority::kPrefetch, plan::TransferKind::kPlanned, due);
+    } catch (const c10::OutOfMemoryError&) {
+      (void)take_last_refused_bytes();
+      ++stats.refused_prefetches;
+      return false;
+    }
+    ++stats.prefetches;
+    return true;
+  }
+
   // Counts a transfer as it starts, on its channel (the simulator counts them so too).
   void issued(const Slot& s, plan::Direction dir) {
     const plan::Tier tier = on_host(s) ? plan::Tier::kHost : plan::Tier::kSsd;
@@ -675,6 +693,27 @@ struct PlanExecutor::Impl {
     return freed;
   }
 
+  // Waits for every read in flight that no running op reads (`running`, or the guard's record):
+  // they become resident, so evictable. Returns whether there was one.
+  template <typename InUseFn>
+  bool finish_reads_in_flight(InUseFn running) {
+    bool any = false;
+    for (auto& [storage, s] : slots) {
+      if (s.state != State::kReading || running(storage)) continue;
+      if (g_track_inputs.load(std::memory_order_acquire) && in_use_now(storage)) continue;
+      c10::intrusive_ptr<c10::StorageImpl> live = s.weak.lock();
+      if (!live) continue;
+      try {
+        s.tier->prioritize(s.ticket, io::Priority::kUrgent);
+        finish_read(*live, s, false);
+        any = true;
+      } catch (const Error&) {
+        s.error = std::current_exception();  // the op that needs it gets the error
+      }
+    }
+    return any;
+  }
+
   // Issues held prefetches, earliest deadline first, while they fit.
   void issue_held() {
     while (!held.empty()) {
@@ -689,10 +728,8 @@ struct PlanExecutor::Impl {
         continue;
       }
       if (over(it->second.nbytes + reserve)) return;
-      const std::int64_t due = held.front().due;
+      if (!start_prefetch(*live, it->second, held.front().due)) return;  // stays held
       held.erase(held.begin());
-      start_read(*live, it->second, io::Priority::kPrefetch, plan::TransferKind::kPlanned, due);
-      ++stats.prefetches;
     }
   }
 
@@ -751,17 +788,14 @@ struct PlanExecutor::Impl {
     }
     if (s.state != State::kOffloaded) return;
     wait_for_room(s.nbytes + reserve);
-    if (over(s.nbytes + reserve)) {
-      // No room yet: hold it, most urgent first, until memory allows or an op needs it.
-      HeldPrefetch h{base + m.due, c10::weak_intrusive_ptr<c10::StorageImpl>(impl)};
-      auto pos = std::upper_bound(held.begin(), held.end(), h,
-                                  [](const auto& x, const auto& y) { return x.due < y.due; });
-      held.insert(pos, std::move(h));
-      ++stats.delayed_prefetches;
-      return;
-    }
-    start_read(*impl, s, io::Priority::kPrefetch, plan::TransferKind::kPlanned, base + m.due);
-    ++stats.prefetches;
+    if (!over(s.nbytes + reserve) && start_prefetch(*impl, s, base + m.due)) return;
+    // No room yet (by the meter, or the wall refused it): hold it, most urgent first, until
+    // memory allows or an op needs it.
+    HeldPrefetch h{base + m.due, c10::weak_intrusive_ptr<c10::StorageImpl>(impl)};
+    auto pos = std::upper_bound(held.begin(), held.end(), h,
+                                [](const auto& x, const auto& y) { return x.due < y.due; });
+    held.insert(pos, std::move(h));
+    ++stats.delayed_prefetches;
   }
 
   void run_trigger(trace::OpIndex index) {
@@ -971,12 +1005,16 @@ std::uint64_t PlanExecutor::reclaim(std::uint64_t bytes) {
   Impl& m = *impl_;
   const std::uint64_t target = m.meter_bytes() > bytes ? m.meter_bytes() - bytes : 0;
   const auto index = static_cast<trace::OpIndex>(m.ops_run) - 1;
-  const std::uint64_t freed =
-      m.evict_while([&] { return m.meter_bytes() > target; }, m.diverged ? -1 : index,
-                    [&](const c10::StorageImpl* p) {
-                      return std::find(m.running_inputs.begin(), m.running_inputs.end(), p) !=
-                             m.running_inputs.end();
-                    });
+  const auto running = [&](const c10::StorageImpl* p) {
+    return std::find(m.running_inputs.begin(), m.running_inputs.end(), p) != m.running_inputs.end();
+  };
+  const auto needed = [&] { return m.meter_bytes() > target; };
+  std::uint64_t freed = m.evict_while(needed, m.diverged ? -1 : index, running);
+  if (needed() && m.finish_reads_in_flight(running)) {
+    // Prefetches in flight hold memory no eviction could take while they read: finished, they
+    // are resident, and may go again (the last resort; the plan wanted them soon).
+    freed += m.evict_while(needed, m.diverged ? -1 : index, running);
+  }
   m.stats.reclaimed_bytes += freed;
   if (m.meter_bytes() > target) {
     m.shortfall = m.stats.write_failures > 0

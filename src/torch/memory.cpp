@@ -1,12 +1,11 @@
 #include "tidal/torch/memory.hpp"
 
-#include <sys/mman.h>
-
 #include <ATen/ops/empty.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>  // torch >= 2.9: any device's allocator statistics
 #include <c10/util/Exception.h>
+#include <sys/mman.h>
 #include <torch/version.h>
 
 #include <algorithm>

@@ -161,6 +161,54 @@ def test_the_wall_raised_as_a_gpu_raises_it(store_dir, budget_kind):
     assert tidal._C.memory_cap() == 0, "the cap goes with its session"
 
 
+def test_a_wall_under_the_budget_refuses_prefetches_and_training_goes_on(store_dir, capfd):
+    """On a GPU the wall counts the caching allocator's reserved memory, which is more than the
+    allocated bytes the plan counts: a planned read ahead of its op may be refused although the
+    plan has room for it. Here the wall stands 3 MiB under the budget from the first executed
+    step, with host memory for offloaded tensors (reads ahead on every op). A refused read is
+    held for later (the tensor stays offloaded; the guard reads it when an op needs it): none
+    escapes into the profiler's callbacks, which cannot stop an op, and the training is the same
+    bit for bit, every step within the wall."""
+    data = batches(seed=16, steps=8)
+    model = make_mlp(seed=11)
+    state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
+    ref_losses, ref_params, _ = train(data)
+    budget = tidal.memory_stats()["current_bytes"] + state // 2
+    holder = {}
+    make = plan_session(holder, store_dir, budget=budget, between_steps="offloaded",
+                        wall_by_retry=True, host_memory="64MiB")
+    lowered = []
+
+    class Lowered:
+        """The session's calls, with the cap lowered before each executed step (the session
+        sets it back to the budget when it plans again)."""
+        def __init__(self, session):
+            self.s = session
+
+        def begin_step(self):
+            self.s.begin_step()
+            if self.s.stats().state == "executing" or len(lowered) > 0:
+                lowered.append(budget - 3 * 2**20)
+                tidal._C.set_memory_cap(lowered[-1])
+
+        def __getattr__(self, name):
+            return getattr(self.s, name)
+
+    losses, params, stats = train(data, lambda m, o: Lowered(make(m, o)))
+    assert torch.equal(losses, ref_losses), (losses - ref_losses).abs().max()
+    for p, r in zip(params, ref_params):
+        assert torch.equal(p, r)
+    assert lowered, "no executed step"
+    executed = stats[-len(lowered):]
+    assert all(s.step_peak <= budget - 3 * 2**20 for s in executed), [s.step_peak for s in stats]
+    assert sum(s.bytes_from_host for s in executed) > 0
+    assert "RecordFunction callback" not in capfd.readouterr().err
+    holder.clear()
+    gc.collect()
+    assert tidal._C.memory_cap() == 0, "the cap goes with its session"
+
+
 def test_the_planner_chooses_the_step_boundary_and_state_dict_reads_true_bytes(store_dir):
     """Default options: at 50% of an MLP whose peak is mostly its state, no plan meets the
     budget with every tensor in memory at each step's end, so the session keeps them on the SSD

@@ -5,8 +5,8 @@
 
 #include <cstdint>
 #include <cstdio>
-#include <fstream>
 #include <cstdlib>
+#include <fstream>
 #include <string>
 #include <vector>
 

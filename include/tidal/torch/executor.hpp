@@ -98,6 +98,8 @@ struct ExecutorStats {
   std::array<std::uint64_t, plan::kNumChannels> planned_bytes{};
   std::array<std::uint64_t, plan::kNumChannels> issued_bytes{};
   std::uint64_t delayed_prefetches = 0;  ///< prefetches held back until memory allowed them
+  /// of those, the ones whose memory the wall refused (retry_out_of_memory), held again
+  std::uint64_t refused_prefetches = 0;
   /// Tensors written out at once, outside the plan, because an op would have crossed the
   /// budget with no write left to wait for (the one used again latest first).
   std::uint64_t evictions = 0;
