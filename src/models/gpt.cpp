@@ -284,7 +284,7 @@ torch::Tensor TransformerImpl::run_block(std::int64_t layer, const torch::Tensor
       layer, [&block](const torch::Tensor& in) { return block.forward(in); }, x);
 }
 
-torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens) {
+torch::Tensor TransformerImpl::embed(const torch::Tensor& tokens) {
   TIDAL_EXPECT_AS(InvalidArgument, tokens.dim() == 2, "tokens must be [batch, seq]");
   const auto s = tokens.size(1);
   TIDAL_EXPECT_AS(InvalidArgument, s <= config_.max_seq, "sequence length ", s,
@@ -309,6 +309,11 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens) {
     ctx.rope_sin = angles.sin();
   }
   for (auto& m : *blocks_) m->as<BlockBaseImpl>()->set_context(ctx);
+  return x;
+}
+
+torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens) {
+  torch::Tensor x = embed(tokens);
   for (std::int64_t i = 0; i < config_.layers; ++i) x = run_block(i, x);
   if (layer_listener_) layer_listener_(-1);
   x = final_norm_.forward(x);
@@ -319,6 +324,14 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens) {
 
 torch::Tensor TransformerImpl::loss(const torch::Tensor& tokens, const torch::Tensor& targets) {
   auto logits = forward(tokens);
+  return F::cross_entropy(logits.view({-1, config_.vocab}), targets.reshape({-1}));
+}
+
+torch::Tensor TransformerImpl::head_loss(const torch::Tensor& x, const torch::Tensor& targets) {
+  if (layer_listener_) layer_listener_(-1);
+  auto h = final_norm_.forward(x);
+  auto logits =
+      config_.family == Family::kGpt2 ? F::linear(h, tok_embedding_->weight) : lm_head_(h);
   return F::cross_entropy(logits.view({-1, config_.vocab}), targets.reshape({-1}));
 }
 

@@ -164,6 +164,16 @@ Trainer::Trainer(TrainerOptions options)
                   "clipping by the global norm needs every gradient before any update, which "
                   "the in-backward schedule does not wait for; use the deferred schedule");
   TIDAL_EXPECT(params_.size() == optimizer_.size(), "optimizer and model disagree on parameters");
+  TIDAL_EXPECT_AS(InvalidArgument,
+                  options_.micro_batches >= 1 && options_.batch % options_.micro_batches == 0,
+                  "micro-batches must divide the batch: ", options_.micro_batches,
+                  " micro-batches of a batch of ", options_.batch);
+  TIDAL_EXPECT_AS(
+      InvalidArgument,
+      options_.micro_batches == 1 ||
+          (options_.optimizer == OptimizerSchedule::kAfterBackward && options_.clip_grad_norm == 0),
+      "micro-batches need the after-backward optimizer schedule without clipping "
+      "(the other schedules update a parameter after one micro-batch's gradient)");
   const auto layers = static_cast<std::size_t>(options_.config.layers);
   model_->set_layer_listener([this, layers](std::int64_t layer) {
     for (auto* o : observers_) o->begin_layer(layer);
@@ -290,20 +300,27 @@ StepResult Trainer::step() {
   }
   for (auto* o : observers_) o->begin_step(step_, {inputs, targets});
 
-  notify_phase(trace::Phase::kForward);
-  // Deferred: the last step's updates run as forward reaches each parameter (layer listener).
-  apply_updates(0);
-  torch::Tensor loss = model_->loss(inputs, targets);
-  flush_optimizer();  // deferred: any parameter forward did not reach
+  torch::Tensor loss;
+  if (options_.micro_batches > 1) {
+    loss = options_.micro_batch_order == MicroBatchOrder::kLayerMajor
+               ? layer_major_micro_batches(inputs, targets)
+               : sequential_micro_batches(inputs, targets);
+  } else {
+    notify_phase(trace::Phase::kForward);
+    // Deferred: the last step's updates run as forward reaches each parameter (layer listener).
+    apply_updates(0);
+    loss = model_->loss(inputs, targets);
+    flush_optimizer();  // deferred: any parameter forward did not reach
 
-  notify_phase(trace::Phase::kBackward);
-  // Optimizer-in-backward: the hooks update each parameter during backward, with this step's
-  // bias corrections.
-  if (in_backward()) optimizer_.begin_step();
-  for (auto& n : grad_norms_) n = torch::Tensor();  // the hooks take this backward's norms
-  // torch::autograd::backward rather than Tensor::backward: the latter is itself a dispatched op
-  // (aten::_backward) and would hide the backward ops from a tracer as nested calls.
-  torch::autograd::backward({loss});
+    notify_phase(trace::Phase::kBackward);
+    // Optimizer-in-backward: the hooks update each parameter during backward, with this step's
+    // bias corrections.
+    if (in_backward()) optimizer_.begin_step();
+    for (auto& n : grad_norms_) n = torch::Tensor();  // the hooks take this backward's norms
+    // torch::autograd::backward rather than Tensor::backward: the latter is itself a dispatched
+    // op (aten::_backward) and would hide the backward ops from a tracer as nested calls.
+    torch::autograd::backward({loss});
+  }
 
   notify_phase(trace::Phase::kOptimizer);
   clip_coef_ = clip_coefficient();
@@ -330,6 +347,83 @@ StepResult Trainer::step() {
   r.loss = loss.item<double>();  // also waits for the device
   r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return r;
+}
+
+// Gradient accumulation: each micro-batch's forward and backward in turn, its loss divided by
+// the number of micro-batches.
+torch::Tensor Trainer::sequential_micro_batches(const torch::Tensor& inputs,
+                                                const torch::Tensor& targets) {
+  const auto n = options_.micro_batches;
+  const auto in = inputs.chunk(n, 0);
+  const auto tg = targets.chunk(n, 0);
+  torch::Tensor total;
+  for (std::int64_t m = 0; m < n; ++m) {
+    notify_phase(trace::Phase::kForward);
+    torch::Tensor loss = model_->loss(in[m], tg[m]) / static_cast<double>(n);
+    notify_phase(trace::Phase::kBackward);
+    torch::autograd::backward({loss});
+    total = m == 0 ? loss.detach() : total + loss.detach();
+  }
+  return total;
+}
+
+// Layer-major (GreedySnake's order): every micro-batch through a layer before the next, in
+// forward, and in backward from the last layer down. Each block's input is a detached leaf
+// that requires a gradient, so each (layer, micro-batch) is its own graph: backward runs one at
+// a time, handing the gradient of a block's input to the block below.
+torch::Tensor Trainer::layer_major_micro_batches(const torch::Tensor& inputs,
+                                                 const torch::Tensor& targets) {
+  const auto n = static_cast<std::size_t>(options_.micro_batches);
+  const auto layers = static_cast<std::size_t>(options_.config.layers);
+  const auto in = inputs.chunk(static_cast<std::int64_t>(n), 0);
+  const auto tg = targets.chunk(static_cast<std::int64_t>(n), 0);
+  const auto leaf = [](const torch::Tensor& x) { return x.detach().requires_grad_(true); };
+
+  notify_phase(trace::Phase::kForward);
+  std::vector<torch::Tensor> embedded(n);
+  for (std::size_t m = 0; m < n; ++m) embedded[m] = model_->embed(in[m]);
+  // inputs_of[l][m] / outputs_of[l][m]: block l's detached input and its output, micro-batch m.
+  std::vector<std::vector<torch::Tensor>> inputs_of(layers, std::vector<torch::Tensor>(n));
+  std::vector<std::vector<torch::Tensor>> outputs_of(layers, std::vector<torch::Tensor>(n));
+  std::vector<torch::Tensor> x = embedded;
+  for (std::size_t l = 0; l < layers; ++l) {
+    for (std::size_t m = 0; m < n; ++m) {
+      inputs_of[l][m] = leaf(x[m]);
+      outputs_of[l][m] = model_->block(static_cast<std::int64_t>(l), inputs_of[l][m]);
+      x[m] = outputs_of[l][m];
+    }
+  }
+  std::vector<torch::Tensor> head_in(n);
+  std::vector<torch::Tensor> losses(n);
+  torch::Tensor total;
+  for (std::size_t m = 0; m < n; ++m) {
+    head_in[m] = leaf(x[m]);
+    losses[m] = model_->head_loss(head_in[m], tg[m]) / static_cast<double>(n);
+    total = m == 0 ? losses[m].detach() : total + losses[m].detach();
+  }
+  x.clear();
+
+  notify_phase(trace::Phase::kBackward);
+  std::vector<torch::Tensor> grad(n);
+  for (std::size_t m = 0; m < n; ++m) {
+    torch::autograd::backward({losses[m]});
+    losses[m] = torch::Tensor();
+    grad[m] = head_in[m].grad();
+    head_in[m] = torch::Tensor();
+  }
+  for (std::size_t l = layers; l-- > 0;) {
+    for (std::size_t m = 0; m < n; ++m) {
+      torch::autograd::backward({outputs_of[l][m]}, {grad[m]});
+      outputs_of[l][m] = torch::Tensor();
+      grad[m] = inputs_of[l][m].grad();
+      inputs_of[l][m] = torch::Tensor();
+    }
+  }
+  for (std::size_t m = 0; m < n; ++m) {
+    torch::autograd::backward({embedded[m]}, {grad[m]});
+    embedded[m] = torch::Tensor();
+  }
+  return total;
 }
 
 namespace {
@@ -361,7 +455,18 @@ std::vector<std::pair<std::string, std::string>> fingerprint(const TrainerOption
           {"beta2", num(o.adamw.beta2)},
           {"eps", num(o.adamw.eps)},
           {"weight_decay", num(o.adamw.weight_decay)},
-          {"clip_grad_norm", num(o.clip_grad_norm)}};
+          {"clip_grad_norm", num(o.clip_grad_norm)},
+          {"micro_batches", std::to_string(o.micro_batches)},
+          {"micro_batch_order",
+           o.micro_batch_order == MicroBatchOrder::kLayerMajor ? "layer-major" : "sequential"}};
+}
+
+// Options added after checkpoints were first written: a checkpoint without one was written
+// with its default.
+std::string default_of_later_option(const std::string& key) {
+  if (key == "micro_batches") return "1";
+  if (key == "micro_batch_order") return "sequential";
+  return {};
 }
 
 constexpr std::int64_t kCheckpointFormat = 1;
@@ -393,11 +498,13 @@ void Trainer::load_checkpoint(const std::string& path) {
                   "' has format ", v.toInt(), "; this build reads format ", kCheckpointFormat);
   for (const auto& [key, value] : fingerprint(options_)) {
     c10::IValue saved;
-    TIDAL_EXPECT_AS(InvalidArgument, in.try_read("options." + key, saved) && saved.isString(),
-                    "checkpoint '", path, "' lacks option '", key, "'");
-    TIDAL_EXPECT_AS(InvalidArgument, saved.toStringRef() == value, "checkpoint '", path,
-                    "' was written with ", key, " = ", saved.toStringRef(), ", this run has ", key,
-                    " = ", value, ": resume with the options the run was started with");
+    std::string written = default_of_later_option(key);
+    if (in.try_read("options." + key, saved) && saved.isString()) written = saved.toStringRef();
+    TIDAL_EXPECT_AS(InvalidArgument, !written.empty(), "checkpoint '", path, "' lacks option '",
+                    key, "'");
+    TIDAL_EXPECT_AS(InvalidArgument, written == value, "checkpoint '", path, "' was written with ",
+                    key, " = ", written, ", this run has ", key, " = ", value,
+                    ": resume with the options the run was started with");
   }
   auto read_int = [&](const char* key) {
     c10::IValue x;

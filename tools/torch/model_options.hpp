@@ -31,6 +31,8 @@ struct ModelArgs {
   bool optimizer_in_backward = false;
   bool optimizer_deferred = false;
   double clip_grad_norm = 0;
+  std::int64_t micro_batches = 1;
+  std::string micro_batch_order = "sequential";
 };
 
 inline void add_model_options(CLI::App* cmd, ModelArgs& a) {
@@ -59,6 +61,16 @@ inline void add_model_options(CLI::App* cmd, ModelArgs& a) {
   cmd->add_option("--clip-grad-norm", a.clip_grad_norm,
                   "clip gradients to this global L2 norm (0: off)")
       ->capture_default_str();
+  cmd->add_option("--micro-batches", a.micro_batches,
+                  "cut each step's batch into this many micro-batches (gradient accumulation; "
+                  "must divide --batch)")
+      ->capture_default_str();
+  cmd->add_option("--micro-batch-order", a.micro_batch_order,
+                  "sequential (each micro-batch's forward and backward in turn) or layer-major "
+                  "(every micro-batch through a layer before the next: offloading brings each "
+                  "layer's weights in once for all of them)")
+      ->check(CLI::IsMember({"sequential", "layer-major"}))
+      ->capture_default_str();
 }
 
 /// The optimizer schedule the flags ask for, as traces and reports name it.
@@ -74,6 +86,9 @@ inline models::TrainerOptions to_trainer_options(const ModelArgs& a) {
   o.adamw.lr = a.lr;
   o.optimizer = optimizer_schedule(a.optimizer_in_backward, a.optimizer_deferred);
   o.clip_grad_norm = a.clip_grad_norm;
+  o.micro_batches = a.micro_batches;
+  o.micro_batch_order = a.micro_batch_order == "layer-major" ? models::MicroBatchOrder::kLayerMajor
+                                                             : models::MicroBatchOrder::kSequential;
   if (a.device == "auto") {
     o.device =
         torch_layer::cuda_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);

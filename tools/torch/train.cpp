@@ -491,6 +491,10 @@ void run_train(const TrainArgs& args) {
     j["recompute"] = args.recompute;
     j["optimizer_schedule"] = schedule_name(options);
     j["clip_grad_norm"] = options.clip_grad_norm;
+    j["micro_batches"] = options.micro_batches;
+    j["micro_batch_order"] = options.micro_batch_order == models::MicroBatchOrder::kLayerMajor
+                                 ? "layer-major"
+                                 : "sequential";
     j["bytes_written"] = io.bytes_written;
     j["bytes_read"] = io.bytes_read;
     j["stall_seconds"] = io.stall;

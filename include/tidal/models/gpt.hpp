@@ -80,6 +80,15 @@ class TransformerImpl : public torch::nn::Module {
   /// Mean cross-entropy of next-token prediction: a scalar tensor.
   torch::Tensor loss(const torch::Tensor& tokens, const torch::Tensor& targets);
 
+  /// forward() and loss() in their three parts, for a caller that orders them itself (the
+  /// trainer's layer-major micro-batches): embed(tokens) -> block(0..layers-1) ->
+  /// head_loss(x, targets) computes loss(tokens, targets) with the same ops. embed() prepares
+  /// the blocks for its sequence length: every block() call until the next embed() must have
+  /// that length.
+  torch::Tensor embed(const torch::Tensor& tokens);
+  torch::Tensor block(std::int64_t layer, const torch::Tensor& x) { return run_block(layer, x); }
+  torch::Tensor head_loss(const torch::Tensor& x, const torch::Tensor& targets);
+
   [[nodiscard]] const ModelConfig& config() const { return config_; }
 
   /// Replaces the block wrapper (an empty function restores the plain call).

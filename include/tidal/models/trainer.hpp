@@ -102,6 +102,9 @@ class TokenSource {
   std::int64_t state_ = 0;          // synthetic stream position
 };
 
+/// The order in which a step runs its micro-batches (TrainerOptions::micro_batch_order).
+enum class MicroBatchOrder : std::uint8_t { kSequential, kLayerMajor };
+
 struct TrainerOptions {
   ModelConfig config;
   std::int64_t batch = 8;
@@ -134,6 +137,22 @@ struct TrainerOptions {
   /// torch.nn.utils.clip_grad_norm_: coefficient min(1, max_norm / (norm + 1e-6)). Needs every
   /// gradient before any update, so not with kInBackward.
   double clip_grad_norm = 0;
+  /// Micro-batches per step (gradient accumulation): the batch is cut into this many equal
+  /// parts (it must divide the batch), each part's mean loss divided by their number, and the
+  /// parameters are updated once, after the last. StepResult::loss is the sum, the whole batch's
+  /// mean. Needs the after-backward schedule without clipping (for now).
+  std::int64_t micro_batches = 1;
+  /// With micro_batches > 1: each micro-batch's forward and backward in turn (kSequential), or
+  /// every micro-batch through a layer before the next layer, in forward and in backward
+  /// (kLayerMajor, GreedySnake's order): each layer's parameters are then used once a pass for
+  /// all micro-batches, so offloading brings them in once instead of once per micro-batch, and
+  /// every micro-batch's activations live until backward reaches them. Layer-major cuts the
+  /// autograd graph between blocks (each block's input a detached leaf, its gradient handed to
+  /// the block below); a parameter's gradient sums its micro-batches in the same order as
+  /// kSequential, but a weight used at both ends of the model (GPT-2's embedding, tied to the
+  /// head) sums its two uses in another order: the losses match kSequential to rounding, not
+  /// bit for bit (for models without tied weights they match bit for bit).
+  MicroBatchOrder micro_batch_order = MicroBatchOrder::kSequential;
 };
 
 /// What one step produced.
@@ -207,6 +226,10 @@ class Trainer {
   }
   [[nodiscard]] bool deferred() const { return options_.optimizer == OptimizerSchedule::kDeferred; }
   void notify_phase(trace::Phase phase);
+  // One step's forward and backward over micro-batches (micro_batches > 1); returns the loss.
+  torch::Tensor sequential_micro_batches(const torch::Tensor& inputs, const torch::Tensor& targets);
+  torch::Tensor layer_major_micro_batches(const torch::Tensor& inputs,
+                                          const torch::Tensor& targets);
   // Calls fn(i) after backward has completed parameter i's gradient.
   void on_gradient_ready(std::function<void(std::size_t)> fn);
   // The clipping coefficient of this step's gradients (undefined without clipping).
