@@ -824,7 +824,7 @@ TEST(ModelTrace, LayerMajorRunsEveryMicroBatchThroughALayerBeforeTheNext) {
       opt.micro_batches = kM;
       opt.optimizer = static_cast<OptimizerSchedule>(schedule);
       const trace::Trace seq = transformer_trace(cfg, 2 * kM, 128, hw, opt);
-      opt.layer_major = true;
+      opt.micro_batch_order = MicroBatchOrder::kLayerMajor;
       const trace::Trace t = transformer_trace(cfg, 2 * kM, 128, hw, opt);
       ASSERT_NO_THROW(trace::validate(t));
       EXPECT_EQ(t.meta.at("micro_batch_order"), "layer-major");
