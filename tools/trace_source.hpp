@@ -32,8 +32,9 @@ struct TraceSource {
   bool optimizer_in_backward = false;
   bool optimizer_deferred = false;
   int micro_batches = 1;
-  /// "sequential", "layer-major" or "auto" (both, planned; the faster kept).
-  std::string micro_batch_order = "sequential";
+  /// "sequential", "layer-major" or "auto" (both, planned; the faster kept); empty: not given
+  /// (sequential, or layer-major with --layer-major).
+  std::string micro_batch_order;
   bool layer_major = false;  ///< --layer-major: --micro-batch-order layer-major
   int data_parallel = 1;
   int tensor_parallel = 1;
@@ -132,19 +133,16 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
                   "forward and backward pass, accumulating gradients; one optimizer step after "
                   "the last (gradient accumulation)")
       ->capture_default_str();
-  auto* order =
-      cmd->add_option(
-             "--micro-batch-order", s.micro_batch_order,
-             "with --model and --micro-batches: sequential (each micro-batch's forward and "
-             "backward in turn, as training loops run them), layer-major (every micro-batch "
-             "through a layer before the next layer, in forward and backward: GreedySnake's "
-             "vertical order; each layer's weights read once per pass, every micro-batch's "
-             "activations alive at once), or auto (tidal plans and simulates both and keeps the "
-             "faster; the lower bound is then the lower of the two orders' bounds)")
-          ->check(CLI::IsMember({"sequential", "layer-major", "auto"}))
-          ->capture_default_str();
-  cmd->add_flag("--layer-major", s.layer_major, "the same as --micro-batch-order layer-major")
-      ->excludes(order);
+  cmd->add_option("--micro-batch-order", s.micro_batch_order,
+                  "with --model and --micro-batches: sequential (the default: each micro-batch's "
+                  "forward and backward in turn, as training loops run them), layer-major (every "
+                  "micro-batch through a layer before the next layer, in forward and backward: "
+                  "GreedySnake's vertical order; each layer's weights read once per pass, every "
+                  "micro-batch's activations alive at once), or auto (tidal plans and simulates "
+                  "both and keeps the faster; the lower bound is then the lower of the two "
+                  "orders' bounds)")
+      ->check(CLI::IsMember({"sequential", "layer-major", "auto"}));
+  cmd->add_flag("--layer-major", s.layer_major, "the same as --micro-batch-order layer-major");
   cmd->add_option("--data-parallel", s.data_parallel,
                   "with --model: data parallelism over this many GPUs; --batch is the global "
                   "batch, split over them, and the gradients are all-reduced on the GPU link "
@@ -178,7 +176,15 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
 
 /// The micro-batch order the flags ask for; nullopt for auto.
 inline std::optional<plan::MicroBatchOrder> requested_order(const TraceSource& s) {
-  if (s.layer_major) return plan::MicroBatchOrder::kLayerMajor;
+  TIDAL_EXPECT_AS(
+      InvalidArgument,
+      !s.layer_major || s.micro_batch_order.empty() || s.micro_batch_order == "layer-major",
+      "--layer-major is --micro-batch-order layer-major: give one of --layer-major and "
+      "--micro-batch-order ",
+      s.micro_batch_order);
+  if (s.layer_major || s.micro_batch_order.empty()) {
+    return s.layer_major ? plan::MicroBatchOrder::kLayerMajor : plan::MicroBatchOrder::kSequential;
+  }
   if (s.micro_batch_order == "auto") return std::nullopt;
   return plan::micro_batch_order_from_string(s.micro_batch_order);
 }
@@ -224,10 +230,11 @@ inline LoadedSource load_trace_source(const TraceSource& s) {
     TIDAL_EXPECT_AS(InvalidArgument, s.precision == "fp32",
                     "--precision builds an analytic trace (--model); a profiled trace has the "
                     "sizes and times its training loop measured");
-    TIDAL_EXPECT_AS(InvalidArgument,
-                    s.micro_batches == 1 && !s.layer_major && s.micro_batch_order == "sequential",
-                    "--micro-batches and --micro-batch-order build an analytic trace (--model); a "
-                    "profiled trace has the passes its training loop ran, in its order");
+    TIDAL_EXPECT_AS(
+        InvalidArgument,
+        s.micro_batches == 1 && requested_order(s) == plan::MicroBatchOrder::kSequential,
+        "--micro-batches and --micro-batch-order build an analytic trace (--model); a "
+        "profiled trace has the passes its training loop ran, in its order");
     TIDAL_EXPECT_AS(InvalidArgument, s.data_parallel == 1 && s.tensor_parallel == 1,
                     "--data-parallel and --tensor-parallel build an analytic trace (--model); a "
                     "profiled trace is the GPU it was profiled on");
