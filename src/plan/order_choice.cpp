@@ -6,6 +6,9 @@
 #include "tidal/common/error.hpp"
 
 namespace tidal::plan {
+namespace {
+constexpr double kOrderTie = 1e-6;
+}  // namespace
 
 OrderChoice choose_fastest_order(const std::vector<const trace::Trace*>& traces, const Hardware& hw,
                                  const PolicyOptions& options,
@@ -35,9 +38,12 @@ OrderChoice choose_fastest_order(const std::vector<const trace::Trace*>& traces,
     out.candidates.push_back(std::move(c));
   }
   // A plan that fits beats one that does not; then the shorter iteration; the first on a tie.
+  // Iterations within a millionth are a tie: the orders sum the same op times in another order,
+  // so two plans that both run at ideal differ in the last digits, and the first order (the
+  // sequential one, which training loops run) should then be kept.
   const auto better = [](const PolicyResult& a, const PolicyResult& b) {
     if (a.fits != b.fits) return a.fits;
-    return a.sim.iteration_seconds < b.sim.iteration_seconds;
+    return a.sim.iteration_seconds < b.sim.iteration_seconds * (1 - kOrderTie);
   };
   for (std::size_t i = 1; i < out.candidates.size(); ++i) {
     if (better(out.candidates[i].tidal, out.candidates[out.chosen].tidal)) out.chosen = i;
