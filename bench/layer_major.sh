@@ -5,7 +5,7 @@
 # plans both and keeps the faster: `--micro-batch-order auto`; its bound is the lower of the two
 # orders'), each with the optimizer step after backward and in backward, beside ZeRO-Infinity on
 # the sequential order (it runs micro-batches in turn), and the lower bound of any plan on each
-# trace. About 6 minutes on the 2-core VM.
+# trace. About a minute on the 2-core VM.
 #
 #   bench/layer_major.sh [OUT.jsonl]
 #
