@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Micro-batch order in the simulator (model results, not measurements): tidal's plan on the
 # sequential order (each micro-batch's forward and backward in turn) against GreedySnake's
-# layer-major order (every micro-batch through a layer before the next), each with the optimizer
-# step after backward and in backward, beside ZeRO-Infinity on the sequential order (it runs
-# micro-batches in turn), and the lower bound of any plan on each trace.
+# layer-major order (every micro-batch through a layer before the next) and against auto (tidal
+# plans both and keeps the faster: `--micro-batch-order auto`; its bound is the lower of the two
+# orders'), each with the optimizer step after backward and in backward, beside ZeRO-Infinity on
+# the sequential order (it runs micro-batches in turn), and the lower bound of any plan on each
+# trace. About a minute on the 2-core VM.
 #
 #   bench/layer_major.sh [OUT.jsonl]
 #
@@ -28,11 +30,11 @@ for c in $cases; do
   extra=()
   [ -n "${ssd_n:-}" ] && extra+=(--ssd "$ssd_n/$ssd_w/$ssd_r" --host-mem "$host")
   for precision in $precisions; do
-    for order in sequential layer-major; do
+    for order in sequential layer-major auto; do
       for sched in after-backward in-backward; do
         flags=(--model "$model" --batch "$batch" --seq "$seq" --micro-batches "$mb"
           --tensor-parallel "$tp" --precision "$precision" --hardware "$preset" "${extra[@]}")
-        [ "$order" = layer-major ] && flags+=(--layer-major)
+        flags+=(--micro-batch-order "$order")
         [ "$sched" = in-backward ] && flags+=(--optimizer-in-backward)
         policies=ideal,tidal
         [ "$order" = sequential ] && [ "$sched" = after-backward ] && policies+=,zero-infinity
@@ -46,7 +48,8 @@ p = r["policies"]
 row = {"case": case, "precision": precision, "order": order, "optimizer": sched,
        "tidal": p["tidal"]["fraction_of_ideal"], "tidal_s": p["tidal"]["iteration_seconds"],
        "fits": p["tidal"]["fits"], "ssd_bytes": p["tidal"]["ssd_bytes_read"] + p["tidal"]["ssd_bytes_written"],
-       "bound": r["lower_bound"]["fraction_of_ideal"], "ideal_s": p["ideal"]["iteration_seconds"]}
+       "bound": r["lower_bound"]["fraction_of_ideal"], "ideal_s": p["ideal"]["iteration_seconds"],
+       "chosen": r.get("micro_batch_order", "sequential")}
 if "zero-infinity" in p:
     z = p["zero-infinity"]
     row.update(zero=z["fraction_of_ideal"], zero_s=z["iteration_seconds"], zero_fits=z["fits"])
@@ -63,22 +66,37 @@ rows = [json.loads(l) for l in open(sys.argv[1])]
 print("tidal's fraction of ideal (lower bound of any plan on that trace in brackets), SSD traffic "
       "per iteration; ZeRO-Infinity on the sequential order")
 print()
-print("| case | precision | optimizer | sequential | layer-major | SSD TB seq / layer-major "
+print("| case | precision | optimizer | sequential | layer-major | auto (order kept) | SSD TB seq / layer-major "
       "| ZeRO-Infinity | best tidal / ZeRO-Infinity |")
-print("|---|---|---|---|---|---|---|---|")
+print("|---|---|---|---|---|---|---|---|---|")
 keys = dict.fromkeys((r["case"], r["precision"]) for r in rows)
 for case, precision in keys:
     mine = [r for r in rows if r["case"] == case and r["precision"] == precision]
     zero = next((r for r in mine if "zero" in r), None)
-    best = min(r["tidal_s"] for r in mine)
+    best = min(r["tidal_s"] for r in mine if r["order"] != "auto")
     for sched in ("after-backward", "in-backward"):
         s = next(r for r in mine if r["order"] == "sequential" and r["optimizer"] == sched)
         l = next(r for r in mine if r["order"] == "layer-major" and r["optimizer"] == sched)
+        a = next(r for r in mine if r["order"] == "auto" and r["optimizer"] == sched)
         cell = lambda r: f"{100 * r['tidal']:.1f}% ({100 * r['bound']:.1f}%)" + ("" if r["fits"] else " no fit")
         z = ("" if zero is None else f"{100 * zero['zero']:.1f}%" + ("" if zero["zero_fits"] else " no fit"))
         ratio = "" if zero is None or sched != "after-backward" else f"{zero['zero_s'] / best:.2f}x"
-        print(f"| {case} | {precision} | {sched} | {cell(s)} | {cell(l)} | "
+        print(f"| {case} | {precision} | {sched} | {cell(s)} | {cell(l)} | {cell(a)} {a['chosen']} | "
               f"{s['ssd_bytes'] / 1e12:.2f} / {l['ssd_bytes'] / 1e12:.2f} | "
               f"{z if sched == 'after-backward' else ''} | {ratio} |")
-print(f"\nJSON lines in {sys.argv[1]}")
+# auto plans both orders itself: it must keep the faster one, and its bound (the lower of the
+# two orders') must not be above the other two rows' bounds on time.
+checked = bad = 0
+for case, precision in keys:
+    for sched in ("after-backward", "in-backward"):
+        mine = {r["order"]: r for r in rows
+                if r["case"] == case and r["precision"] == precision and r["optimizer"] == sched}
+        checked += 1
+        fast = min(mine["sequential"]["tidal_s"], mine["layer-major"]["tidal_s"])
+        if (abs(mine["auto"]["tidal_s"] - fast) > 1e-9 * fast
+                or mine["auto"]["bound"] < max(mine["sequential"]["bound"], mine["layer-major"]["bound"]) - 1e-12):
+            bad += 1
+            print(f"auto differs from the faster order or the lower bound: {case} {precision} {sched}")
+print(f"\nauto kept the faster order with the lower bound in {checked - bad} of {checked} rows; "
+      f"JSON lines in {sys.argv[1]}")
 PY

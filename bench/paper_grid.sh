@@ -17,7 +17,10 @@
 # Environment: TIDAL_BIN (default ./build/tidal), TIDAL_GRID_PRECISION (fp32, the paper's;
 # bf16-mixed; bf16), TIDAL_GRID_SCHEDULE (empty: the optimizer step after backward, as the paper
 # ran it; or --optimizer-deferred / --optimizer-in-backward), TIDAL_GRID_CASES ("model:batch:seq
-# ..."), TIDAL_GRID_HARDWARE (default h100-4ssd).
+# ..."), TIDAL_GRID_HARDWARE (default h100-4ssd), TIDAL_GRID_ORDER (the micro-batch order:
+# sequential, the default, as the paper's training loop runs them; layer-major; or auto, where
+# tidal plans both and keeps the faster, its bound the lower of the two orders' and the ZeRO
+# baselines on the sequential order).
 set -euo pipefail
 bin=${TIDAL_BIN:-./build/tidal}
 out=${1:-build/paper_grid.jsonl}
@@ -26,6 +29,7 @@ precision=${TIDAL_GRID_PRECISION:-fp32}
 schedule=${TIDAL_GRID_SCHEDULE:-}
 hardware=${TIDAL_GRID_HARDWARE:-h100-4ssd}
 parallel=${TIDAL_GRID_PARALLEL:-tensor}
+order=${TIDAL_GRID_ORDER:-sequential}
 cases=${TIDAL_GRID_CASES:-"llama3-8b:32:1024 llama3-8b:32:2048 llama3-8b:32:4096 llama3-8b:64:2048 llama3-8b:128:1024 granite-8b:32:1024 granite-8b:32:2048 granite-8b:64:2048 llama3-70b:16:1024 llama3-70b:16:2048 llama3-70b:32:2048"}
 [ -x "$bin" ] || { echo "no tidal binary at $bin: build first (scripts/build.sh)" >&2; exit 1; }
 mkdir -p "$(dirname "$out")"
@@ -42,6 +46,7 @@ for c in $cases; do
   [ "$mb" -ge 1 ] || mb=1
   [ $((per_gpu % mb)) -eq 0 ] || { echo "batch $batch does not split into $mb micro-batches per GPU" >&2; exit 1; }
   common=(--model "$model" --batch "$batch" --seq "$seq" "${split[@]}" --micro-batches "$mb" --precision "$precision" --hardware "$hardware")
+  [ "$mb" -gt 1 ] && common+=(--micro-batch-order "$order")
   # shellcheck disable=SC2206
   common+=($schedule)
   echo "== $model b$batch s$seq: $bin simulate ${common[*]} [--host-mem 0]" >&2
@@ -55,7 +60,12 @@ model, batch, seq, mb, wall, mixed, ssd = sys.argv[1:8]
 m, s = json.loads(mixed), json.loads(ssd)
 def frac(j, p):
     r = j["policies"].get(p)
-    return {"fraction": r["fraction_of_ideal"], "fits": r["fits"]} if r else None
+    if not r:
+        return None
+    out = {"fraction": r["fraction_of_ideal"], "fits": r["fits"]}
+    if p == "tidal":
+        out["order"] = j.get("micro_batch_order", "sequential")
+    return out
 print(json.dumps({
     "model": model, "batch": int(batch), "seq": int(seq), "micro_batches_per_gpu": int(mb),
     "ideal_seconds": m["compute_seconds"], "tidal_ssd": frac(s, "tidal"),
@@ -66,7 +76,7 @@ print(json.dumps({
 EOF
 done
 
-python3 - "$out" "$precision" "${schedule:-after-backward}" "$parallel" <<'EOF'
+python3 - "$out" "$precision" "${schedule:-after-backward}" "$parallel" "$order" <<'EOF'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 # TERAIO (arXiv 2506.06472) gives per-model averages, not per-cell figures (shared/REFERENCES.md):
@@ -75,8 +85,12 @@ published = {"llama3-70b": "59.7% (70B avg, Mixed)"}
 def cell(r):
     if r is None:
         return "-"
-    return f"{100 * r['fraction']:.1f}%" + ("" if r["fits"] else " (no fit)")
-print(f"precision {sys.argv[2]}, optimizer step {sys.argv[3]}, {sys.argv[4]} parallel over 2 GPUs; fractions of ideal")
+    # With TIDAL_GRID_ORDER=auto, the cells where tidal kept the layer-major order say so.
+    lm = " LM" if sys.argv[5] == "auto" and r.get("order") == "layer-major" else ""
+    return f"{100 * r['fraction']:.1f}%{lm}" + ("" if r["fits"] else " (no fit)")
+print(f"precision {sys.argv[2]}, optimizer step {sys.argv[3]}, {sys.argv[4]} parallel over 2 GPUs, "
+      f"micro-batch order {sys.argv[5]}{' (LM: tidal kept layer-major)' if sys.argv[5] == 'auto' else ''}; "
+      "fractions of ideal")
 print("| model | batch | seq | micro-batches/GPU | ideal s | TERAIO published | tidal-SSD | tidal-Mixed | ZeRO-Offload | ZeRO-Infinity | lower bound | tidal-Mixed / bound |")
 print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:

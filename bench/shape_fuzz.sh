@@ -10,20 +10,25 @@
 # vocabulary, batch, sequence, micro-batches, precision, tensor parallelism (1 or 2), SSDs per GPU
 # (1-4) and host memory per GPU (0-1 TB) on the h100-4ssd preset, the optimizer step after
 # backward. Environment: TIDAL_BIN (default ./build/tidal), TIDAL_FUZZ_SHAPES (200),
-# TIDAL_FUZZ_SEED (1), TIDAL_FUZZ_MAX_LAYERS (48).
+# TIDAL_FUZZ_SEED (1), TIDAL_FUZZ_MAX_LAYERS (48), TIDAL_FUZZ_ORDER (the micro-batch order of
+# the shapes with micro-batches: sequential, the default; layer-major; auto: tidal plans both,
+# keeps the faster, and its bound is the lower of the two orders'; the shapes drawn are the same
+# whatever the order).
 set -euo pipefail
 bin=${TIDAL_BIN:-./build/tidal}
 out=${1:-build/shape_fuzz.jsonl}
 shapes=${TIDAL_FUZZ_SHAPES:-200}
 seed=${TIDAL_FUZZ_SEED:-1}
 max_layers=${TIDAL_FUZZ_MAX_LAYERS:-48}
+order=${TIDAL_FUZZ_ORDER:-sequential}
 [ -x "$bin" ] || { echo "no tidal binary at $bin: build first (scripts/build.sh)" >&2; exit 1; }
 mkdir -p "$(dirname "$out")"
 
-python3 - "$bin" "$out" "$shapes" "$seed" "$max_layers" <<'EOF'
+python3 - "$bin" "$out" "$shapes" "$seed" "$max_layers" "$order" <<'EOF'
 import json, random, subprocess, sys
 
 bin_, out, shapes, seed, max_layers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+order = sys.argv[6]
 rng = random.Random(seed)
 
 def draw():
@@ -59,6 +64,8 @@ with open(out, "w") as f:
                "--tensor-parallel", str(s["tensor_parallel"]), "--hardware", "h100-4ssd",
                "--ssd", f"{s['ssds']}x6.5/6.7GB/s", "--host-mem", s["host"],
                "--policy", "ideal,tidal", "--profile-steps", "0", "--json"]
+        if s["micro_batches"] > 1:
+            cmd += ["--micro-batch-order", order]
         p = subprocess.run(cmd, capture_output=True, text=True)
         row = dict(s, shape=i)
         if p.returncode != 0:
@@ -70,7 +77,8 @@ with open(out, "w") as f:
             row.update(ideal_seconds=j["compute_seconds"], tidal=t["fraction_of_ideal"],
                        fits=t["fits"], bound=lb["fraction_of_ideal"],
                        of_bound=t["fraction_of_ideal"] / lb["fraction_of_ideal"],
-                       planning_seconds=t.get("planning_seconds", 0.0))
+                       planning_seconds=t.get("planning_seconds", 0.0),
+                       order=j.get("micro_batch_order", "sequential"))
             # No plan that fits may beat the bound (1e-6 of slack for the sums' order).
             if t["fits"] and t["iteration_seconds"] < lb["iteration_seconds"] * (1 - 1e-6):
                 bad.append(row)
@@ -83,7 +91,7 @@ with open(out, "w") as f:
 
 ok = [r for r in rows if "error" not in r and r["fits"]]
 errors = [r for r in rows if "error" in r]
-print(f"{len(rows)} shapes (seed {seed}): {len(ok)} planned and fit, "
+print(f"{len(rows)} shapes (seed {seed}, micro-batch order {order}): {len(ok)} planned and fit, "
       f"{len(rows) - len(ok) - len(errors)} planned but do not fit, {len(errors)} refused "
       "(the active tensors of an op exceed device memory, or another error)")
 if ok:
@@ -95,7 +103,7 @@ if ok:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted(ok, key=lambda r: r["of_bound"])[:5]:
         print(f"| {r['shape']} | {r['layers']} | {r['hidden']}/{r['heads']}/{r['kv_heads']} | {r['ffn']} | "
-              f"{r['vocab']} | {r['batch']}x{r['seq']} ({r['micro_batches']}) | {r['precision']} | "
+              f"{r['vocab']} | {r['batch']}x{r['seq']} ({r['micro_batches']}{', LM' if r['order'] == 'layer-major' else ''}) | {r['precision']} | "
               f"{r['tensor_parallel']} | {r['ssds']} | {r['host']} | {100 * r['tidal']:.1f}% | "
               f"{100 * r['bound']:.1f}% | {r['of_bound']:.3f} |")
 print(f"\nplans that beat the bound: {len(bad)}; JSON lines in {out}")

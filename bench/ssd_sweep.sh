@@ -9,7 +9,9 @@
 # GPU's array and share of host memory), micro-batches of 8 sequences, fp32, the optimizer step
 # after backward. Environment: TIDAL_BIN (default ./build/tidal), TIDAL_SWEEP_CASES
 # ("model:batch:seq ..."), TIDAL_SWEEP_SSDS ("1 2 3 4"), TIDAL_SWEEP_HOST ("0 64GB ... 1TB"),
-# TIDAL_SWEEP_PRECISION (fp32).
+# TIDAL_SWEEP_PRECISION (fp32), TIDAL_SWEEP_ORDER (the micro-batch order: sequential, the
+# default; layer-major; auto: tidal plans both, keeps the faster, and its bound is the lower of
+# the two orders').
 set -euo pipefail
 bin=${TIDAL_BIN:-./build/tidal}
 out=${1:-build/ssd_sweep.jsonl}
@@ -17,6 +19,7 @@ cases=${TIDAL_SWEEP_CASES:-"llama3-8b:32:2048 llama3-70b:16:2048"}
 ssds=${TIDAL_SWEEP_SSDS:-"1 2 3 4"}
 hosts=${TIDAL_SWEEP_HOST:-"0 64GB 128GB 256GB 512GB 1TB"}
 precision=${TIDAL_SWEEP_PRECISION:-fp32}
+order=${TIDAL_SWEEP_ORDER:-sequential}
 [ -x "$bin" ] || { echo "no tidal binary at $bin: build first (scripts/build.sh)" >&2; exit 1; }
 mkdir -p "$(dirname "$out")"
 : >"$out"
@@ -25,12 +28,15 @@ for c in $cases; do
   IFS=: read -r model batch seq <<<"$c"
   mb=$((batch / 8))
   [ "$mb" -ge 1 ] || mb=1
+  order_flags=()
+  [ "$mb" -gt 1 ] && order_flags=(--micro-batch-order "$order")
   for n in $ssds; do
     for host in $hosts; do
       echo "== $model b$batch s$seq: ${n} SSDs, host memory $host" >&2
       j=$("$bin" simulate --model "$model" --batch "$batch" --seq "$seq" --tensor-parallel 2 \
         --micro-batches "$mb" --precision "$precision" --hardware h100-4ssd \
-        --ssd "${n}x6.5/6.7GB/s" --host-mem "$host" --policy ideal,tidal --json | tail -n 1)
+        --ssd "${n}x6.5/6.7GB/s" --host-mem "$host" "${order_flags[@]}" --policy ideal,tidal \
+        --profile-steps 0 --json | tail -n 1)
       python3 - "$model" "$batch" "$seq" "$n" "$host" "$j" >>"$out" <<'EOF'
 import json, sys
 model, batch, seq, n, host, j = sys.argv[1:7]
@@ -38,16 +44,19 @@ r = json.loads(j)
 t = r["policies"]["tidal"]
 print(json.dumps({"model": model, "batch": int(batch), "seq": int(seq), "ssds": int(n),
                   "host": host, "tidal": t["fraction_of_ideal"], "fits": t["fits"],
-                  "bound": r["lower_bound"]["fraction_of_ideal"]}))
+                  "bound": r["lower_bound"]["fraction_of_ideal"],
+                  "order": r.get("micro_batch_order", "sequential")}))
 EOF
     done
   done
 done
 
-python3 - "$out" "$precision" <<'EOF'
+python3 - "$out" "$precision" "$order" <<'EOF'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
-print(f"precision {sys.argv[2]}; tidal's fraction of ideal (lower bound of any plan in brackets)")
+auto = sys.argv[3] == "auto"
+print(f"precision {sys.argv[2]}, micro-batch order {sys.argv[3]}; tidal's fraction of ideal (lower "
+      "bound of any plan in brackets)" + ("; LM: tidal kept layer-major" if auto else ""))
 for key in dict.fromkeys((r["model"], r["batch"], r["seq"]) for r in rows):
     mine = [r for r in rows if (r["model"], r["batch"], r["seq"]) == key]
     hosts = list(dict.fromkeys(r["host"] for r in mine))
@@ -59,7 +68,8 @@ for key in dict.fromkeys((r["model"], r["batch"], r["seq"]) for r in rows):
         for h in hosts:
             r = next(x for x in mine if x["ssds"] == n and x["host"] == h)
             fit = "" if r["fits"] else " no fit"
-            cells.append(f"{100 * r['tidal']:.1f}% ({100 * r['bound']:.1f}%){fit}")
+            lm = " LM" if auto and r["order"] == "layer-major" else ""
+            cells.append(f"{100 * r['tidal']:.1f}% ({100 * r['bound']:.1f}%){lm}{fit}")
         print(f"| {n} | " + " | ".join(cells) + " |")
 worst = min(r["tidal"] / r["bound"] for r in rows)
 print(f"\nlowest tidal / lower bound: {worst:.3f}; JSON lines in {sys.argv[1]}")

@@ -11,6 +11,7 @@
 #include "tidal/plan/bound.hpp"
 #include "tidal/plan/hardware.hpp"
 #include "tidal/plan/model_trace.hpp"
+#include "tidal/plan/order_choice.hpp"
 #include "tidal/plan/planner.hpp"
 #include "tidal/plan/simulator.hpp"
 #include "tidal/trace/io.hpp"
@@ -31,15 +32,39 @@ struct PlanArgs {
 
 void run_plan(const PlanArgs& a) {
   stop_on_interrupt("plan");
-  auto [hw, tr] = load_trace_source(a.src);
+  const LoadedSource src = load_trace_source(a.src);
+  const plan::Hardware& hw = src.hw;
   plan::PlannerOptions opt;
   opt.use_host = !a.no_host;
   opt.prefer_host = a.prefer_host;
   opt.allow_stalls = !a.no_stalls;
   if (!a.min_bytes.empty()) opt.min_bytes = parse_bytes(a.min_bytes);
   opt.progress = planning_progress();
-  const plan::Plan p = plan::make_plan(tr, hw, opt);
-  const plan::SimResult sim = plan::simulate(tr, &p, hw);
+  // --micro-batch-order auto: both orders planned and simulated, the faster kept, and the bound
+  // the lower of the two (no plan on either order beats it).
+  std::optional<plan::OrderChoice> choice;
+  std::size_t chosen = 0;
+  plan::Plan p;
+  plan::SimResult sim;
+  plan::StallBound bound;
+  if (src.choose_order()) {
+    std::vector<const trace::Trace*> traces;
+    for (const auto& t : src.traces) traces.push_back(&t);
+    plan::PolicyOptions po;
+    po.planner = opt;
+    choice = plan::choose_fastest_order(traces, hw, po, fraction_progress("lower bound"));
+    const plan::OrderCandidate& best = choice->best();
+    TIDAL_EXPECT_AS(InvalidArgument, best.tidal.plan.has_value(), best.tidal.note);
+    chosen = choice->chosen;
+    p = *best.tidal.plan;
+    sim = best.tidal.sim;
+    bound = choice->bound();
+  } else {
+    p = plan::make_plan(src.traces[0], hw, opt);
+    sim = plan::simulate(src.traces[0], &p, hw);
+    bound = plan::stall_lower_bound(src.traces[0], hw, fraction_progress("lower bound"));
+  }
+  const trace::Trace& tr = src.traces[chosen];
   const plan::PlanSummary& s = p.summary;
   const double cap = static_cast<double>(hw.device_memory);
   auto gb = [](std::uint64_t b) { return format_bytes(static_cast<double>(b)); };
@@ -48,6 +73,20 @@ void run_plan(const PlanArgs& a) {
               tr.tensors.size());
   if (const auto it = tr.meta.find("optimizer_schedule"); it != tr.meta.end())
     std::printf("optimizer step: %s\n", it->second.c_str());
+  if (choice) {
+    std::printf("micro-batch order: auto chose %s (tidal's plan on", choice->best().order.c_str());
+    for (std::size_t i = 0; i < choice->candidates.size(); ++i) {
+      const plan::OrderCandidate& c = choice->candidates[i];
+      std::printf("%s %s: %s, bound %s, planned in %s%s", i > 0 ? ";" : "", c.order.c_str(),
+                  format_seconds(c.tidal.sim.iteration_seconds).c_str(),
+                  format_seconds(c.bound.iteration_seconds).c_str(),
+                  format_seconds(c.tidal.planning_seconds).c_str(),
+                  c.tidal.fits ? "" : ", does not fit");
+    }
+    std::printf(")\n");
+  } else if (const auto it = tr.meta.find("micro_batch_order"); it != tr.meta.end()) {
+    std::printf("micro-batch order: %s\n", it->second.c_str());
+  }
   std::printf("hardware %s: %s\n", hw.name.c_str(), hw.describe().c_str());
   std::printf("  peak with everything kept  %s (%.0f%% of device memory)\n",
               gb(s.peak_before_bytes).c_str(),
@@ -69,11 +108,10 @@ void run_plan(const PlanArgs& a) {
               format_seconds(sim.compute_seconds).c_str(),
               format_seconds(sim.stall_seconds).c_str(), gb(sim.peak_bytes).c_str(),
               sim.fits ? "fits" : "DOES NOT FIT");
-  const plan::StallBound bound = plan::stall_lower_bound(tr, hw, fraction_progress("lower bound"));
-  std::printf("  lower bound, any plan      stall %s, iteration %s (%.1f%% of ideal at best)\n",
-              format_seconds(bound.stall_seconds).c_str(),
-              format_seconds(bound.iteration_seconds).c_str(),
-              100.0 * sim.compute_seconds / bound.iteration_seconds);
+  std::printf(
+      "  lower bound, any plan      stall %s, iteration %s (%.1f%% of ideal at best)%s\n",
+      format_seconds(bound.stall_seconds).c_str(), format_seconds(bound.iteration_seconds).c_str(),
+      100.0 * sim.compute_seconds / bound.iteration_seconds, choice ? ", on either order" : "");
   if (!a.out.empty()) {
     plan::write_plan(p, a.out);
     std::printf("  wrote %zu actions to %s\n", p.actions.size(), a.out.c_str());
@@ -83,6 +121,18 @@ void run_plan(const PlanArgs& a) {
     j["model"] = tr.model;
     if (const auto it = tr.meta.find("optimizer_schedule"); it != tr.meta.end())
       j["optimizer_schedule"] = it->second;
+    if (const auto it = tr.meta.find("micro_batch_order"); it != tr.meta.end())
+      j["micro_batch_order"] = it->second;
+    if (choice) {
+      nlohmann::json orders = nlohmann::json::object();
+      for (const auto& c : choice->candidates) {
+        orders[c.order] = {{"simulated_iteration_seconds", c.tidal.sim.iteration_seconds},
+                           {"simulated_fits", c.tidal.fits},
+                           {"planning_seconds", c.tidal.planning_seconds},
+                           {"lower_bound_iteration_seconds", c.bound.iteration_seconds}};
+      }
+      j["micro_batch_orders"] = orders;
+    }
     j["actions"] = p.actions.size();
     j["simulated_iteration_seconds"] = sim.iteration_seconds;
     j["simulated_peak_bytes"] = sim.peak_bytes;

@@ -19,6 +19,7 @@
 #include "tidal/plan/bound.hpp"
 #include "tidal/plan/hardware.hpp"
 #include "tidal/plan/model_trace.hpp"
+#include "tidal/plan/order_choice.hpp"
 #include "tidal/plan/policies.hpp"
 #include "tidal/plan/profiling_phase.hpp"
 #include "tidal/plan/simulator.hpp"
@@ -151,9 +152,13 @@ void run_given_plan(const SimulateArgs& a, const plan::Hardware& hw, const trace
 
 void run_simulate(const SimulateArgs& a) {
   stop_on_interrupt("simulate");
-  auto [hw, tr] = load_trace_source(a.src);
+  const LoadedSource src = load_trace_source(a.src);
+  const plan::Hardware& hw = src.hw;
   if (!a.plan_file.empty()) {
-    run_given_plan(a, hw, tr);
+    TIDAL_EXPECT_AS(InvalidArgument, !src.choose_order(),
+                    "--plan replays one plan on the trace it was made for: give its micro-batch "
+                    "order (--micro-batch-order sequential or layer-major), not auto");
+    run_given_plan(a, hw, src.traces[0]);
     return;
   }
   std::vector<plan::Policy> policies;
@@ -172,12 +177,43 @@ void run_simulate(const SimulateArgs& a) {
   const auto since = [](Clock::time_point t0) {
     return std::chrono::duration<double>(Clock::now() - t0).count();
   };
+  // --micro-batch-order auto: tidal plans and simulates both orders and keeps the faster; the
+  // other policies run on the sequential order (ZeRO's models are of DeepSpeed's loop, which
+  // runs micro-batches in turn; ideal is the same on both), and the bound is the lower of the
+  // two orders' bounds, which no plan on either order beats.
+  std::optional<plan::OrderChoice> choice;
+  const auto tidal_at = std::find(policies.begin(), policies.end(), plan::Policy::kTidal);
+  TIDAL_EXPECT_AS(InvalidArgument, !src.choose_order() || tidal_at != policies.end(),
+                  "--micro-batch-order auto keeps the order in which tidal's plan is faster: "
+                  "give tidal in --policy, or choose the order (sequential or layer-major)");
+  const trace::Trace& sequential = src.traces[0];
   auto t0 = Clock::now();
-  const auto results = plan::run_policies(policies, tr, hw, opt);
-  const double policies_seconds = since(t0);
-  t0 = Clock::now();
-  const plan::StallBound bound = plan::stall_lower_bound(tr, hw, fraction_progress("lower bound"));
-  const double bound_seconds = since(t0);
+  std::vector<plan::PolicyResult> results;
+  double bound_seconds = 0;
+  if (src.choose_order()) {
+    std::vector<plan::Policy> others(policies.begin(), tidal_at);
+    others.insert(others.end(), tidal_at + 1, policies.end());
+    results = plan::run_policies(others, sequential, hw, opt);
+    std::vector<const trace::Trace*> traces;
+    for (const auto& t : src.traces) traces.push_back(&t);
+    choice = plan::choose_fastest_order(traces, hw, opt, fraction_progress("lower bound"));
+    results.insert(results.begin() + (tidal_at - policies.begin()), choice->best().tidal);
+    for (const auto& c : choice->candidates) bound_seconds += c.bound_wall_seconds;
+  } else {
+    results = plan::run_policies(policies, sequential, hw, opt);
+  }
+  const double policies_seconds = since(t0) - bound_seconds;
+  // The trace of tidal's plan, and that of the bound.
+  const trace::Trace& tr = choice ? src.traces[choice->chosen] : sequential;
+  const trace::Trace& bound_trace = choice ? src.traces[choice->bound_from] : sequential;
+  plan::StallBound bound;
+  if (choice) {
+    bound = choice->bound();
+  } else {
+    t0 = Clock::now();
+    bound = plan::stall_lower_bound(sequential, hw, fraction_progress("lower bound"));
+    bound_seconds = since(t0);
+  }
   const double ideal_seconds = tr.compute_seconds();
   std::uint64_t trace_peak = 0;
   for (const auto& r : results) {
@@ -191,6 +227,20 @@ void run_simulate(const SimulateArgs& a) {
               tr.tensors.size(), format_seconds(tr.compute_seconds()).c_str());
   if (const auto it = tr.meta.find("optimizer_schedule"); it != tr.meta.end())
     std::printf("optimizer step: %s\n", it->second.c_str());
+  if (choice) {
+    std::printf("micro-batch order: auto chose %s for tidal (", choice->best().order.c_str());
+    for (std::size_t i = 0; i < choice->candidates.size(); ++i) {
+      const plan::OrderCandidate& c = choice->candidates[i];
+      std::printf("%s%s %s, %s of ideal, bound %s%s", i > 0 ? "; " : "", c.order.c_str(),
+                  format_seconds(c.tidal.sim.iteration_seconds).c_str(),
+                  pct(c.tidal.fraction_of_ideal).c_str(),
+                  format_seconds(c.bound.iteration_seconds).c_str(),
+                  c.tidal.fits ? "" : ", does not fit");
+    }
+    std::printf("); the other policies on the sequential order\n");
+  } else if (const auto it = tr.meta.find("micro_batch_order"); it != tr.meta.end()) {
+    std::printf("micro-batch order: %s\n", it->second.c_str());
+  }
   std::printf("hardware %s: %s\n", hw.name.c_str(), hw.describe().c_str());
   if (trace_peak > 0) {
     std::printf("keep-all peak %s = %s of device memory\n",
@@ -208,15 +258,19 @@ void run_simulate(const SimulateArgs& a) {
                 format_bytes(static_cast<double>(r.sim.host_bytes_written)).c_str(),
                 r.note.c_str());
   }
+  const std::string bound_of = choice
+                                   ? "either micro-batch order (the " +
+                                         choice->candidates[choice->bound_from].order + " order's)"
+                                   : "this trace";
   std::printf(
-      "\nlower bound for any plan on this trace: %s iteration (%s of ideal at best), stall >= "
+      "\nlower bound for any plan on %s: %s iteration (%s of ideal at best), stall >= "
       "%s\n",
-      format_seconds(bound.iteration_seconds).c_str(),
+      bound_of.c_str(), format_seconds(bound.iteration_seconds).c_str(),
       pct(ideal_seconds / bound.iteration_seconds).c_str(),
       format_seconds(bound.stall_seconds).c_str());
   for (const auto& w : bound.windows) {
-    const auto& first = tr.ops[static_cast<std::size_t>(w.first)];
-    const auto& last = tr.ops[static_cast<std::size_t>(w.last)];
+    const auto& first = bound_trace.ops[static_cast<std::size_t>(w.first)];
+    const auto& last = bound_trace.ops[static_cast<std::size_t>(w.last)];
     std::printf("  ops %d-%d (%s %s .. %s %s): %s compute, >= %s to read, >= %s to write: %s\n",
                 w.first, w.last, trace::to_string(first.phase), first.name.c_str(),
                 trace::to_string(last.phase), last.name.c_str(),
@@ -281,6 +335,27 @@ void run_simulate(const SimulateArgs& a) {
     j["model"] = tr.model;
     if (const auto it = tr.meta.find("optimizer_schedule"); it != tr.meta.end())
       j["optimizer_schedule"] = it->second;
+    if (const auto it = tr.meta.find("micro_batch_order"); it != tr.meta.end())
+      j["micro_batch_order"] = it->second;
+    if (choice) {
+      // Both orders' tidal plans and bounds; "lower_bound" below is the lower of the two.
+      nlohmann::json orders = nlohmann::json::object();
+      for (const auto& c : choice->candidates) {
+        orders[c.order] = {
+            {"iteration_seconds", c.tidal.sim.iteration_seconds},
+            {"fraction_of_ideal", c.tidal.fraction_of_ideal},
+            {"fits", c.tidal.fits},
+            {"planning_seconds", c.tidal.planning_seconds},
+            {"ssd_bytes_written", c.tidal.sim.ssd_bytes_written},
+            {"ssd_bytes_read", c.tidal.sim.ssd_bytes_read},
+            {"lower_bound",
+             {{"iteration_seconds", c.bound.iteration_seconds},
+              {"stall_seconds", c.bound.stall_seconds},
+              {"fraction_of_ideal", c.tidal.sim.compute_seconds / c.bound.iteration_seconds}}}};
+      }
+      j["micro_batch_order_requested"] = "auto";
+      j["micro_batch_orders"] = orders;
+    }
     j["batch"] = tr.batch;
     j["seq"] = tr.seq;
     j["ops"] = tr.ops.size();
@@ -291,6 +366,8 @@ void run_simulate(const SimulateArgs& a) {
     j["lower_bound"] = {{"iteration_seconds", bound.iteration_seconds},
                         {"stall_seconds", bound.stall_seconds},
                         {"fraction_of_ideal", ideal_seconds / bound.iteration_seconds}};
+    if (choice)
+      j["lower_bound"]["micro_batch_order"] = choice->candidates[choice->bound_from].order;
     // Wall time of this command's stages on this machine: the policies (planning and
     // simulating), the bound's search, the steps before the plan.
     j["stage_seconds"] = {{"policies", policies_seconds},

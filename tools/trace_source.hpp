@@ -32,7 +32,10 @@ struct TraceSource {
   bool optimizer_in_backward = false;
   bool optimizer_deferred = false;
   int micro_batches = 1;
-  bool layer_major = false;
+  /// "sequential", "layer-major" or "auto" (both, planned; the faster kept); empty: not given
+  /// (sequential, or layer-major with --layer-major).
+  std::string micro_batch_order;
+  bool layer_major = false;  ///< --layer-major: --micro-batch-order layer-major
   int data_parallel = 1;
   int tensor_parallel = 1;
   std::string precision = "fp32";
@@ -130,10 +133,16 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
                   "forward and backward pass, accumulating gradients; one optimizer step after "
                   "the last (gradient accumulation)")
       ->capture_default_str();
-  cmd->add_flag("--layer-major", s.layer_major,
-                "with --model and --micro-batches: every micro-batch through a layer before the "
-                "next layer, in forward and backward (GreedySnake's vertical order: each layer's "
-                "weights read once per pass; every micro-batch's activations alive at once)");
+  cmd->add_option("--micro-batch-order", s.micro_batch_order,
+                  "with --model and --micro-batches: sequential (the default: each micro-batch's "
+                  "forward and backward in turn, as training loops run them), layer-major (every "
+                  "micro-batch through a layer before the next layer, in forward and backward: "
+                  "GreedySnake's vertical order; each layer's weights read once per pass, every "
+                  "micro-batch's activations alive at once), or auto (tidal plans and simulates "
+                  "both and keeps the faster; the lower bound is then the lower of the two "
+                  "orders' bounds)")
+      ->check(CLI::IsMember({"sequential", "layer-major", "auto"}));
+  cmd->add_flag("--layer-major", s.layer_major, "the same as --micro-batch-order layer-major");
   cmd->add_option("--data-parallel", s.data_parallel,
                   "with --model: data parallelism over this many GPUs; --batch is the global "
                   "batch, split over them, and the gradients are all-reduced on the GPU link "
@@ -165,9 +174,34 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
                   "cpu-here measures it and prints it in its plan summary; 0 on a GPU)");
 }
 
-/// The hardware model and the trace the flags describe. Throws tidal::InvalidArgument with what
+/// The micro-batch order the flags ask for; nullopt for auto.
+inline std::optional<plan::MicroBatchOrder> requested_order(const TraceSource& s) {
+  TIDAL_EXPECT_AS(
+      InvalidArgument,
+      !s.layer_major || s.micro_batch_order.empty() || s.micro_batch_order == "layer-major",
+      "--layer-major is --micro-batch-order layer-major: give one of --layer-major and "
+      "--micro-batch-order ",
+      s.micro_batch_order);
+  if (s.layer_major || s.micro_batch_order.empty()) {
+    return s.layer_major ? plan::MicroBatchOrder::kLayerMajor : plan::MicroBatchOrder::kSequential;
+  }
+  if (s.micro_batch_order == "auto") return std::nullopt;
+  return plan::micro_batch_order_from_string(s.micro_batch_order);
+}
+
+/// What the flags describe: the hardware model and the traces to plan. One trace, but two for
+/// --micro-batch-order auto with more than one micro-batch (sequential, then layer-major: the
+/// same iteration in the two orders, of which the caller keeps the faster plan).
+struct LoadedSource {
+  plan::Hardware hw;
+  std::vector<trace::Trace> traces;
+  /// --micro-batch-order auto with two traces.
+  [[nodiscard]] bool choose_order() const { return traces.size() > 1; }
+};
+
+/// The hardware model and the traces the flags describe. Throws tidal::InvalidArgument with what
 /// to give when the flags are incomplete or contradictory.
-inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSource& s) {
+inline LoadedSource load_trace_source(const TraceSource& s) {
   plan::Hardware hw = plan::hardware_preset(s.hardware);
   plan::HardwareOverrides overrides = parse_hardware_flags(s.hw);
   if (s.measure_dirs) {
@@ -196,13 +230,17 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
     TIDAL_EXPECT_AS(InvalidArgument, s.precision == "fp32",
                     "--precision builds an analytic trace (--model); a profiled trace has the "
                     "sizes and times its training loop measured");
-    TIDAL_EXPECT_AS(InvalidArgument, s.micro_batches == 1 && !s.layer_major,
-                    "--micro-batches and --layer-major build an analytic trace (--model); a "
-                    "profiled trace has the passes its training loop ran, in its order");
+    TIDAL_EXPECT_AS(
+        InvalidArgument,
+        s.micro_batches == 1 && requested_order(s) == plan::MicroBatchOrder::kSequential,
+        "--micro-batches and --micro-batch-order build an analytic trace (--model); a "
+        "profiled trace has the passes its training loop ran, in its order");
     TIDAL_EXPECT_AS(InvalidArgument, s.data_parallel == 1 && s.tensor_parallel == 1,
                     "--data-parallel and --tensor-parallel build an analytic trace (--model); a "
                     "profiled trace is the GPU it was profiled on");
-    return {hw, trace::read_trace(s.trace_path)};
+    LoadedSource out{hw, {}};
+    out.traces.push_back(trace::read_trace(s.trace_path));
+    return out;
   }
   TIDAL_EXPECT_AS(InvalidArgument, !s.model.empty(),
                   "give a trace (--trace T.json) or a model (--model llama3-8b --batch 8 --seq "
@@ -230,14 +268,30 @@ inline std::pair<plan::Hardware, trace::Trace> load_trace_source(const TraceSour
   plan::AnalyticTraceOptions topt;
   topt.optimizer = optimizer_schedule(s.optimizer_in_backward, s.optimizer_deferred);
   topt.micro_batches = s.micro_batches;
-  TIDAL_EXPECT_AS(InvalidArgument, !s.layer_major || s.micro_batches > 1,
-                  "--layer-major orders micro-batches: give --micro-batches 2 or more");
-  topt.layer_major = s.layer_major;
+  const std::optional<plan::MicroBatchOrder> order = requested_order(s);
+  TIDAL_EXPECT_AS(
+      InvalidArgument,
+      s.micro_batches > 1 || order == plan::MicroBatchOrder::kSequential || !order.has_value(),
+      "--micro-batch-order layer-major (--layer-major) orders micro-batches: give "
+      "--micro-batches 2 or more");
   topt.data_parallel = s.data_parallel;
   topt.tensor_parallel = s.tensor_parallel;
   topt.precision = plan::precision_from_string(s.precision);
   check_trace_fits(plan::analytic_trace_size(cfg, s.batch, s.seq, hw, topt), cfg);
-  return {hw, plan::transformer_trace(cfg, s.batch, s.seq, hw, topt)};
+  // auto with one micro-batch: the two orders are the same trace.
+  std::vector<plan::MicroBatchOrder> orders;
+  if (order) {
+    orders.push_back(*order);
+  } else {
+    orders.push_back(plan::MicroBatchOrder::kSequential);
+    if (s.micro_batches > 1) orders.push_back(plan::MicroBatchOrder::kLayerMajor);
+  }
+  LoadedSource out{hw, {}};
+  for (plan::MicroBatchOrder o : orders) {
+    topt.micro_batch_order = o;
+    out.traces.push_back(plan::transformer_trace(cfg, s.batch, s.seq, hw, topt));
+  }
+  return out;
 }
 
 }  // namespace tidal::cli

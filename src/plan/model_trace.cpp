@@ -11,6 +11,9 @@ namespace tidal::plan {
 
 TIDAL_ENUM_NAMES(Precision, precision_from_string, "precision", {Precision::kFp32, "fp32"},
                  {Precision::kBf16Mixed, "bf16-mixed"}, {Precision::kBf16, "bf16"})
+TIDAL_ENUM_NAMES(MicroBatchOrder, micro_batch_order_from_string, "micro-batch order",
+                 {MicroBatchOrder::kSequential, "sequential"},
+                 {MicroBatchOrder::kLayerMajor, "layer-major"})
 
 std::int64_t TransformerConfig::parameters() const {
   const std::int64_t h = hidden;

@@ -260,7 +260,7 @@ class TransformerTraceBuilder {
     // batch; the first backward op that writes a gradient makes it, the later ones (in this and
     // the next micro-batches) accumulate into it, and the optimizer step reads it once after the
     // last.
-    if (M > 1 && opt_.layer_major) {
+    if (M > 1 && opt_.micro_batch_order == MicroBatchOrder::kLayerMajor) {
       layer_major();
     } else {
       for (int mb = 0; mb < M; ++mb) {
@@ -773,7 +773,7 @@ trace::Trace transformer_trace(const TransformerConfig& cfg, std::int64_t batch,
   t.batch = batch / options.data_parallel;
   if (options.micro_batches > 1) {
     t.meta["micro_batches"] = std::to_string(options.micro_batches);
-    t.meta["micro_batch_order"] = options.layer_major ? "layer-major" : "sequential";
+    t.meta["micro_batch_order"] = to_string(options.micro_batch_order);
   }
   if (options.data_parallel > 1) t.meta["data_parallel"] = std::to_string(options.data_parallel);
   if (options.tensor_parallel > 1)

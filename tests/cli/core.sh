@@ -60,6 +60,39 @@ expect "give a smaller hidden" simulate --model llama3-8b --batch 1 --seq 64 --h
 expect "the read bandwidth of each SSD" plan --model gpt2-small --batch 1 --seq 64 --ssd 4x6/0GB/s
 expect "<count>x<write>/<read>" plan --model gpt2-small --batch 1 --seq 64 --ssd 4x0/0GB/s
 
+# The micro-batch order: auto chooses by tidal's plan, so it needs tidal among the policies; a
+# given plan is of one order; layer-major needs micro-batches; a profiled trace has its order.
+mb=(--model gpt2-small --layers 2 --batch 4 --seq 256 --micro-batches 2)
+expect "give tidal in --policy" simulate "${mb[@]}" --micro-batch-order auto --policy ideal
+echo '{}' >"$tmp/plan.json"
+expect "not auto" simulate "${mb[@]}" --micro-batch-order auto --plan "$tmp/plan.json"
+expect "give --micro-batches 2 or more" plan --model gpt2-small --batch 4 --seq 64 --layer-major
+expect "build an analytic trace (--model)" plan --trace "$tmp/plan.json" --micro-batch-order auto
+expect "give one of --layer-major and --micro-batch-order sequential" simulate "${mb[@]}" \
+  --layer-major --micro-batch-order sequential
+# auto: --json names the order kept and both orders' iterations and bounds; the bound reported
+# is the lower of the two, and the order kept is the faster plan.
+out=$("$tidal" simulate "${mb[@]}" --gpu-mem 800MB --ssd 1x0.5/0.5GB/s --micro-batch-order auto \
+  --policy ideal,tidal --profile-steps 0 --json 2>&1 | tail -n 1)
+if ! command -v python3 >/dev/null; then
+  echo "skip auto's JSON: no python3 here"
+elif python3 -c '
+import json, sys
+j = json.loads(sys.argv[1])
+o = j["micro_batch_orders"]
+s, l = o["sequential"], o["layer-major"]
+fast = min((s, "sequential"), (l, "layer-major"), key=lambda x: x[0]["iteration_seconds"])[1]
+assert j["micro_batch_order_requested"] == "auto" and j["micro_batch_order"] == fast
+assert j["policies"]["tidal"]["iteration_seconds"] == o[fast]["iteration_seconds"]
+lb = j["lower_bound"]["iteration_seconds"]
+assert lb == min(s["lower_bound"]["iteration_seconds"], l["lower_bound"]["iteration_seconds"])
+assert lb <= s["iteration_seconds"] and lb <= l["iteration_seconds"]
+' "$out" 2>"$tmp/auto.err"; then
+  echo "ok   simulate --micro-batch-order auto: the faster order kept, the lower bound of the two"
+else
+  fail "simulate --micro-batch-order auto's JSON" "$(cat "$tmp/auto.err") $out"
+fi
+
 # A trace too large to hold is refused at once, with its size and what to do (it once ran for
 # minutes and ended in std::bad_alloc).
 start=$(date +%s%N)

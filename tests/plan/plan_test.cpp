@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <optional>
 #include <random>
@@ -17,6 +18,7 @@
 #include "tidal/plan/bound.hpp"
 #include "tidal/plan/hardware.hpp"
 #include "tidal/plan/model_trace.hpp"
+#include "tidal/plan/order_choice.hpp"
 #include "tidal/plan/planner.hpp"
 #include "tidal/plan/policies.hpp"
 #include "tidal/plan/profiling_phase.hpp"
@@ -824,7 +826,7 @@ TEST(ModelTrace, LayerMajorRunsEveryMicroBatchThroughALayerBeforeTheNext) {
       opt.micro_batches = kM;
       opt.optimizer = static_cast<OptimizerSchedule>(schedule);
       const trace::Trace seq = transformer_trace(cfg, 2 * kM, 128, hw, opt);
-      opt.layer_major = true;
+      opt.micro_batch_order = MicroBatchOrder::kLayerMajor;
       const trace::Trace t = transformer_trace(cfg, 2 * kM, 128, hw, opt);
       ASSERT_NO_THROW(trace::validate(t));
       EXPECT_EQ(t.meta.at("micro_batch_order"), "layer-major");
@@ -1810,6 +1812,114 @@ TEST(StallBoundFuzz, TheSweepFindsWhatGrowingEveryWindowFinds) {
   });
   expect_count_above("positive", positive, 40);
   EXPECT_GE(same_windows, 390);
+}
+
+// The micro-batch order as a planner choice, on random small decoder shapes and machines (device
+// memory 30-90% of the sequential trace's peak, one SSD of 0.3-30 GB/s, host memory or none):
+// choose_fastest_order keeps the order whose plan, made and simulated here on its own, fits
+// and is faster; its bound is the lower of the two traces' own bounds; and no plan on either
+// order that fits (tidal's, pruned or not, and the SSDTrain-like one) beats it. Both orders must
+// win some of the cases, so that the choice is not vacuous.
+TEST(OrderChoice, KeepsTheFasterOrderAndABoundNoPlanOnEitherOrderBeats) {
+  std::mt19937_64 rng(2027);
+  const auto pick = [&rng](std::initializer_list<int> v) {
+    return *(v.begin() + static_cast<std::ptrdiff_t>(rng() % v.size()));
+  };
+  std::uniform_real_distribution<double> unit(0, 1);
+  int layer_major_faster = 0;
+  int sequential_faster = 0;
+  int plans_checked = 0;
+  for (int c = 0; c < 40; ++c) {
+    TransformerConfig cfg = model_preset("llama3-8b");
+    ModelOverrides o;
+    o.layers = pick({2, 3, 4});
+    o.hidden = pick({256, 512, 1024});
+    o.heads = 8;
+    o.kv_heads = pick({2, 8});
+    o.ffn = 3 * *o.hidden;
+    o.vocab = pick({4096, 32000});
+    apply_overrides(cfg, o);
+    AnalyticTraceOptions opt;
+    opt.micro_batches = pick({2, 4});
+    opt.precision = unit(rng) < 0.5 ? Precision::kFp32 : Precision::kBf16Mixed;
+    const std::int64_t batch = opt.micro_batches * pick({1, 2});
+    const std::int64_t seq = pick({128, 256, 512});
+    Hardware hw = hardware_preset("h100-4ssd");
+    std::vector<trace::Trace> traces;
+    for (MicroBatchOrder order : {MicroBatchOrder::kSequential, MicroBatchOrder::kLayerMajor}) {
+      opt.micro_batch_order = order;
+      traces.push_back(transformer_trace(cfg, batch, seq, hw, opt));
+    }
+    const double peak =
+        static_cast<double>(trace::analyze_lifetimes(traces[0]).summary.peak_live_bytes);
+    hw.device_memory = static_cast<std::uint64_t>(peak * (0.3 + 0.6 * unit(rng)));
+    hw.ssd_count = 1;
+    hw.ssd_write_bw = hw.ssd_read_bw = std::pow(10.0, 8.5 + 2 * unit(rng));
+    hw.host_memory = unit(rng) < 0.5 ? 0 : static_cast<std::uint64_t>(peak / 3);
+    const std::string where = "case " + std::to_string(c);
+
+    const OrderChoice choice = choose_fastest_order({&traces[0], &traces[1]}, hw);
+    ASSERT_EQ(choice.candidates.size(), 2U) << where;
+    EXPECT_EQ(choice.candidates[0].order, "sequential") << where;
+    EXPECT_EQ(choice.candidates[1].order, "layer-major") << where;
+
+    // Each order planned and simulated here on its own, and its own bound.
+    double iteration[2] = {0, 0};
+    bool fits[2] = {false, false};
+    double bound[2] = {0, 0};
+    double shortest_fitting_plan = std::numeric_limits<double>::infinity();
+    for (int i = 0; i < 2; ++i) {
+      const trace::Trace& t = traces[static_cast<std::size_t>(i)];
+      bound[i] = stall_lower_bound(t, hw).iteration_seconds;
+      if (const std::optional<Plan> p = try_plan(t, hw)) {
+        const SimResult sim = simulate(t, &*p, hw);
+        iteration[i] = sim.iteration_seconds;
+        fits[i] = sim.fits;
+      } else {
+        iteration[i] = simulate(t, nullptr, hw).iteration_seconds;
+      }
+      const OrderCandidate& got = choice.candidates[static_cast<std::size_t>(i)];
+      EXPECT_NEAR(got.tidal.sim.iteration_seconds, iteration[i], 1e-9 * iteration[i]) << where;
+      EXPECT_EQ(got.tidal.fits, fits[i]) << where;
+      EXPECT_NEAR(got.bound.iteration_seconds, bound[i], 1e-9 * bound[i]) << where;
+      std::vector<Plan> plans;
+      for (const auto& p : {try_plan(t, hw), try_unpruned_plan(t, hw)}) {
+        if (p) plans.push_back(*p);
+      }
+      plans.push_back(activation_plan(t, hw, PolicyOptions{}));
+      for (const Plan& p : plans) {
+        const SimResult sim = simulate(t, &p, hw);
+        if (!sim.fits) continue;
+        ++plans_checked;
+        shortest_fitting_plan = std::min(shortest_fitting_plan, sim.iteration_seconds);
+      }
+    }
+    // The faster of the plans that fit (of both when neither does); the sequential order on a
+    // tie (within a millionth), as when both run at ideal.
+    std::size_t want = 0;
+    if (fits[1] != fits[0]) {
+      want = fits[1] ? 1 : 0;
+    } else if (iteration[1] < iteration[0] * (1 - 1e-6)) {
+      want = 1;
+    }
+    EXPECT_EQ(choice.chosen, want) << where;
+    const double slack = 1e-9 * traces[0].compute_seconds();
+    EXPECT_EQ(&choice.best(), &choice.candidates[choice.chosen]) << where;
+    EXPECT_NEAR(choice.bound().iteration_seconds, std::min(bound[0], bound[1]), 1e-9 * bound[0])
+        << where;
+    EXPECT_LE(choice.bound().iteration_seconds, shortest_fitting_plan + slack) << where;
+    for (int i = 0; i < 2; ++i) {
+      if (fits[i]) EXPECT_LE(choice.bound().iteration_seconds, iteration[i] + slack) << where;
+    }
+    if (fits[0] && fits[1]) {
+      if (iteration[1] < 0.99 * iteration[0]) ++layer_major_faster;
+      if (iteration[0] < 0.99 * iteration[1]) ++sequential_faster;
+    }
+  }
+  expect_count_above("layer_major_faster", layer_major_faster, 3);
+  expect_count_above("sequential_faster", sequential_faster, 3);
+  expect_count_above("plans_checked", plans_checked, 100);
+  EXPECT_THROW(choose_fastest_order({}, hardware_preset("h100-4ssd")), InvalidArgument);
 }
 
 }  // namespace

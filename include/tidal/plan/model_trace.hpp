@@ -71,6 +71,20 @@ const char* to_string(Precision p);
 /// the names.
 Precision precision_from_string(const std::string& s);
 
+/// The order of an iteration's micro-batches (gradient accumulation).
+enum class MicroBatchOrder : std::uint8_t {
+  /// Each micro-batch's forward and backward pass before the next micro-batch's (GreedySnake's
+  /// "horizontal" order; what training loops with gradient accumulation run).
+  kSequential,
+  /// Every micro-batch through a layer before the next layer, in forward and in backward
+  /// (GreedySnake's "vertical" order).
+  kLayerMajor,
+};
+/// "sequential", "layer-major" (the traces' meta.micro_batch_order).
+const char* to_string(MicroBatchOrder o);
+/// Inverse of to_string; throws tidal::InvalidArgument listing the names.
+MicroBatchOrder micro_batch_order_from_string(const std::string& s);
+
 /// How the analytic trace is built, beyond the model's shape.
 struct AnalyticTraceOptions {
   /// When each parameter's AdamW op runs. kInBackward (PyTorch's
@@ -89,15 +103,17 @@ struct AnalyticTraceOptions {
   /// updates it before its first use in the next iteration's first micro-batch. The batch must be
   /// divisible by it.
   int micro_batches = 1;
-  /// With micro_batches > 1: GreedySnake's vertical ("layer-major") order, every micro-batch
+  /// With micro_batches > 1, kLayerMajor: GreedySnake's vertical order, every micro-batch
   /// through a layer before the next layer, in forward and in backward (the embedding, the head
   /// and loss likewise), instead of one micro-batch's forward and backward after the other.
   /// Each layer's weights are then read once per pass rather than once per micro-batch, and its
   /// gradients are complete, and its in-backward AdamW ops can run, as soon as its last
   /// micro-batch's backward has run; in exchange every micro-batch's saved activations are
   /// alive between forward and backward. The same ops and flops in another order;
-  /// Trace::meta["micro_batch_order"] says which.
-  bool layer_major = false;
+  /// Trace::meta["micro_batch_order"] says which. Which order is faster depends on the model
+  /// and the machine: choose_fastest_order() (plan/policies.hpp) plans both and keeps the
+  /// faster.
+  MicroBatchOrder micro_batch_order = MicroBatchOrder::kSequential;
   /// Bytes per element of each tensor class, and the matmul rate: Hardware::gpu_flops for fp32,
   /// Hardware::gpu_flops_bf16 (when set) for the bf16 ones. The bf16 copies of the fp32 weights
   /// that autocast makes in bf16-mixed are not modelled.
