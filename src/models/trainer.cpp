@@ -9,6 +9,7 @@
 #include <cmath>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <sstream>
 
 #include "tidal/common/error.hpp"
@@ -463,10 +464,10 @@ std::vector<std::pair<std::string, std::string>> fingerprint(const TrainerOption
 
 // Options added after checkpoints were first written: a checkpoint without one was written
 // with its default.
-std::string default_of_later_option(const std::string& key) {
+std::optional<std::string> default_of_later_option(const std::string& key) {
   if (key == "micro_batches") return "1";
   if (key == "micro_batch_order") return "sequential";
-  return {};
+  return std::nullopt;
 }
 
 constexpr std::int64_t kCheckpointFormat = 1;
@@ -498,12 +499,12 @@ void Trainer::load_checkpoint(const std::string& path) {
                   "' has format ", v.toInt(), "; this build reads format ", kCheckpointFormat);
   for (const auto& [key, value] : fingerprint(options_)) {
     c10::IValue saved;
-    std::string written = default_of_later_option(key);
+    std::optional<std::string> written = default_of_later_option(key);
     if (in.try_read("options." + key, saved) && saved.isString()) written = saved.toStringRef();
-    TIDAL_EXPECT_AS(InvalidArgument, !written.empty(), "checkpoint '", path, "' lacks option '",
+    TIDAL_EXPECT_AS(InvalidArgument, written.has_value(), "checkpoint '", path, "' lacks option '",
                     key, "'");
-    TIDAL_EXPECT_AS(InvalidArgument, written == value, "checkpoint '", path, "' was written with ",
-                    key, " = ", written, ", this run has ", key, " = ", value,
+    TIDAL_EXPECT_AS(InvalidArgument, *written == value, "checkpoint '", path, "' was written with ",
+                    key, " = ", *written, ", this run has ", key, " = ", value,
                     ": resume with the options the run was started with");
   }
   auto read_int = [&](const char* key) {

@@ -80,6 +80,27 @@ TEST(Resume, TrainerRefusesACheckpointOfAnotherRunNamingTheOption) {
         << e.what();
   }
   EXPECT_THROW(resumed.load_checkpoint(dir.path() + "/missing.pt"), InvalidArgument);
+  // Micro-batches change the arithmetic: a run in another number or order is refused too, and
+  // the same options resume.
+  auto micro = tiny(5);
+  micro.micro_batches = 2;
+  models::Trainer in_parts(micro);
+  try {
+    in_parts.load_checkpoint(path);
+    FAIL() << "a checkpoint of whole batches loaded into micro-batches";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("micro_batches = 1, this run has micro_batches = 2"),
+              std::string::npos)
+        << e.what();
+  }
+  in_parts.step();
+  in_parts.save_checkpoint(path);
+  micro.micro_batch_order = models::MicroBatchOrder::kLayerMajor;
+  models::Trainer layer_major(micro);
+  EXPECT_THROW(layer_major.load_checkpoint(path), InvalidArgument);
+  micro.micro_batch_order = models::MicroBatchOrder::kSequential;
+  models::Trainer same(micro);
+  EXPECT_NO_THROW(same.load_checkpoint(path));
 }
 
 // A user's loop: torch::nn and torch::optim::Adam, saved with write_checkpoint.
