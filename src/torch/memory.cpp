@@ -19,6 +19,7 @@
 #include <unordered_map>
 
 #include "tidal/common/env.hpp"
+#include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
 
 #if defined(TIDAL_TORCH_CUDA)
@@ -38,7 +39,15 @@ constexpr std::uint64_t kHugePage = std::uint64_t{2} << 20;
 
 // TIDAL_HUGE_PAGES (default on): tensors of kHugePage or more on transparent huge pages.
 bool huge_pages() {
-  static const bool on = env().huge_pages.value_or(true);
+  // Read inside an allocation, which must not throw for a bad TIDAL_* value (a store or session
+  // reading the environment says which one): on then.
+  static const bool on = [] {
+    try {
+      return env().huge_pages.value_or(true);
+    } catch (const Error&) {
+      return true;
+    }
+  }();
   return on;
 }
 
