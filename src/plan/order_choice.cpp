@@ -15,7 +15,7 @@ OrderChoice choose_fastest_order(const std::vector<const trace::Trace*>& traces,
                                  const std::function<void(double)>& bound_progress) {
   TIDAL_EXPECT_AS(InvalidArgument, !traces.empty(), "choose_fastest_order needs a trace");
   OrderChoice out;
-  const double n = static_cast<double>(traces.size());
+  const auto n = static_cast<double>(traces.size());
   for (std::size_t i = 0; i < traces.size(); ++i) {
     TIDAL_EXPECT_AS(InvalidArgument, traces[i] != nullptr, "choose_fastest_order: trace ", i,
                     " is null");
