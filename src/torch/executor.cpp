@@ -121,12 +121,25 @@ void run_making_room(const c10::OperatorHandle& op, c10::DispatchKeySet below,
       const std::uint64_t freed =
           attempt < kMaxOomRetries ? ex.make_room_after_refusal(refused, attempt) : 0;
       if (freed == 0) {
+        // An inner op's refusal already says why: the op that called it adds nothing.
+        if (std::string(e.what_without_backtrace()).find(" (tidal: ") != std::string::npos) throw;
+        // What the op itself holds and asks for, against the wall: the least budget it needs.
+        std::uint64_t own = 0;
+        for (const c10::StorageImpl* st : resident) own += st->nbytes();
+        const std::string sizes =
+            "the op needs its inputs' " + format_bytes(static_cast<double>(own)) +
+            (refused > 0 ? " and asked for " + format_bytes(static_cast<double>(refused)) + " more"
+                         : std::string(" and more, of a size not known")) +
+            ", with " + format_bytes(static_cast<double>(ex.memory_in_use())) +
+            " in use under a budget of " + format_bytes(static_cast<double>(ex.budget())) +
+            "; give a budget above what one op needs at once (a smaller batch or sequence "
+            "lowers it)";
         C10_THROW_ERROR(OutOfMemoryError,
                         std::string(e.what_without_backtrace()) + " (tidal: " + op.schema().name() +
                             " was refused memory under the wall and nothing more could be "
                             "written out after " +
                             std::to_string(attempt) + " tries: " + ex.last_reclaim_shortfall() +
-                            ")");
+                            "; " + sizes + ")");
       }
       g_oom_retries.fetch_add(1, std::memory_order_relaxed);
       stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
@@ -1035,6 +1048,16 @@ std::uint64_t PlanExecutor::make_room_after_refusal(std::uint64_t refused, int a
   const std::uint64_t over = meter + want > m.opt.budget ? meter + want - m.opt.budget : 0;
   m.shortfall.clear();
   return reclaim(std::max(over, want));
+}
+
+std::uint64_t PlanExecutor::memory_in_use() const {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  return impl_->meter_bytes();
+}
+
+std::uint64_t PlanExecutor::budget() const {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  return impl_->opt.budget;
 }
 
 std::string PlanExecutor::last_reclaim_shortfall() const {

@@ -209,6 +209,26 @@ def test_a_wall_under_the_budget_refuses_prefetches_and_training_goes_on(store_d
     assert tidal._C.memory_cap() == 0, "the cap goes with its session"
 
 
+def test_a_wall_below_one_op_stops_with_what_the_op_needs(store_dir):
+    """A budget below what one op holds at once cannot be met by writing anything out: the
+    error is torch's out of memory, naming the op, what it needs and the budget, so that the
+    user knows how far to raise it; and the session lifts its wall."""
+    data = batches(seed=15, steps=2)
+    holder = {}
+    make = plan_session(holder, store_dir, budget=2 * 2**20, between_steps="offloaded",
+                        wall_by_retry=True)
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        train(data, make)
+    why = str(raised.value)
+    assert "was refused memory under the wall" in why, why
+    assert "the op needs its inputs'" in why and "under a budget of 2.00 MiB" in why, why
+    assert why.count("(tidal: ") == 1, "one op's reason, not every caller's"
+    holder["s"].__exit__(None, None, None)  # as `with session:` does: ends the step, closes
+    holder.clear()
+    gc.collect()
+    assert tidal._C.memory_cap() == 0
+
+
 def test_the_planner_chooses_the_step_boundary_and_state_dict_reads_true_bytes(store_dir):
     """Default options: at 50% of an MLP whose peak is mostly its state, no plan meets the
     budget with every tensor in memory at each step's end, so the session keeps them on the SSD

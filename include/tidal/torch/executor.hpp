@@ -221,6 +221,9 @@ class PlanExecutor final : public OpListener, public StepObserver {
   std::uint64_t make_room_after_refusal(std::uint64_t refused, int attempt);
   /// Why the last reclaim freed less than asked.
   [[nodiscard]] std::string last_reclaim_shortfall() const;
+  /// The meter's bytes now, and the hard budget (0: none).
+  [[nodiscard]] std::uint64_t memory_in_use() const;
+  [[nodiscard]] std::uint64_t budget() const;
 
   /// Changes the hard budget (0: none). Call between steps.
   void set_budget(std::uint64_t bytes);
