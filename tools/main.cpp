@@ -73,7 +73,9 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // CLI11 prints the reason; its status codes (101-127 by kind) become the usual 2 for a
+    // usage error (--help and --version stay 0).
+    return app.exit(e) == 0 ? 0 : 2;
   } catch (const tidal::Error& e) {
     std::cerr << "tidal: error: " << e.what() << "\n";
     return 1;

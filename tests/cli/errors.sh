@@ -36,6 +36,10 @@ expect "pseudo file system" bench-io --dir /proc --size 1MiB
 
 train=(train --model gpt-tiny --batch 2 --seq 16 --steps 6 --dir "$tmp")
 expect "--mem-budget 0 must be more than 0" "${train[@]}" --offload plan --mem-budget 0
+# Usage errors CLI11 finds (flags that exclude each other, a value of the wrong kind) exit 2.
+expect "excludes --optimizer-deferred" "${train[@]}" --optimizer-deferred --optimizer-in-backward
+expect "Could not convert: --seq" train --model gpt-tiny --seq many --dir "$tmp"
+expect "micro-batches must divide the batch" "${train[@]}" --micro-batches 3
 expect "--warmup-steps must be 0 or more" "${train[@]}" --offload plan --warmup-steps -1
 expect "--ssd gives the planner its SSD figures" "${train[@]}" --offload activations --ssd 1x2GB/s
 expect "--save-plan writes plan mode's plan" "${train[@]}" --offload activations \
