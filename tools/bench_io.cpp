@@ -225,7 +225,6 @@ void run_bench_io(const BenchIoArgs& a) {
   const std::size_t stride = align_up(block, io::kBlockSize);
   const std::uint64_t nslots = whole ? nblocks : static_cast<std::uint64_t>(a.depth);
   const auto depth = static_cast<std::uint64_t>(a.depth);
-  constexpr std::size_t kHugePage = std::size_t{2} << 20;
   AlignedBuffer arena(stride * static_cast<std::size_t>(nslots), kHugePage);
   prepare_memory(arena.data(), align_up(arena.size(), kHugePage), memory);
   auto tensor_data = [&](std::uint64_t i) {

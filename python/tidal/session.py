@@ -226,19 +226,24 @@ class Session:
         # groups come back after the step.
         ref = weakref.ref(self)
 
-        def piece_bytes(state: int) -> int:
+        def piece_bytes(opt) -> int:
             # Fixed at the first step, so that every step (profiled or executed) has the same
             # pieces, and so the same ops (a piece size changed after the first plan would make
             # a new step shape, planned from what the old one measured): an eighth of a budget
-            # known then (in bytes, or already measured), else an eighth of the groups' state
-            # (`state` bytes), at most 64 MiB.
+            # known then (in bytes, or already measured), else an eighth of the split groups'
+            # state, at most 64 MiB.
             session = ref()
             if session is None:
                 return 64 << 20
             if session._piece_bytes is None:
                 live = session._session is not None
                 budget = session._session.stats()["memory_budget"] if live else 0
-                budget = budget or session._byte_budget or min(state, 512 << 20)
+                if not budget and not session._byte_budget:
+                    # the parameter, its gradient and (Adam) two moments
+                    state = sum(4 * p.numel() * p.element_size() for g in opt.param_groups
+                                if multi_tensor(g) for p in g["params"])
+                    budget = min(state, 512 << 20)
+                budget = budget or session._byte_budget
                 session._piece_bytes = max(1 << 20, budget // 8)
             return session._piece_bytes
 
@@ -254,9 +259,7 @@ class Session:
                 return
             if not any(multi_tensor(g) for g in opt.param_groups):
                 return
-            # the parameter, its gradient and (Adam) two moments
-            limit = piece_bytes(sum(4 * p.numel() * p.element_size() for g in opt.param_groups
-                                    if multi_tensor(g) for p in g["params"]))
+            limit = piece_bytes(opt)
             groups = []
             for g in opt.param_groups:
                 if not multi_tensor(g):

@@ -414,7 +414,6 @@ void TensorStore::Impl::open_files(std::uint64_t per_file) {
 // from scattered 4 KiB pages (on the CI machine, 1 MiB reads from 4 KiB pages ran at 1.4 GB/s,
 // from 2 MiB pages at 3.2 GB/s). Without huge pages it works as before.
 std::vector<std::pair<void*, std::size_t>> TensorStore::Impl::make_staging() {
-  constexpr std::size_t kHugePage = std::size_t{2} << 20;
   const std::size_t unit = opt.stripe_unit;
   const std::size_t bytes = unit * static_cast<std::size_t>(opt.staging_buffers);
   staging_arena = AlignedBuffer(bytes, kHugePage);

@@ -82,7 +82,8 @@ struct ActivationOffloader::Impl : std::enable_shared_from_this<Impl> {
   double forward_seconds = 0;
   // On a GPU the host queues forward far ahead of the device, so its clock says when work was
   // queued (10 ms for a forward the device ran in 80 ms, on an H200). Timed events on the
-  // device's stream at the first pack, at each pack and at backward give the device's times;
+  // device's stream at each pack (the first one's is start_event) and at backward give the
+  // device's times;
   // device_times_locked puts them in place of the host's before the adaptive rule reads them.
   std::shared_ptr<c10::Event> start_event;
   std::shared_ptr<c10::Event> backward_event;
@@ -345,10 +346,10 @@ std::shared_ptr<Record> ActivationOffloader::Impl::pack(const at::Tensor& t, at:
   r->nbytes = t.storage().nbytes();
   r->index = index;
   r->packed_at = since(step_start);
-  if (!t.device().is_cpu()) {
-    if (!start_event) start_event = detail::record_timed_on_current_stream(t.device());
-    r->packed_event = detail::record_timed_on_current_stream(t.device());
-  }
+  // On a GPU: where the device is in the step (device_times_locked), and, for a write, when the
+  // kernels that made the tensor have run (Record::ready). Null for CPU tensors.
+  r->packed_event = detail::record_on_current_stream(t.device());
+  if (!start_event) start_event = r->packed_event;
   if (keep_from >= 0 && static_cast<std::int64_t>(index) >= keep_from) {
     // Adaptive keep: needed first in backward, and their I/O could not be hidden. They stay in
     // the pack order (as kept records) so that the rule sees the whole timeline next step.
@@ -365,7 +366,7 @@ std::shared_ptr<Record> ActivationOffloader::Impl::pack(const at::Tensor& t, at:
   // the store's own streams copy them. An event on the producing stream says when; the training
   // thread goes on, and the write is handed to the store once the event has completed
   // (submit_ready_locked). CPU tensors are written at once.
-  r->ready = detail::record_on_current_stream(r->device);
+  r->ready = r->packed_event;
   if (r->ready) {
     r->state = Record::State::kQueued;
     if (!submitter.joinable()) submitter = std::thread([this] { submit_loop(); });
@@ -527,7 +528,7 @@ void ActivationOffloader::Impl::begin_backward_locked() {
   if (timeline) timeline->op_start(-1, "backward", plan::Timeline::kNoSample);
   forward_seconds = since(step_start);
   if (start_event) {
-    backward_event = detail::record_timed_on_current_stream(start_event->device());
+    backward_event = detail::record_on_current_stream(start_event->device());
   }
   for (auto& w : writing) {
     if (w->state == Record::State::kQueued) {  // never handed to the store: nothing to cancel

@@ -26,18 +26,10 @@ inline void sync_current_stream(const c10::Device& device) {
 
 /// An event recorded on `device`'s current stream now: complete once the work queued so far
 /// (the kernels that produced a tensor) has run. Null for CPU tensors (their bytes are final).
-/// Lets the training thread go on where sync_current_stream would make it wait.
+/// Lets the training thread go on where sync_current_stream would make it wait. With timing:
+/// two such events give the device time between them (c10::Event::elapsedTime), where the
+/// host's clock gives only when the work was queued.
 inline std::shared_ptr<c10::Event> record_on_current_stream(const c10::Device& device) {
-  if (device.is_cpu()) return nullptr;
-  c10::impl::VirtualGuardImpl impl(device.type());
-  auto event = std::make_shared<c10::Event>(device.type());
-  event->record(impl.getStream(device));
-  return event;
-}
-
-/// As record_on_current_stream, with timing: two such events give the device time between them
-/// (c10::Event::elapsedTime), where the host's clock gives only when the work was queued.
-inline std::shared_ptr<c10::Event> record_timed_on_current_stream(const c10::Device& device) {
   if (device.is_cpu()) return nullptr;
   c10::impl::VirtualGuardImpl impl(device.type());
   auto event = std::make_shared<c10::Event>(device.type(), c10::EventFlag::BACKEND_DEFAULT);

@@ -35,8 +35,6 @@ std::string format_bytes_u(std::uint64_t b) { return format_bytes(static_cast<do
 thread_local std::string t_shortfall;  // note_reclaim_shortfall, for the refusal being made
 thread_local std::uint64_t t_last_refused = 0;  // take_last_refused_bytes
 
-constexpr std::uint64_t kHugePage = std::uint64_t{2} << 20;
-
 // TIDAL_HUGE_PAGES (default on): tensors of kHugePage or more on transparent huge pages.
 bool huge_pages() {
   // Read inside an allocation, which must not throw for a bad TIDAL_* value (a store or session

@@ -10,6 +10,9 @@ namespace tidal {
 inline constexpr std::uint64_t kKiB = 1024;
 inline constexpr std::uint64_t kMiB = 1024 * kKiB;
 inline constexpr std::uint64_t kGiB = 1024 * kMiB;
+/// A transparent huge page on x86-64: memory advised onto them (madvise MADV_HUGEPAGE) is
+/// aligned to and sized in these.
+inline constexpr std::uint64_t kHugePage = 2 * kMiB;
 
 /// Parse a byte count: a number with an optional unit B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB
 /// (KB = 1000, KiB = 1024; a bare K/M/G/T is binary). Case-insensitive, spaces allowed,
