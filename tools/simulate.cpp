@@ -49,6 +49,8 @@ struct SimulateArgs {
   bool json = false;
   bool prefer_host = false;
   std::string svg;
+  std::string per_op;
+  std::string save_trace;
   std::uint64_t min_bytes = 0;
   std::string min_bytes_text;
   std::string plan_file;
@@ -59,6 +61,39 @@ std::string pct(double x) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%.1f%%", 100 * x);
   return buf;
+}
+
+// --per-op: tidal's plan op by op, replayed once more with the residency recorded: each op's
+// compute, stall and device bytes, and the device-side bytes of each tensor class as the op
+// comes up (resident, leaving or arriving), to see where a plan stalls and what it holds there.
+void write_per_op(const std::string& path, const trace::Trace& tr, const plan::Plan& p,
+                  const plan::Hardware& hw) {
+  plan::SimOptions so;
+  so.record_residency = true;
+  const plan::SimResult r = plan::simulate(tr, &p, hw, so);
+  std::ofstream out(path);
+  TIDAL_EXPECT(out.good(), "cannot write the per-op table to '", path, "'");
+  constexpr int kClasses = 6;
+  out << "op,phase,name,compute_s,stall_s,memory_bytes";
+  for (int c = 0; c < kClasses; ++c)
+    out << "," << trace::to_string(static_cast<trace::TensorClass>(c)) << "_bytes";
+  out << "\n";
+  for (std::size_t k = 0; k < tr.ops.size() && k < r.residency.size(); ++k) {
+    std::uint64_t by_class[kClasses] = {0, 0, 0, 0, 0, 0};
+    const auto& res = r.residency[k];
+    for (std::size_t t = 0; t < res.size() && t < tr.tensors.size(); ++t) {
+      if (res[t] == plan::Residency::kResident || res[t] == plan::Residency::kLeaving ||
+          res[t] == plan::Residency::kArriving)
+        by_class[static_cast<int>(tr.tensors[t].cls)] += tr.tensors[t].bytes;
+    }
+    const auto& op = tr.ops[k];
+    out << k << "," << trace::to_string(op.phase) << "," << op.name << ","
+        << tr.op_seconds(static_cast<trace::OpIndex>(k)) << "," << r.stall_per_op[k] << ","
+        << r.memory_per_op[k];
+    for (const std::uint64_t b : by_class) out << "," << b;
+    out << "\n";
+  }
+  TIDAL_EXPECT(out.good(), "writing the per-op table to '", path, "' failed");
 }
 
 std::string svg_plot(const std::vector<plan::PolicyResult>& results, std::uint64_t capacity,
@@ -322,6 +357,19 @@ void run_simulate(const SimulateArgs& a) {
             : std::to_string(static_cast<long long>(std::ceil(phase->payback_steps))).c_str(),
         phase->fits ? "" : "; does not fit: ", phase->note.c_str());
   }
+  if (!a.save_trace.empty()) {
+    trace::write_trace(tr, a.save_trace);
+    std::printf("trace written to %s\n", a.save_trace.c_str());
+  }
+  if (!a.per_op.empty()) {
+    const auto it = std::find_if(results.begin(), results.end(), [](const plan::PolicyResult& r) {
+      return r.policy == plan::Policy::kTidal && r.plan;
+    });
+    TIDAL_EXPECT_AS(InvalidArgument, it != results.end(),
+                    "--per-op writes tidal's plan op by op: give tidal in --policy");
+    write_per_op(a.per_op, tr, *it->plan, hw);
+    std::printf("tidal's plan op by op written to %s\n", a.per_op.c_str());
+  }
   if (!a.svg.empty()) {
     std::ofstream out(a.svg);
     TIDAL_EXPECT(out.good(), "cannot write the plot to '", a.svg, "'");
@@ -422,6 +470,12 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_flag("--prefer-host", args->prefer_host,
                 "tidal: host memory before SSDs where both have the bandwidth (fewer SSD writes)");
   cmd->add_option("--svg", args->svg, "write a plot of memory over the iteration");
+  cmd->add_option("--save-trace", args->save_trace,
+                  "write the trace tidal's plan is for (with --model: the analytic trace) as "
+                  "JSON, for --trace later or for other tools");
+  cmd->add_option("--per-op", args->per_op,
+                  "write tidal's plan op by op as CSV: compute, stall, device bytes, and the "
+                  "device-side bytes of each tensor class as the op comes up");
   cmd->add_option("--plan", args->plan_file,
                   "replay this plan (`tidal train --save-plan`) on the trace it was made for, as "
                   "the plan executor runs it, instead of planning each policy")
