@@ -106,10 +106,22 @@ std::optional<Plan> try_plan(const trace::Trace& t, const Hardware& hw,
 }
 
 // The plan as the greedy and the fallback leave it, before pruning; nothing where none fits.
+// make_plan's internals without the second plan into the bound's stalls: the plan of one
+// trace, so that pruned and unpruned plans are of the same path.
+detail::PlannerInternals one_trace() {
+  detail::PlannerInternals in;
+  in.bound_stalls = detail::PlannerInternals::BoundStalls::kOff;
+  return in;
+}
+
 std::optional<Plan> try_unpruned_plan(const trace::Trace& t, const Hardware& hw) {
   PlannerOptions keep;
   keep.prune = false;
-  return try_plan(t, hw, keep);
+  try {
+    return detail::make_plan_with(t, hw, keep, one_trace());
+  } catch (const InvalidArgument&) {
+    return std::nullopt;
+  }
 }
 
 // Cyclic "strictly after x, at or before y" on an iteration of n ops, with wrap.
@@ -1496,10 +1508,16 @@ TEST(PlannerFuzz, PlannedStallBoundsTheSimulatedStall) {
         EXPECT_LE(planned, 2.5 * sim.stall_seconds + 0.01 * t.compute_seconds() + slack)
             << "seed " << seed;
         if (planned > 0.01 * t.compute_seconds()) ++compared;
-        const Plan q = make_plan(t, hw);
+        const Plan q = detail::make_plan_with(t, hw, PlannerOptions{}, one_trace());
         const SimResult qsim = simulate(t, &q, hw);
         EXPECT_LE(q.summary.planned_stall_seconds, planned + slack) << "seed " << seed;
         EXPECT_LE(qsim.stall_seconds, q.summary.planned_stall_seconds * (1 + 1e-6) + slack)
+            << "seed " << seed;
+        // make_plan's own plan, which may be the one made into the bound's stalls: its planned
+        // stall (the time given and what the fallback added) still bounds the simulated one.
+        const Plan m = make_plan(t, hw);
+        const SimResult msim = simulate(t, &m, hw);
+        EXPECT_LE(msim.stall_seconds, m.summary.planned_stall_seconds * (1 + 1e-6) + slack)
             << "seed " << seed;
       });
   expect_count_above("compared", compared, 20);
@@ -1513,7 +1531,7 @@ TEST(PlannerFuzz, PruningNeverWritesMoreAndKeepsTheInvariants) {
   for_each_unpruned_plan(
       4242, FuzzLink::kPerArray, true, [&](std::uint64_t seed, const FuzzCase& fc, const Plan& g) {
         const auto& [t, la, hw] = fc;
-        const Plan p = make_plan(t, hw);
+        const Plan p = detail::make_plan_with(t, hw, PlannerOptions{}, one_trace());
         ++planned;
         if (p.actions.size() < g.actions.size()) ++pruned;
         ASSERT_NO_THROW(validate_plan(p, t)) << "seed " << seed;
@@ -1764,19 +1782,37 @@ void expect_kept_only_where_faster(std::uint64_t seed, std::uint64_t host_diviso
 TEST(PlannerFuzz, HostMemoryByDensityIsKeptOnlyWhereFaster) {
   PlannerOptions by_score;
   by_score.choose_host_by_density = false;
+  // Both without the plan into the bound's stalls, whose own choice comes after this one.
+  const auto plan = [](const trace::Trace& t, const Hardware& hw, const PlannerOptions& o) {
+    try {
+      return std::optional<Plan>(detail::make_plan_with(t, hw, o, one_trace()));
+    } catch (const InvalidArgument&) {
+      return std::optional<Plan>();
+    }
+  };
   expect_kept_only_where_faster(
-      17, 8, [&](const trace::Trace& t, const Hardware& hw) { return try_plan(t, hw, by_score); },
-      [](const trace::Trace& t, const Hardware& hw) { return try_plan(t, hw); });
+      17, 8, [&](const trace::Trace& t, const Hardware& hw) { return plan(t, hw, by_score); },
+      [&](const trace::Trace& t, const Hardware& hw) { return plan(t, hw, PlannerOptions{}); });
 }
 
 // The third way where host memory is short (the SSDs only for what host memory cannot hold) is
 // kept only where the simulator finds it faster: never slower than the two ways alone, and
 // faster on some random traces with scarce host memory and SSDs.
 TEST(PlannerFuzz, SsdWhereNeededIsKeptOnlyWhereFaster) {
-  detail::PlannerInternals two;
+  detail::PlannerInternals two = one_trace();
   two.ssd_where_needed = false;
   expect_kept_only_where_faster(
       23, 4, [&](const trace::Trace& t, const Hardware& hw) { return try_plan_with(t, hw, two); },
+      [](const trace::Trace& t, const Hardware& hw) { return try_plan_with(t, hw, one_trace()); });
+}
+
+// The second plan, made with each window of the stall bound given its stall as time, is kept
+// only where the simulator finds it faster: never slower than the plan of the trace alone, it
+// fits wherever that one does, and it is faster on some random traces.
+TEST(PlannerFuzz, PlanIntoTheBoundsStallsIsKeptOnlyWhereFaster) {
+  expect_kept_only_where_faster(
+      41, 4,
+      [&](const trace::Trace& t, const Hardware& hw) { return try_plan_with(t, hw, one_trace()); },
       [](const trace::Trace& t, const Hardware& hw) {
         return try_plan_with(t, hw, detail::PlannerInternals{});
       });
