@@ -31,10 +31,11 @@ struct PlannerInternals {
   /// Where make_plan plans a second time (host memory short, SSDs scarce, a stall), it also
   /// plans a third time with the SSDs only where host memory cannot hold what must leave.
   bool ssd_where_needed = true;
-  /// Plan into the bound's stalls (docs/simulator.md, "Planning into the stalls no plan
-  /// avoids"): kOff plans the trace as it is; kBoth also plans it with each window of the stall
-  /// bound (bound.hpp) given its stall as time and keeps the faster plan in simulation; kOnly
-  /// keeps the second plan whenever the bound has a stall.
+  /// Plan into the bound's stalls (docs/simulator.md, "Planning into the waits"): kOff plans the
+  /// trace as it is; kBoth, where that plan stalls, also plans it with each window of the stall
+  /// bound (bound.hpp) given its stall as time, then once more with the faster plan's own
+  /// simulated waits, and keeps the fastest plan in simulation; kOnly keeps the second plan
+  /// whenever the bound has a stall.
   enum class BoundStalls : std::uint8_t { kOff, kBoth, kOnly };
   BoundStalls bound_stalls = BoundStalls::kBoth;
 };
