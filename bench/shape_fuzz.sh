@@ -13,7 +13,10 @@
 # TIDAL_FUZZ_SEED (1), TIDAL_FUZZ_MAX_LAYERS (48), TIDAL_FUZZ_ORDER (the micro-batch order of
 # the shapes with micro-batches: sequential, the default; layer-major; auto: tidal plans both,
 # keeps the faster, and its bound is the lower of the two orders'; the shapes drawn are the same
-# whatever the order).
+# whatever the order); TIDAL_FUZZ_LP=1: where a plan is under 0.95 of the bound, the LP
+# relaxation of bench/lp_bound.py (TIDAL_LP_SEGMENTS, 48) too, a second lower bound, often the
+# tighter one there: such a shape is then read against the tighter of the two, and a plan that
+# beats the LP's fails the script as well (needs scipy: installs it into the venv, bench/lp_env.sh).
 set -euo pipefail
 bin=${TIDAL_BIN:-./build/tidal}
 out=${1:-build/shape_fuzz.jsonl}
@@ -23,12 +26,19 @@ max_layers=${TIDAL_FUZZ_MAX_LAYERS:-48}
 order=${TIDAL_FUZZ_ORDER:-sequential}
 [ -x "$bin" ] || { echo "no tidal binary at $bin: build first (scripts/build.sh)" >&2; exit 1; }
 mkdir -p "$(dirname "$out")"
+lp_py=""
+if [ "${TIDAL_FUZZ_LP:-0}" = 1 ]; then
+  # shellcheck source=bench/lp_env.sh
+  source "$(dirname "$0")/lp_env.sh"
+fi
 
-python3 - "$bin" "$out" "$shapes" "$seed" "$max_layers" "$order" <<'EOF'
+python3 - "$bin" "$out" "$shapes" "$seed" "$max_layers" "$order" "$lp_py" \
+  "$(dirname "$0")/lp_bound.py" "${TIDAL_LP_SEGMENTS:-48}" <<'EOF'
 import json, random, subprocess, sys
 
 bin_, out, shapes, seed, max_layers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 order = sys.argv[6]
+lp_py, lp_script, lp_segments = sys.argv[7], sys.argv[8], sys.argv[9]
 rng = random.Random(seed)
 
 def draw():
@@ -82,6 +92,19 @@ with open(out, "w") as f:
             # No plan that fits may beat the bound (1e-6 of slack for the sums' order).
             if t["fits"] and t["iteration_seconds"] < lb["iteration_seconds"] * (1 - 1e-6):
                 bad.append(row)
+            if lp_py and t["fits"] and row["of_bound"] < 0.95:
+                p = subprocess.run([lp_py, lp_script, "--segments", lp_segments, "--simulate"] + cmd,
+                                   capture_output=True, text=True)
+                if p.returncode != 0:
+                    row["lp_error"] = (p.stderr.strip().splitlines() or ["?"])[-1][:200]
+                else:
+                    lp = json.loads(p.stdout.strip().splitlines()[-1])
+                    row.update(window_bound=row["bound"], lp_bound=lp["lp_fraction_of_ideal"],
+                               lp_seconds=lp["lp_seconds"])
+                    row["bound"] = min(row["bound"], lp["lp_fraction_of_ideal"])
+                    row["of_bound"] = row["tidal"] / row["bound"]
+                    if lp["tidal_iteration_seconds"] < lp["lp_iteration_seconds"] * (1 - 1e-6):
+                        bad.append(row)
         rows.append(row)
         f.write(json.dumps(row) + "\n")
         print(f"shape {i}: " + (row.get("error") or
@@ -95,6 +118,11 @@ print(f"{len(rows)} shapes (seed {seed}, micro-batch order {order}): {len(ok)} p
       f"{len(rows) - len(ok) - len(errors)} planned but do not fit, {len(errors)} refused "
       "(the active tensors of an op exceed device memory, or another error)")
 if ok:
+    if lp_py:
+        tight = [r for r in ok if "lp_bound" in r]
+        print(f"the LP bound ran on the {len(tight)} plans under 0.95 of the window bound "
+              f"({sum(r['lp_bound'] < r['window_bound'] for r in tight)} of them tighter: "
+              "the tighter bound is used)")
     at95 = sum(r["of_bound"] >= 0.95 for r in ok)
     print(f"at or above 0.95 of the bound: {at95} of {len(ok)} ({100 * at95 / len(ok):.1f}%); "
           f"lowest {min(r['of_bound'] for r in ok):.3f}")

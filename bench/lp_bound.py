@@ -1,0 +1,271 @@
+"""A linear-programme relaxation of offloading one iteration, to see how loose tidal's stall
+bound is (docs/simulator.md, "How loose is the bound: an LP relaxation").
+
+    python bench/lp_bound.py TRACE.json SIMULATE.json [--segments S]
+    python bench/lp_bound.py [--segments S] --simulate TIDAL simulate ARGS...
+
+TRACE.json is `tidal simulate --save-trace`'s trace and SIMULATE.json the last line of the same
+`tidal simulate --json` run (the hardware, the window bound and tidal's result); --simulate runs
+the command given with those two flags. Prints one JSON line: the LP's least iteration, with
+tidal's and the window bound's beside it. TIDAL_LP_METHOD: scipy's solver (highs-ipm; highs-ds
+found the same optima 2-20x slower).
+
+The relaxation. The ops are cut into S segments of equal compute; in each, the op with the most
+live bytes (everything kept) is its sample, the only op whose memory is checked. Between two uses
+a < b of a tensor (wrapping over the iteration's end for persistent tensors: a periodic schedule),
+at each sample k with a < k < b, any share z of its bytes may be away, in host memory or on the
+SSDs; then
+  - z <= the bytes of this version of the tensor written to that tier in the segments from its
+    last modification to k's (a tensor unchanged since its last write is not written again);
+  - z <= the bytes of it read from that tier in the segments from k's to b's;
+  - the live bytes at k less everything away there <= device memory; what is away in host
+    memory <= host memory;
+  - in each segment, each channel moves at most its rate x (the segment's compute + its stall).
+The least total stall is a lower bound of every plan's periodic iteration: a plan's own
+residency, writes and reads give a solution (its transfers fall in the segments where they run,
+and its stalls in theirs), and every constraint above only forgets some of what a plan must do
+(when in a segment a transfer runs, the memory of the ops between samples, the bytes in flight).
+Tensors with the same uses at segment granularity are merged (the LP is linear in bytes).
+Needs scipy (HiGHS); bench/lp_bound.sh installs it for this benchmark only.
+"""
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import scipy.sparse as sp
+from scipy.optimize import linprog
+
+GB = 1e9  # the LP works in GB and seconds: bytes and GB/s of 1e10 scale made HiGHS misreport
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace", nargs="?")
+    ap.add_argument("simulate_json", nargs="?")
+    ap.add_argument("--segments", type=int, default=48)
+    ap.add_argument("--simulate", nargs=argparse.REMAINDER,
+                    help="instead of TRACE and SIMULATE.json: a `tidal simulate` command line "
+                         "(with tidal in --policy), run here with --save-trace and --json")
+    a = ap.parse_args()
+    if a.simulate:
+        with tempfile.TemporaryDirectory() as tmp:
+            trace, sim_json = f"{tmp}/trace.json", f"{tmp}/simulate.json"
+            cmd = [x for x in a.simulate if x != "--"] + ["--save-trace", trace]
+            cmd += [] if "--json" in cmd else ["--json"]
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            if p.returncode != 0:
+                sys.exit(f"{' '.join(cmd)} failed: {p.stderr.strip()[-300:]}")
+            open(sim_json, "w").write(p.stdout.strip().splitlines()[-1])
+            print(json.dumps(bound(trace, sim_json, a.segments)))
+        return
+    if not a.trace or not a.simulate_json:
+        ap.error("give TRACE and SIMULATE.json, or --simulate")
+    print(json.dumps(bound(a.trace, a.simulate_json, a.segments)))
+
+
+def bound(trace_path, sim_path, segments):
+    tr = json.load(open(trace_path))
+    sim = json.load(open(sim_path))
+    hw = sim["hardware"]
+    cap = hw["device_memory"] / GB
+    host_cap = hw["host_memory"] / GB
+    ssd_r = hw["ssd_count"] * hw["ssd_read_bw"] / GB
+    ssd_w = hw["ssd_count"] * hw["ssd_write_bw"] / GB
+    # As Hardware::channels(): host memory gets the link the SSDs leave, only with a budget.
+    host_r = max(0.0, hw["host_link_bw"] / GB - ssd_r) if host_cap > 0 else 0.0
+    host_w = max(0.0, hw["host_link_bw"] / GB - ssd_w) if host_cap > 0 else 0.0
+    t0 = time.time()
+    stall, segs = lp_stall(tr, segments, cap, host_cap,
+                           {"rS": ssd_r, "wS": ssd_w, "rH": host_r, "wH": host_w})
+    compute = sim["compute_seconds"]
+    tidal = sim["policies"].get("tidal", {})
+    return {
+        "model": sim.get("model"), "batch": sim.get("batch"), "seq": sim.get("seq"),
+        "segments": segs, "compute_seconds": compute,
+        "lp_iteration_seconds": compute + stall,
+        "lp_fraction_of_ideal": compute / (compute + stall),
+        "window_bound_fraction_of_ideal": sim["lower_bound"]["fraction_of_ideal"],
+        "window_bound_iteration_seconds": sim["lower_bound"]["iteration_seconds"],
+        "tidal_fraction_of_ideal": tidal.get("fraction_of_ideal"),
+        "tidal_iteration_seconds": tidal.get("iteration_seconds"),
+        "tidal_fits": tidal.get("fits"),
+        "lp_seconds": time.time() - t0,
+    }
+
+
+def op_times(ops):
+    n = len(ops)
+    d = np.zeros(n)
+    for k in range(n):
+        nxt = ops[k + 1]["start_s"] if k + 1 < n else ops[k]["end_s"]
+        d[k] = max(0.0, nxt - ops[k]["start_s"])
+    return d
+
+
+def lp_stall(tr, S, cap, host_cap, rates):
+    ops, tensors = tr["ops"], tr["tensors"]
+    n = len(ops)
+    d = op_times(ops)
+    uses = [set() for _ in tensors]
+    mods = [set() for _ in tensors]
+    for k, o in enumerate(ops):
+        for t in o["inputs"]:
+            uses[t].add(k)
+        for t in o["outputs"]:
+            uses[t].add(k)
+            mods[t].add(k)
+    # Live bytes per op with everything kept, as the simulator counts them.
+    live = np.array([o.get("workspace_bytes", 0) / GB for o in ops])
+    ranges = []
+    for i, t in enumerate(tensors):
+        u = sorted(uses[i])
+        b = t["bytes"] / GB
+        if not u or b == 0:
+            ranges.append(None)
+            continue
+        if t["persistent"] and t["freed_after"] == -1:
+            live += b
+            ranges.append((0, n - 1, True))
+            continue
+        if t["persistent"]:  # alive over [producer, end) and [0, freed_after]
+            beg, end = t["producer"], t["freed_after"] + n
+        else:
+            beg = t["producer"] if t["producer"] != -1 else u[0]
+            end = t["freed_after"] if t["freed_after"] != -1 else u[-1]
+        for k in range(beg, end + 1):
+            live[k % n] += b
+        ranges.append((beg, end, False))
+    total = d.sum()
+    starts = np.concatenate([[0.0], np.cumsum(d)[:-1]])
+    seg_of = np.minimum((starts / total * S).astype(int), S - 1)
+    seg_of = np.unique(seg_of, return_inverse=True)[1]  # an op longer than a segment leaves gaps
+    S = int(seg_of.max()) + 1
+    seg_time = np.bincount(seg_of, weights=d, minlength=S)
+    sample = np.zeros(S, dtype=int)
+    for s in range(S):
+        ks = np.nonzero(seg_of == s)[0]
+        sample[s] = ks[np.argmax(live[ks])]
+    need = np.maximum(0.0, live[sample] - cap)
+
+    def cpos(k):  # 3 x (unwrapped segment) + 0 before its sample, 1 at it, 2 after it
+        w, kk = divmod(k, n)
+        s = seg_of[kk]
+        return 3 * (w * S + s) + (0 if kk < sample[s] else 1 if kk == sample[s] else 2)
+
+    groups = collections.defaultdict(float)
+    for i, t in enumerate(tensors):
+        if ranges[i] is None:
+            continue
+        beg, end, full = ranges[i]
+        u = sorted(uses[i])
+        ms = sorted(mods[i])
+        if full:
+            uu = u + [u[0] + n]
+            mods_unwrapped = [m - n for m in ms] + ms
+        else:
+            uu = sorted(x if x >= beg else x + n for x in u)
+            uu = [x for x in uu if beg <= x <= end]
+            mods_unwrapped = sorted(m if m >= beg else m + n for m in ms)
+        sig = []
+        for j in range(len(uu) - 1):
+            pa, pb = uu[j], uu[j + 1]
+            if pb - pa <= 1:
+                continue
+            v = max((m for m in mods_unwrapped if m <= pa), default=None)
+            sig.append((cpos(pa), cpos(pb), None if v is None else cpos(v)))
+        if sig:
+            groups[tuple(sig)] += t["bytes"] / GB
+
+    # Columns: stall per segment, then per group the writes, reads and shares away.
+    ncol = S
+    rows_i, cols_i, vals = [], [], []
+    rhs = []
+    chan_cols = {c: [[] for _ in range(S)] for c in rates}
+    mem_cols = [[] for _ in range(S)]
+    host_cols = [[] for _ in range(S)]
+
+    def new_col():
+        nonlocal ncol
+        ncol += 1
+        return ncol - 1
+
+    def add_row(entries, b):
+        r = len(rhs)
+        for c, v in entries:
+            rows_i.append(r)
+            cols_i.append(c)
+            vals.append(v)
+        rhs.append(b)
+
+    # Reads and writes as running totals, so that each row has a few entries: Q[s], the bytes of a
+    # period read from a tier in its segments s and later (never more at s than at s - 1), and
+    # P[s], those of a version written to it up to segment s; a segment moves the differences.
+    for sig, size in groups.items():
+        periods = []
+        write_end = {}  # version -> last segment whose sample needs its writes
+        for pa, pb, pv in sig:
+            sa, sb = pa // 3, pb // 3
+            inside = [s for s in range(sa, sb + 1) if pa < 3 * s + 1 < pb]
+            if not inside:
+                continue
+            periods.append((inside, sb, pv))
+            if pv is not None:
+                write_end[pv] = max(write_end.get(pv, inside[-1]), inside[-1])
+        written = {}  # (version, tier) -> {segment: column of P}
+        for pv, last in write_end.items():
+            for tier in "SH":
+                cols = {x: new_col() for x in range(pv // 3, last + 1)}
+                written[pv, tier] = cols
+                for x, c in cols.items():
+                    chan_cols["w" + tier][x % S].append((c, 1.0))
+                    if x - 1 in cols:
+                        chan_cols["w" + tier][x % S].append((cols[x - 1], -1.0))
+                        add_row([(cols[x - 1], 1.0), (c, -1.0)], 0.0)
+        for inside, sb, pv in periods:
+            read = {}
+            for tier in "SH":
+                cols = {x: new_col() for x in range(inside[0], sb + 1)}
+                read[tier] = cols
+                for x, c in cols.items():
+                    chan_cols["r" + tier][x % S].append((c, 1.0))
+                    if x + 1 in cols:
+                        chan_cols["r" + tier][x % S].append((cols[x + 1], -1.0))
+                        add_row([(cols[x + 1], 1.0), (c, -1.0)], 0.0)
+            for x in inside:
+                zs = []
+                for tier in "SH":
+                    z = new_col()
+                    zs.append(z)
+                    add_row([(z, 1.0), (read[tier][x], -1.0)], 0.0)
+                    if pv is not None:
+                        add_row([(z, 1.0), (written[pv, tier][x], -1.0)], 0.0)
+                    mem_cols[x % S].append(z)
+                    if tier == "H":
+                        host_cols[x % S].append(z)
+                add_row([(z, 1.0) for z in zs], size)
+    for c, rate in rates.items():
+        for s in range(S):
+            add_row(chan_cols[c][s] + [(s, -rate)], rate * seg_time[s])
+    for s in range(S):
+        if need[s] > 0:
+            add_row([(z, -1.0) for z in mem_cols[s]], -need[s])
+        if host_cols[s]:
+            add_row([(z, 1.0) for z in host_cols[s]], host_cap)
+    A = sp.csr_matrix((vals, (rows_i, cols_i)), shape=(len(rhs), ncol))
+    cost = np.zeros(ncol)
+    cost[:S] = 1.0
+    res = linprog(cost, A_ub=A, b_ub=np.array(rhs), bounds=(0, None), method=os.environ.get("TIDAL_LP_METHOD", "highs-ipm"))
+    if res.status != 0:
+        sys.exit(f"the LP did not solve: {res.message}")
+    print(f"LP: {len(groups)} tensor groups, {ncol} columns, {len(rhs)} rows", file=sys.stderr)
+    return float(res.fun), S
+
+
+if __name__ == "__main__":
+    main()
