@@ -11,7 +11,9 @@
 # ("model:batch:seq ..."), TIDAL_SWEEP_SSDS ("1 2 3 4"), TIDAL_SWEEP_HOST ("0 64GB ... 1TB"),
 # TIDAL_SWEEP_PRECISION (fp32), TIDAL_SWEEP_ORDER (the micro-batch order: sequential, the
 # default; layer-major; auto: tidal plans both, keeps the faster, and its bound is the lower of
-# the two orders').
+# the two orders'); TIDAL_SWEEP_LP=1: where tidal is under 0.95 of the bound, the LP relaxation
+# of bench/lp_bound.py too (TIDAL_LP_SEGMENTS, 48; needs scipy, installed into the venv by
+# bench/lp_env.sh), and the cell is read against the tighter of the two bounds (both in the JSON).
 set -euo pipefail
 bin=${TIDAL_BIN:-./build/tidal}
 out=${1:-build/ssd_sweep.jsonl}
@@ -21,6 +23,11 @@ hosts=${TIDAL_SWEEP_HOST:-"0 64GB 128GB 256GB 512GB 1TB"}
 precision=${TIDAL_SWEEP_PRECISION:-fp32}
 order=${TIDAL_SWEEP_ORDER:-sequential}
 [ -x "$bin" ] || { echo "no tidal binary at $bin: build first (scripts/build.sh)" >&2; exit 1; }
+lp_py=""
+if [ "${TIDAL_SWEEP_LP:-0}" = 1 ]; then
+  # shellcheck source=bench/lp_env.sh
+  source "$(dirname "$0")/lp_env.sh"
+fi
 mkdir -p "$(dirname "$out")"
 : >"$out"
 
@@ -33,19 +40,33 @@ for c in $cases; do
   for n in $ssds; do
     for host in $hosts; do
       echo "== $model b$batch s$seq: ${n} SSDs, host memory $host" >&2
-      j=$("$bin" simulate --model "$model" --batch "$batch" --seq "$seq" --tensor-parallel 2 \
-        --micro-batches "$mb" --precision "$precision" --hardware h100-4ssd \
-        --ssd "${n}x6.5/6.7GB/s" --host-mem "$host" "${order_flags[@]}" --policy ideal,tidal \
-        --profile-steps 0 --json | tail -n 1)
-      python3 - "$model" "$batch" "$seq" "$n" "$host" "$j" >>"$out" <<'EOF'
+      args=(simulate --model "$model" --batch "$batch" --seq "$seq" --tensor-parallel 2
+        --micro-batches "$mb" --precision "$precision" --hardware h100-4ssd
+        --ssd "${n}x6.5/6.7GB/s" --host-mem "$host" "${order_flags[@]}" --policy ideal,tidal
+        --profile-steps 0 --json)
+      j=$("$bin" "${args[@]}" | tail -n 1)
+      lp="{}"
+      if [ -n "$lp_py" ] && python3 -c 'import json, sys; r = json.loads(sys.argv[1])
+sys.exit(0 if r["policies"]["tidal"]["fraction_of_ideal"] < 0.95 * r["lower_bound"]["fraction_of_ideal"] else 1)' "$j"; then
+        lp=$("$lp_py" "$(dirname "$0")/lp_bound.py" --segments "${TIDAL_LP_SEGMENTS:-48}" \
+          --simulate "$bin" "${args[@]}")
+      fi
+      python3 - "$model" "$batch" "$seq" "$n" "$host" "$j" "$lp" >>"$out" <<'EOF'
 import json, sys
-model, batch, seq, n, host, j = sys.argv[1:7]
+model, batch, seq, n, host, j, lp = sys.argv[1:8]
 r = json.loads(j)
+lp = json.loads(lp)
 t = r["policies"]["tidal"]
-print(json.dumps({"model": model, "batch": int(batch), "seq": int(seq), "ssds": int(n),
-                  "host": host, "tidal": t["fraction_of_ideal"], "fits": t["fits"],
-                  "bound": r["lower_bound"]["fraction_of_ideal"],
-                  "order": r.get("micro_batch_order", "sequential")}))
+row = {"model": model, "batch": int(batch), "seq": int(seq), "ssds": int(n), "host": host,
+       "tidal": t["fraction_of_ideal"], "fits": t["fits"],
+       "bound": r["lower_bound"]["fraction_of_ideal"],
+       "order": r.get("micro_batch_order", "sequential")}
+if lp:
+    row.update(window_bound=row["bound"], lp_bound=lp["lp_fraction_of_ideal"],
+               bound=min(row["bound"], lp["lp_fraction_of_ideal"]))
+    if lp["tidal_iteration_seconds"] < lp["lp_iteration_seconds"] * (1 - 1e-6):
+        sys.exit(f"a plan beats the LP bound: {json.dumps(lp)}")
+print(json.dumps(row))
 EOF
     done
   done
@@ -72,5 +93,12 @@ for key in dict.fromkeys((r["model"], r["batch"], r["seq"]) for r in rows):
             cells.append(f"{100 * r['tidal']:.1f}% ({100 * r['bound']:.1f}%){lm}{fit}")
         print(f"| {n} | " + " | ".join(cells) + " |")
 worst = min(r["tidal"] / r["bound"] for r in rows)
-print(f"\nlowest tidal / lower bound: {worst:.3f}; JSON lines in {sys.argv[1]}")
+at95 = sum(r["tidal"] / r["bound"] >= 0.95 for r in rows)
+tight = [r for r in rows if "lp_bound" in r]
+if tight:
+    print(f"\nthe LP bound ran on the {len(tight)} cells under 0.95 of the window bound "
+          f"({sum(r['lp_bound'] < r['window_bound'] for r in tight)} of them tighter); the "
+          "bracketed bound is the tighter of the two")
+print(f"\nlowest tidal / lower bound: {worst:.3f}; {at95} of {len(rows)} cells at or above 0.95; "
+      f"JSON lines in {sys.argv[1]}")
 EOF
