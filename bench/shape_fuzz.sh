@@ -103,7 +103,7 @@ with open(out, "w") as f:
                                lp_seconds=lp["lp_seconds"])
                     row["bound"] = min(row["bound"], lp["lp_fraction_of_ideal"])
                     row["of_bound"] = row["tidal"] / row["bound"]
-                    if lp["tidal_iteration_seconds"] < lp["lp_iteration_seconds"] * (1 - 1e-6):
+                    if lp["tidal_beats_lp"]:
                         bad.append(row)
         rows.append(row)
         f.write(json.dumps(row) + "\n")
