@@ -93,6 +93,36 @@ else
   fail "simulate --micro-batch-order auto's JSON" "$(cat "$tmp/auto.err") $out"
 fi
 
+# --save-trace and --per-op: the saved trace replays to the same plan and iteration, and the
+# per-op table has a row per op whose stalls add up to the iteration's and whose memory stays
+# within the device memory; --per-op without tidal's plan says so.
+sim=(--model gpt2-small --layers 2 --batch 4 --seq 256 --gpu-mem 800MB --ssd 1x0.5/0.5GB/s
+  --profile-steps 0)
+a=$("$tidal" simulate "${sim[@]}" --policy ideal,tidal --json --save-trace "$tmp/t.json" \
+  --per-op "$tmp/ops.csv" 2>&1 | tail -n 1)
+b=$("$tidal" simulate --trace "$tmp/t.json" --gpu-mem 800MB --ssd 1x0.5/0.5GB/s --profile-steps 0 \
+  --policy ideal,tidal --json 2>&1 | tail -n 1)
+if ! command -v python3 >/dev/null; then
+  echo "skip --save-trace and --per-op: no python3 here"
+elif python3 -c '
+import csv, json, sys
+a, b = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+ta, tb = a["policies"]["tidal"], b["policies"]["tidal"]
+assert ta["fits"] and ta["stall_seconds"] > 0, ta
+assert abs(ta["iteration_seconds"] - tb["iteration_seconds"]) <= 1e-9 * ta["iteration_seconds"], (ta, tb)
+rows = list(csv.DictReader(open(sys.argv[3])))
+assert len(rows) == a["ops"], (len(rows), a["ops"])
+stall = sum(float(r["stall_s"]) for r in rows)
+assert abs(stall - ta["stall_seconds"]) <= 1e-6 * ta["iteration_seconds"], (stall, ta)
+assert max(int(r["memory_bytes"]) for r in rows) <= a["capacity_bytes"]
+assert sum(int(r["parameter_bytes"]) > 0 for r in rows) > 0
+' "$a" "$b" "$tmp/ops.csv" 2>"$tmp/perop.err"; then
+  echo "ok   simulate --save-trace replays the same iteration; --per-op has every op and its stall"
+else
+  fail "simulate --save-trace / --per-op" "$(cat "$tmp/perop.err") $a"
+fi
+expect "give tidal in --policy" simulate "${sim[@]}" --policy ideal --per-op "$tmp/ops2.csv"
+
 # A trace too large to hold is refused at once, with its size and what to do (it once ran for
 # minutes and ended in std::bad_alloc).
 start=$(date +%s%N)
