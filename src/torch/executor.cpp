@@ -959,6 +959,11 @@ int PlanExecutor::add_shape(const trace::Trace& trace, const plan::Plan& plan) {
   return static_cast<int>(impl_->shapes.size()) - 1;
 }
 
+void PlanExecutor::set_min_bytes(std::uint64_t bytes) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  impl_->opt.min_bytes = bytes;
+}
+
 void PlanExecutor::replace_plan(int index, const trace::Trace& trace, const plan::Plan& plan) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   TIDAL_EXPECT(index >= 0 && static_cast<std::size_t>(index) < impl_->shapes.size(),

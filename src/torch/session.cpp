@@ -241,6 +241,31 @@ struct Session::Impl {
       at_floor = true;
       return p;
     } catch (const InvalidArgument& e) {
+      // Tensors under the smallest size moved may be what keeps the budget out of reach (a
+      // small model's tensors are mostly under 1 MiB): plan with smaller ones movable, a quarter
+      // of the size at a time down to 4 KiB, and move them in the executor too.
+      std::optional<plan::Plan> smaller;
+      std::uint64_t least = po.min_bytes;
+      while (!smaller && least > 4096) {
+        least = std::max<std::uint64_t>(4096, least / 4);
+        po.min_bytes = least;
+        try {
+          smaller = try_plan(capacity);
+        } catch (const InvalidArgument&) {
+        }
+      }
+      if (smaller) {
+        const std::string why = "no plan meets the budget with tensors under " +
+                                bytes_text(opt.executor.min_bytes) +
+                                " kept in memory (the smallest size moved): tensors of " +
+                                bytes_text(least) + " and more are moved";
+        stats.notice = stats.notice.empty() ? why : stats.notice + "; " + why;
+        opt.executor.min_bytes = least;
+        if (executor) executor->set_min_bytes(least);
+        if (!smaller->summary.fits) at_floor = true;
+        return *smaller;
+      }
+      po.min_bytes = opt.executor.min_bytes;
       if (opt.strict_budget) throw;
       stats.budget_reason = e.what();
     }

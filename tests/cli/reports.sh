@@ -10,6 +10,24 @@ trap 'rm -rf "$tmp"' EXIT
 failures=0
 py=$(command -v /usr/bin/python3 || command -v python3)
 
+# A budget that only a plan moving tensors under --min-offload (1 MiB) can keep, on a model
+# whose tensors are mostly smaller: the session moves smaller ones, says so, and keeps it under
+# the strict meter (the README's example; it went over every step before).
+"$tidal" train --model gpt-tiny --steps 8 --offload plan --mem-budget 50% --strict-meter \
+  --dir "$tmp" --json >"$tmp/small.json" 2>&1
+if grep -q "no plan meets the budget with tensors under 1.00 MiB" "$tmp/small.json" &&
+  tail -n 1 "$tmp/small.json" | "$py" -c '
+import json, sys
+j = json.load(sys.stdin)
+assert j["within_budget"] and j["steps_over_budget"] == 0, j
+assert 0 < j["peak_bytes"] <= j["memory_budget"], j
+'; then
+  echo "ok   a budget that needs tensors under --min-offload moved: moved, said, kept"
+else
+  echo "FAIL a budget that needs tensors under --min-offload moved"; tail -n 5 "$tmp/small.json"
+  failures=$((failures + 1))
+fi
+
 # (The other case, a plan under which no step ran because re-plans took every executed step,
 # reports "not measured" and null: it arises under load and is not made to happen here.)
 # A plan that ran: a measured peak, in bytes.

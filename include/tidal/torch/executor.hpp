@@ -169,6 +169,9 @@ class PlanExecutor final : public OpListener, public StepObserver {
   int add_shape(const trace::Trace& trace, const plan::Plan& plan);
   /// Replaces the plan of shape `index` (a tighter one). Call between steps.
   void replace_plan(int index, const trace::Trace& trace, const plan::Plan& plan);
+  /// Lowers (or raises) ExecutorOptions::min_bytes: the session does so when no plan meets the
+  /// budget with the smaller tensors kept in memory. Between steps.
+  void set_min_bytes(std::uint64_t bytes);
 
   /// Tells the executor which storages hold tensors of the trace before a step has shown them
   /// (Tracer::alive_tensors() after the last profiled step). Call between steps.
