@@ -73,13 +73,13 @@ void write_per_op(const std::string& path, const trace::Trace& tr, const plan::P
   const plan::SimResult r = plan::simulate(tr, &p, hw, so);
   std::ofstream out(path);
   TIDAL_EXPECT(out.good(), "cannot write the per-op table to '", path, "'");
-  constexpr int kClasses = 6;
+  constexpr int kClasses = static_cast<int>(trace::TensorClass::kInput) + 1;  // the last class
   out << "op,phase,name,compute_s,stall_s,memory_bytes";
   for (int c = 0; c < kClasses; ++c)
     out << "," << trace::to_string(static_cast<trace::TensorClass>(c)) << "_bytes";
   out << "\n";
   for (std::size_t k = 0; k < tr.ops.size() && k < r.residency.size(); ++k) {
-    std::uint64_t by_class[kClasses] = {0, 0, 0, 0, 0, 0};
+    std::uint64_t by_class[kClasses] = {};
     const auto& res = r.residency[k];
     for (std::size_t t = 0; t < res.size() && t < tr.tensors.size(); ++t) {
       if (res[t] == plan::Residency::kResident || res[t] == plan::Residency::kLeaving ||

@@ -1154,14 +1154,20 @@ namespace detail {
 
 namespace {
 
+// A plan, the host-memory way it was made with, and its simulation where one was made.
+struct WayPlan {
+  Plan plan;
+  HostChoice way = HostChoice::kByScore;
+  std::optional<SimResult> sim;  // on the trace the plan is for
+};
+
 // The planner's ways of making a plan for `trace`, the fastest kept (simulated on `real`, the
-// trace the plan is for: `trace` itself, or the same ops with the bound's stalls as time).
-// With `only`, the one way given; `chosen` (optional) receives the way kept.
-Plan plan_ways(const trace::Trace& trace, const trace::Trace& real, const Hardware& hw,
-               const PlannerOptions& options, const PlannerInternals& internals,
-               std::optional<HostChoice> only = std::nullopt, HostChoice* chosen = nullptr) {
-  if (only) return Planner(trace, hw, options, internals, *only).run();
-  if (chosen != nullptr) *chosen = HostChoice::kByScore;
+// trace the plan is for: `trace` itself, or the same ops with waits as time). With `only`, the
+// one way given.
+WayPlan plan_ways(const trace::Trace& trace, const trace::Trace& real, const Hardware& hw,
+                  const PlannerOptions& options, const PlannerInternals& internals,
+                  std::optional<HostChoice> only = std::nullopt) {
+  if (only) return {Planner(trace, hw, options, internals, *only).run(), *only, std::nullopt};
   Planner first(trace, hw, options, internals);
   Plan by_score = first.run();
   // Host memory was short (a migration went to the SSDs for want of room in it), the SSDs are
@@ -1176,7 +1182,7 @@ Plan plan_ways(const trace::Trace& trace, const trace::Trace& real, const Hardwa
                            rates[Channel::kSsdWrite] < 0.5 * rates[Channel::kHostWrite];
   if (!options.choose_host_by_density || !options.use_host || !first.host_short() || !ssds_scarce ||
       by_score.summary.planned_stall_seconds <= 0) {
-    return by_score;
+    return {std::move(by_score), HostChoice::kByScore, std::nullopt};
   }
   // A third way where host memory is short: the SSDs only for the periods over the ops where
   // host memory cannot hold what must leave (HostChoice::kSsdWhereNeeded). The fastest plan
@@ -1192,14 +1198,13 @@ Plan plan_ways(const trace::Trace& trace, const trace::Trace& real, const Hardwa
   std::size_t best = 0;
   SimResult best_sim = simulate(real, &plans[0], hw);
   for (std::size_t i = 1; i < plans.size(); ++i) {
-    const SimResult r = simulate(real, &plans[i], hw);
+    SimResult r = simulate(real, &plans[i], hw);
     if (r.fits && (!best_sim.fits || r.iteration_seconds < best_sim.iteration_seconds)) {
       best = i;
-      best_sim = r;
+      best_sim = std::move(r);
     }
   }
-  if (chosen != nullptr) *chosen = ways[best];
-  return std::move(plans[best]);
+  return {std::move(plans[best]), ways[best], std::move(best_sim)};
 }
 
 // The waits the stall bound says no plan avoids, per op: each window's stall spread over the
@@ -1239,7 +1244,7 @@ std::vector<double> simulated_waits(const SimResult& sim, std::size_t ops) {
 // waits are stalls the plan accepts, added to its planned ones.
 Plan plan_with_waits(const trace::Trace& trace, const std::vector<double>& wait, const Hardware& hw,
                      const PlannerOptions& options, const PlannerInternals& internals,
-                     std::optional<HostChoice> way) {
+                     HostChoice way) {
   trace::Trace longer = trace;
   double shift = 0;
   for (std::size_t k = 0; k < longer.ops.size(); ++k) {
@@ -1247,7 +1252,7 @@ Plan plan_with_waits(const trace::Trace& trace, const std::vector<double>& wait,
     shift += wait[k];
     longer.ops[k].end_s += shift;
   }
-  Plan p = plan_ways(longer, trace, hw, options, internals, way);
+  Plan p = plan_ways(longer, trace, hw, options, internals, way).plan;
   std::vector<double> stall = wait;
   for (const auto& [op, sec] : p.stalls) at(stall, op) += sec;
   p.stalls.clear();
@@ -1274,16 +1279,9 @@ Plan make_plan_with(const trace::Trace& trace, const Hardware& hw, const Planner
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return p;
   };
-  using BoundStalls = PlannerInternals::BoundStalls;
-  Plan plain;
-  std::optional<HostChoice> way;  // the host-memory way the plan of the trace kept
-  if (internals.bound_stalls != BoundStalls::kOnly) {
-    HostChoice chosen = HostChoice::kByScore;
-    plain = plan_ways(trace, trace, hw, options, internals, std::nullopt, &chosen);
-    way = chosen;
-    if (internals.bound_stalls == BoundStalls::kOff || plain.summary.planned_stall_seconds <= 0) {
-      return finish(std::move(plain));
-    }
+  WayPlan first = plan_ways(trace, trace, hw, options, internals);
+  if (!internals.plan_into_waits || first.plan.summary.planned_stall_seconds <= 0) {
+    return finish(std::move(first.plan));
   }
   // Planning into the stalls no plan avoids (docs/simulator.md): the greedy books each transfer
   // in per-op buckets of rate x op time, so where the bound says the iteration must wait (the
@@ -1294,24 +1292,17 @@ Plan make_plan_with(const trace::Trace& trace, const Hardware& hw, const Planner
   // the others gained nothing on the shape fuzz, lost 0.4-1.3 points of the bound on two Figure
   // 9 cells, and took about a quarter more time.
   const StallBound bound = stall_lower_bound(trace, hw);
-  if (bound.stall_seconds <= 0) {
-    return finish(internals.bound_stalls == BoundStalls::kOnly
-                      ? plan_ways(trace, trace, hw, options, internals)
-                      : std::move(plain));
-  }
+  if (bound.stall_seconds <= 0) return finish(std::move(first.plan));
   // A plan within 1% of the bound is kept as it is: the planning below would gain at most that
   // (on the paper's grid every plan of the trace is within 0.2% of it), and would triple the
   // planning time.
   const auto near_bound = [&](const SimResult& x) {
     return x.fits && x.iteration_seconds <= bound.iteration_seconds * 1.01;
   };
-  SimResult a;
-  if (internals.bound_stalls != BoundStalls::kOnly) {
-    a = simulate(trace, &plain, hw);
-    if (near_bound(a)) return finish(std::move(plain));
-  }
-  Plan into = plan_with_waits(trace, bound_waits(trace, bound), hw, options, internals, way);
-  if (internals.bound_stalls == BoundStalls::kOnly) return finish(std::move(into));
+  Plan plain = std::move(first.plan);
+  const SimResult a = first.sim ? std::move(*first.sim) : simulate(trace, &plain, hw);
+  if (near_bound(a)) return finish(std::move(plain));
+  Plan into = plan_with_waits(trace, bound_waits(trace, bound), hw, options, internals, first.way);
   const SimResult b = simulate(trace, &into, hw);
   // A later plan only where it is faster by more than a rounding error.
   const auto faster = [](const SimResult& x, const SimResult& than) {
@@ -1325,7 +1316,7 @@ Plan make_plan_with(const trace::Trace& trace, const Hardware& hw, const Planner
   // SSD row of Llama3-70B; a second round gained under half a point more.
   if (best_sim.stall_seconds <= 0 || near_bound(best_sim)) return finish(std::move(best));
   Plan again = plan_with_waits(trace, simulated_waits(best_sim, trace.ops.size()), hw, options,
-                               internals, way);
+                               internals, first.way);
   const SimResult c = simulate(trace, &again, hw);
   return finish(faster(c, best_sim) ? std::move(again) : std::move(best));
 }

@@ -3,8 +3,6 @@
 // tests compare plans with. Torch-free.
 #pragma once
 
-#include <cstdint>
-
 #include "tidal/plan/hardware.hpp"
 #include "tidal/plan/plan.hpp"
 #include "tidal/plan/planner.hpp"
@@ -31,20 +29,15 @@ struct PlannerInternals {
   /// Where make_plan plans a second time (host memory short, SSDs scarce, a stall), it also
   /// plans a third time with the SSDs only where host memory cannot hold what must leave.
   bool ssd_where_needed = true;
-  /// Plan into the bound's stalls (docs/simulator.md, "Planning into the waits"): kOff plans the
-  /// trace as it is; kBoth, where that plan stalls, also plans it with each window of the stall
+  /// Where the plan of the trace as it is stalls, plan it again with each window of the stall
   /// bound (bound.hpp) given its stall as time, then once more with the faster plan's own
-  /// simulated waits, and keeps the fastest plan in simulation; kOnly keeps the second plan
-  /// whenever the bound has a stall.
-  enum class BoundStalls : std::uint8_t { kOff, kBoth, kOnly };
-  BoundStalls bound_stalls = BoundStalls::kBoth;
+  /// simulated waits, and keep the fastest in simulation (docs/simulator.md, planner step 8).
+  bool plan_into_waits = true;
 };
 
 /// The planner before issue 27: nominal moves, a scan of every candidate, the exact greedy, two
 /// ways where host memory is short.
-inline PlannerInternals reference_internals() {
-  return {false, false, 1e-12, false, PlannerInternals::BoundStalls::kOff};
-}
+inline PlannerInternals reference_internals() { return {false, false, 1e-12, false, false}; }
 
 /// make_plan() with the given internals.
 Plan make_plan_with(const trace::Trace& trace, const Hardware& hw, const PlannerOptions& options,

@@ -110,7 +110,7 @@ std::optional<Plan> try_plan(const trace::Trace& t, const Hardware& hw,
 // trace, so that pruned and unpruned plans are of the same path.
 detail::PlannerInternals one_trace() {
   detail::PlannerInternals in;
-  in.bound_stalls = detail::PlannerInternals::BoundStalls::kOff;
+  in.plan_into_waits = false;
   return in;
 }
 
