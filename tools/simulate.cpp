@@ -77,6 +77,11 @@ void write_per_op(const std::string& path, const trace::Trace& tr, const plan::P
   out << "op,phase,name,compute_s,stall_s,memory_bytes";
   for (int c = 0; c < kClasses; ++c)
     out << "," << trace::to_string(static_cast<trace::TensorClass>(c)) << "_bytes";
+  for (plan::Channel c : plan::kChannels) {
+    std::string name = plan::to_string(c);  // ssd_write_busy_s: seconds the channel was busy
+    std::replace(name.begin(), name.end(), '-', '_');
+    out << "," << name << "_busy_s";
+  }
   out << "\n";
   for (std::size_t k = 0; k < tr.ops.size() && k < r.residency.size(); ++k) {
     std::uint64_t by_class[kClasses] = {};
@@ -91,6 +96,7 @@ void write_per_op(const std::string& path, const trace::Trace& tr, const plan::P
         << tr.op_seconds(static_cast<trace::OpIndex>(k)) << "," << r.stall_per_op[k] << ","
         << r.memory_per_op[k];
     for (const std::uint64_t b : by_class) out << "," << b;
+    for (plan::Channel c : plan::kChannels) out << "," << r.busy_per_op[k][plan::index_of(c)];
     out << "\n";
   }
   TIDAL_EXPECT(out.good(), "writing the per-op table to '", path, "' failed");

@@ -55,7 +55,14 @@ struct Candidate {
   OpIndex last_use = 0;
   OpIndex next_use = 0;
   int len = 0;  // ops strictly between, cyclically
+  // The tensor's version: the last op at or before last_use that modifies it (-1: none), and
+  // the ops from that op to last_use (cyclically); periods of one version are ordered by it.
+  int epoch = -1;
+  int after = 0;
   bool done = false;
+  // Once committed: it books no write, because an earlier migration of this version went to the
+  // same tier and the tier still holds it (PlannerInternals::clean_copies).
+  bool clean = false;
   // May go to host memory (HostChoice::kDensest admits only some); with kDensest, an admitted
   // one takes host memory wherever it frees as much as the SSDs.
   bool host_ok = true;
@@ -78,7 +85,8 @@ struct Choice {
   Target target = Target::kSsd;
   int offload_end = -1;
   int prefetch_start = -1;
-  double score = 0;  // compute time of the freed ops that are over the target
+  double score = 0;    // compute time of the freed ops that are over the target
+  bool clean = false;  // no write: the target holds this version already
 };
 
 // A stall that makes a candidate absent at one op (the least-stall fallback).
@@ -206,6 +214,11 @@ class Planner {
 
   // Candidates: every inactive period of a tensor worth moving.
   void collect_candidates(const trace::LifetimeAnalysis& la) {
+    writes_.assign(tr_.tensors.size(), {});
+    for (const auto& op : tr_.ops) {
+      for (TensorId id : op.outputs) at(writes_, id).push_back(op.index);
+    }
+    committed_.assign(tr_.tensors.size(), {});
     for (const auto& life : la.tensors) {
       for (const auto& p : life.periods) {
         if (p.bytes == 0 || p.bytes < opt_.min_bytes) continue;
@@ -216,6 +229,7 @@ class Planner {
         c.next_use = p.next_use;
         c.len = p.wraps ? (n_ - 1 - p.last_use) + p.next_use : p.next_use - p.last_use - 1;
         if (c.len < 3) continue;  // nothing can be freed between the transfers
+        std::tie(c.epoch, c.after) = version_of(c.tensor, c.last_use);
         candidates_.push_back(c);
       }
     }
@@ -352,6 +366,35 @@ class Planner {
         " short. Use a smaller batch or sequence, or ", opt_.more_memory_hint, ".");
   }
 
+  // The version of `tensor` at op k: the last op at or before k that modifies it (cyclically;
+  // -1: no op does), and the ops from there to k.
+  [[nodiscard]] std::pair<int, int> version_of(TensorId tensor, int k) const {
+    const auto& w = at(writes_, tensor);
+    const auto it = std::upper_bound(w.begin(), w.end(), k);
+    const int epoch = it != w.begin() ? *(it - 1) : (w.empty() ? -1 : w.back());
+    const int after = epoch < 0 ? k : ((k - epoch) % n_ + n_) % n_;
+    return {epoch, after};
+  }
+
+  // The committed migrations of c's version to `target` nearest before and after it (-1: none).
+  [[nodiscard]] std::pair<int, int> neighbours(const Candidate& c, Target target) const {
+    int before = -1;
+    int later = -1;
+    for (int j : at(committed_, c.tensor)) {
+      const Candidate& m = at(candidates_, j);
+      if (!m.done || m.target != target || m.epoch != c.epoch || &m == &c) continue;
+      if (m.after < c.after && (before < 0 || m.after > at(candidates_, before).after)) before = j;
+      if (m.after > c.after && (later < 0 || m.after < at(candidates_, later).after)) later = j;
+    }
+    return {before, later};
+  }
+
+  // Whether c would book no write on `target` (PlannerInternals::clean_copies): an earlier
+  // migration of its version went there, and the tier keeps that copy until the tensor changes.
+  [[nodiscard]] bool clean_on(const Candidate& c, Target target) const {
+    return in_.clean_copies && neighbours(c, target).first >= 0;
+  }
+
   // ---- a candidate's period ------------------------------------------------------------------
 
   // The number of ops as a container size.
@@ -480,8 +523,10 @@ class Planner {
     if (target == Target::kSsd && !c.ssd_ok && !any_ssd_) return ch;
     if (!room(c, target)) return ch;
     const auto need = static_cast<double>(c.bytes);
-    const int end = fill(bucket(target, Direction::kWrite), c, 0, c.len - 1, need, Scan::kForward);
-    if (end < 0) return ch;
+    const bool clean = clean_on(c, target);
+    const int end =
+        clean ? -1 : fill(bucket(target, Direction::kWrite), c, 0, c.len - 1, need, Scan::kForward);
+    if (end < 0 && !clean) return ch;
     const int start =
         fill(bucket(target, Direction::kRead), c, 0, c.len - 1, need, Scan::kBackward);
     if (start < 0 || end + 1 > start - 1) return ch;
@@ -490,6 +535,7 @@ class Planner {
     ch.offload_end = end;
     ch.prefetch_start = start;
     ch.score = over_time(c, end + 1, start - 1);
+    ch.clean = clean;
     return ch;
   }
 
@@ -591,9 +637,12 @@ class Planner {
     c.target = ch.target;
     c.offload_end = ch.offload_end;
     c.prefetch_start = ch.prefetch_start;
+    c.clean = ch.clean;
     const auto need = static_cast<double>(c.bytes);
-    reserve(bucket(ch.target, Direction::kWrite), c, 0, c.offload_end, need, Scan::kForward,
-            c.write_res);
+    if (!c.clean) {
+      reserve(bucket(ch.target, Direction::kWrite), c, 0, c.offload_end, need, Scan::kForward,
+              c.write_res);
+    }
     reserve(bucket(ch.target, Direction::kRead), c, c.prefetch_start, c.len - 1, need,
             Scan::kBackward, c.read_res);
     free_span(c, c.offload_end + 1, c.prefetch_start - 1);
@@ -610,8 +659,29 @@ class Planner {
     plan.actions.push_back(off);
     plan.actions.push_back(pre);
     set_times(plan, c);
-    track_present(static_cast<int>(&c - candidates_.data()));
+    const int i = static_cast<int>(&c - candidates_.data());
+    track_present(i);
+    if (in_.clean_copies) {
+      at(committed_, c.tensor).push_back(i);
+      clean_later(plan, c);
+    }
     if ((++commits_ & 255) == 0) report_progress();
+  }
+
+  // The next committed migration of c's version to c's tier, if it booked a write, now finds
+  // that version there: its write is given back and it frees from its first op.
+  void clean_later(Plan& plan, const Candidate& c) {
+    const int later = neighbours(c, c.target).second;
+    if (later < 0) return;
+    Candidate& m = at(candidates_, later);
+    if (m.clean) return;
+    release(bucket(m.target, Direction::kWrite), m, m.write_res, 0, m.len - 1);
+    const int old_end = m.offload_end;
+    m.clean = true;
+    m.offload_end = -1;
+    free_span(m, 0, old_end);
+    set_times(plan, m);
+    track_present(later);
   }
 
   // The share of the over-target compute time resolved so far, to PlannerOptions::progress. In
@@ -712,13 +782,14 @@ class Planner {
       const BucketTree& tr = bucket(target, Direction::kRead);
       double dw = 0;
       double dr = 0;
+      const bool clean = c.done ? c.clean : clean_on(c, target);
       if (!c.done) {
-        dw = std::max(0.0, s - bucket_sum(tw, c, 0, pk - 1));
+        dw = clean ? 0.0 : std::max(0.0, s - bucket_sum(tw, c, 0, pk - 1));
         dr = std::max(0.0, s - bucket_sum(tr, c, pk + 1, c.len - 1));
         // The range sums and the searches that commit add the buckets in different orders: where
         // the sum says a transfer just fits before k and the search ends it after k, a hair of
         // stall settles it (Llama3-70B with 400 blocks, TP 2, failed here as a planner bug).
-        if (dw == 0) {
+        if (dw == 0 && !clean) {
           const int end = fill(tw, c, 0, c.len - 1, s, Scan::kForward);
           if (end < 0 || end >= pk) dw = s * 1e-12;
         }
@@ -968,20 +1039,12 @@ class Planner {
 
   // The committed migrations, by target (SSD first), tensor, epoch and offload time.
   [[nodiscard]] std::vector<PruneMember> prune_members() const {
-    // The ops that modify each tensor, in order.
-    std::vector<std::vector<OpIndex>> writes(tr_.tensors.size());
-    for (const auto& op : tr_.ops) {
-      for (TensorId id : op.outputs) at(writes, id).push_back(op.index);
-    }
     std::vector<PruneMember> members;
     for (std::size_t i = 0; i < candidates_.size(); ++i) {
       const Candidate& c = candidates_[i];
       if (!c.done) continue;
-      const auto& w = at(writes, c.tensor);
-      const auto it = std::upper_bound(w.begin(), w.end(), c.last_use);
-      const int epoch = it != w.begin() ? *(it - 1) : (w.empty() ? -1 : w.back());
-      const int after = epoch < 0 ? c.last_use : ((c.last_use - epoch) % n_ + n_) % n_;
-      members.push_back({c.target == Target::kHost, c.tensor, epoch, after, static_cast<int>(i)});
+      members.push_back(
+          {c.target == Target::kHost, c.tensor, c.epoch, c.after, static_cast<int>(i)});
     }
     std::sort(members.begin(), members.end(), [](const PruneMember& x, const PruneMember& y) {
       if (x.host != y.host) return !x.host;
@@ -1129,6 +1192,8 @@ class Planner {
   std::vector<double> op_seconds_;
   std::vector<BucketTree> buckets_;  // remaining capacity per op, one per Channel (index_of)
   std::vector<Candidate> candidates_;
+  std::vector<std::vector<OpIndex>> writes_;    // per tensor, the ops that modify it, in order
+  std::vector<std::vector<int>> committed_;     // per tensor, its candidates ever committed
   std::unique_ptr<Fenwick> over_time_;          // compute time of the ops still over the target
   std::unique_ptr<RangeTree> over_memory_;      // memory of the ops over the target, kInf: fits
   std::unique_ptr<RangeTree> away_bytes_[2];    // bytes planned away per op: [0] SSD, [1] host

@@ -33,11 +33,16 @@ struct PlannerInternals {
   /// bound (bound.hpp) given its stall as time, then once more with the faster plan's own
   /// simulated waits, and keep the fastest in simulation (docs/simulator.md, planner step 8).
   bool plan_into_waits = true;
+  /// A period of a tensor unchanged since an earlier planned migration of it to the same tier
+  /// (and none to the other tier since) books no write: the tier still holds that version,
+  /// and the simulator drops the tensor without writing it (SimOptions::skip_clean_writes).
+  /// false: every offload books its write, as before session 16.
+  bool clean_copies = true;
 };
 
 /// The planner before issue 27: nominal moves, a scan of every candidate, the exact greedy, two
 /// ways where host memory is short.
-inline PlannerInternals reference_internals() { return {false, false, 1e-12, false, false}; }
+inline PlannerInternals reference_internals() { return {false, false, 1e-12, false, false, false}; }
 
 /// make_plan() with the given internals.
 Plan make_plan_with(const trace::Trace& trace, const Hardware& hw, const PlannerOptions& options,

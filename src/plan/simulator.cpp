@@ -34,9 +34,9 @@ struct Job {
 struct TensorState {
   State state = State::kAbsent;
   std::uint64_t version = 0;
-  bool has_copy = false;  // a lower tier holds a copy (copy_tier), of version copy_version
-  Tier copy_tier = Tier::kSsd;
-  std::uint64_t copy_version = 0;
+  // The version of the tensor each lower tier holds a copy of (SSD, host; -1: none). Each tier
+  // keeps its copy until the tensor changes, whatever the other tier does.
+  std::array<std::int64_t, 2> copy_version{-1, -1};
   bool dead = false;  // freed by the program while a transfer was in flight
   bool on_host = false;
   bool on_ssd = false;
@@ -59,6 +59,7 @@ class Simulator {
     res.capacity_bytes = hw_.device_memory;
     res.memory_per_op.assign(static_cast<std::size_t>(n), 0);
     res.stall_per_op.assign(static_cast<std::size_t>(n), 0.0);
+    res.busy_per_op.assign(static_cast<std::size_t>(n), {});
     const int iterations = std::max(1, opt_.iterations);
     double t = 0;
     double iter_start = 0;
@@ -111,6 +112,9 @@ class Simulator {
     const auto kk = static_cast<std::size_t>(k);
     const double g = static_cast<double>(it) * n + k;
     if (report != nullptr && opt_.record_residency) report->residency[kk] = residency();
+    advance_all(t);
+    std::array<double, kNumChannels> busy_before{};
+    for (Channel c : kChannels) busy_before[index_of(c)] = channel(c).busy;
     for (TensorId id : sched_.created[kk]) create(id);
     // What this op waits for: reads of what it uses, and offloads due before it.
     std::vector<int> waits;
@@ -143,6 +147,11 @@ class Simulator {
     advance_all(t);
     for (std::int32_t m : sched_.issued_after[kk]) fire(at(sched_.migrations, m), it, n, t);
     for (TensorId id : sched_.freed[kk]) release(id);
+    if (report != nullptr) {
+      for (Channel c : kChannels) {
+        report->busy_per_op[kk][index_of(c)] = channel(c).busy - busy_before[index_of(c)];
+      }
+    }
     return t;
   }
 
@@ -317,14 +326,16 @@ class Simulator {
         set_away(j.tensor, tier_of(j.channel));
       }
       if (!s.dead && s.version == j.version) {
-        s.has_copy = true;
-        s.copy_tier = tier_of(j.channel);
-        s.copy_version = j.version;
+        copy_of(s, tier_of(j.channel)) = static_cast<std::int64_t>(j.version);
       }
     } else if (s.state == State::kReading) {
       s.state = State::kResident;
       set_away(j.tensor, std::nullopt);
     }
+  }
+
+  static std::int64_t& copy_of(TensorState& s, Tier tier) {
+    return s.copy_version[tier == Tier::kHost ? 1 : 0];
   }
 
   // Where a tensor's only copy is while it is away from device memory (none: it is not away).
@@ -395,7 +406,7 @@ class Simulator {
   void issue_read(TensorId id, double key, double now) {
     TensorState& s = state(id);
     advance_all(now);
-    const Channel c = channel_of(s.has_copy ? s.copy_tier : Tier::kSsd, Direction::kRead);
+    const Channel c = channel_of(s.on_host ? Tier::kHost : Tier::kSsd, Direction::kRead);
     s.state = State::kReading;
     resident_ += bytes_of(id);
     s.job = new_job(c, id, key);
@@ -406,8 +417,7 @@ class Simulator {
     const double key = static_cast<double>(it) * n + static_cast<double>(m.due);
     if (m.kind == ActionKind::kOffload) {
       if (s.state != State::kResident) return;
-      if (opt_.skip_clean_writes && s.has_copy && s.copy_tier == m.tier &&
-          s.copy_version == s.version) {
+      if (opt_.skip_clean_writes && copy_of(s, m.tier) == static_cast<std::int64_t>(s.version)) {
         s.state = State::kOffloaded;
         resident_ -= m.bytes;
         set_away(m.tensor, m.tier);

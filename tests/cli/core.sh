@@ -116,8 +116,15 @@ stall = sum(float(r["stall_s"]) for r in rows)
 assert abs(stall - ta["stall_seconds"]) <= 1e-6 * ta["iteration_seconds"], (stall, ta)
 assert max(int(r["memory_bytes"]) for r in rows) <= a["capacity_bytes"]
 assert sum(int(r["parameter_bytes"]) > 0 for r in rows) > 0
+moved = 0  # the busy seconds per op add up to the utilisation of each channel
+for ch in ("ssd_write", "ssd_read", "host_write", "host_read"):
+    busy = sum(float(r[ch + "_busy_s"]) for r in rows)
+    want = ta[ch + "_utilisation"] * ta["iteration_seconds"]
+    assert abs(busy - want) <= 1e-6 * ta["iteration_seconds"], (ch, busy, want)
+    moved += busy
+assert moved > 0, moved
 ' "$a" "$b" "$tmp/ops.csv" 2>"$tmp/perop.err"; then
-  echo "ok   simulate --save-trace replays the same iteration; --per-op has every op and its stall"
+  echo "ok   simulate --save-trace replays the same iteration; --per-op has every op, its stall and channel use"
 else
   fail "simulate --save-trace / --per-op" "$(cat "$tmp/perop.err") $a"
 fi

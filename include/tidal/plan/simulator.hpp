@@ -2,6 +2,7 @@
 // channel utilisation, bytes written per iteration, SSD lifetime. Torch-free.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -17,9 +18,9 @@ struct SimOptions {
   /// Iterations replayed; the last one is reported (the first starts with every persistent
   /// tensor in device memory, the later ones are in steady state). At least 1.
   int iterations = 3;
-  /// An offload of a tensor that is unchanged since it was read from the same target costs no
-  /// write: the store keeps the extent until the tensor is modified (ZeRO's parameter release
-  /// works this way too).
+  /// An offload of a tensor that is unchanged since it was last written to the same target
+  /// costs no write: each tier keeps its copy until the tensor is modified, whatever the other
+  /// tier does (ZeRO's parameter release works this way too).
   bool skip_clean_writes = true;
   /// Channel rates; unset: Hardware::channels().
   std::optional<ChannelRates> channels;
@@ -37,6 +38,9 @@ struct SimResult {
   double stall_seconds = 0;  ///< iteration_seconds - compute_seconds - io_compute_seconds
   std::vector<std::uint64_t> memory_per_op;  ///< device bytes while op k runs
   std::vector<double> stall_per_op;          ///< seconds op k waited for transfers to start
+  /// Seconds each channel (index_of(Channel)) was busy from op k's turn (its wait included) to
+  /// the next op's: where the iteration used its bandwidth.
+  std::vector<std::array<double, kNumChannels>> busy_per_op;
   std::uint64_t peak_bytes = 0;
   trace::OpIndex peak_op = 0;
   std::uint64_t capacity_bytes = 0;
