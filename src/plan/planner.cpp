@@ -87,6 +87,7 @@ struct Choice {
   int prefetch_start = -1;
   double score = 0;    // compute time of the freed ops that are over the target
   bool clean = false;  // no write: the target holds this version already
+  int via = -1;        // the earlier period planned with it to write the version (write_ahead)
 };
 
 // A stall that makes a candidate absent at one op (the least-stall fallback).
@@ -219,6 +220,7 @@ class Planner {
       for (TensorId id : op.outputs) at(writes_, id).push_back(op.index);
     }
     committed_.assign(tr_.tensors.size(), {});
+    periods_of_.assign(tr_.tensors.size(), {});
     for (const auto& life : la.tensors) {
       for (const auto& p : life.periods) {
         if (p.bytes == 0 || p.bytes < opt_.min_bytes) continue;
@@ -230,6 +232,7 @@ class Planner {
         c.len = p.wraps ? (n_ - 1 - p.last_use) + p.next_use : p.next_use - p.last_use - 1;
         if (c.len < 3) continue;  // nothing can be freed between the transfers
         std::tie(c.epoch, c.after) = version_of(c.tensor, c.last_use);
+        at(periods_of_, c.tensor).push_back(static_cast<int>(candidates_.size()));
         candidates_.push_back(c);
       }
     }
@@ -523,20 +526,53 @@ class Planner {
     if (target == Target::kSsd && !c.ssd_ok && !any_ssd_) return ch;
     if (!room(c, target)) return ch;
     const auto need = static_cast<double>(c.bytes);
+    const int start =
+        fill(bucket(target, Direction::kRead), c, 0, c.len - 1, need, Scan::kBackward);
+    if (start < 1) return ch;
     const bool clean = clean_on(c, target);
     const int end =
         clean ? -1 : fill(bucket(target, Direction::kWrite), c, 0, c.len - 1, need, Scan::kForward);
-    if (end < 0 && !clean) return ch;
-    const int start =
-        fill(bucket(target, Direction::kRead), c, 0, c.len - 1, need, Scan::kBackward);
-    if (start < 0 || end + 1 > start - 1) return ch;
+    if (clean || (end >= 0 && end + 1 <= start - 1)) {
+      ch.ok = true;
+      ch.target = target;
+      ch.offload_end = end;
+      ch.prefetch_start = start;
+      ch.score = over_time(c, end + 1, start - 1);
+      ch.clean = clean;
+    }
+    if (!clean && in_.write_ahead) write_ahead(c, target, start, ch);
+    return ch;
+  }
+
+  // The write of c moved ahead (PlannerInternals::write_ahead): the first period of c's version,
+  // not planned, is planned too (its transfers in its own buckets), and c then leaves with no
+  // write from its first op. Taken where that frees more of c's period over the target.
+  void write_ahead(const Candidate& c, Target target, int start, Choice& ch) {
+    const int e = first_period(c);
+    if (e < 0) return;
+    const double score = over_time(c, 0, start - 1);
+    if (ch.ok && score < ch.score) return;
+    if (!evaluate_target(at(candidates_, e), target).ok) return;
     ch.ok = true;
     ch.target = target;
-    ch.offload_end = end;
+    ch.offload_end = -1;
     ch.prefetch_start = start;
-    ch.score = over_time(c, end + 1, start - 1);
-    ch.clean = clean;
-    return ch;
+    ch.score = score;
+    ch.clean = true;
+    ch.via = e;
+  }
+
+  // The earliest period of c's version before c, if none of the version's periods before c is
+  // planned (-1: none).
+  [[nodiscard]] int first_period(const Candidate& c) const {
+    int first = -1;
+    for (int j : at(periods_of_, c.tensor)) {
+      const Candidate& m = at(candidates_, j);
+      if (m.epoch != c.epoch || m.after >= c.after) continue;
+      if (m.done) return -1;
+      if (first < 0 || m.after < at(candidates_, first).after) first = j;
+    }
+    return first;
   }
 
   // The target whose channels free more over-target time for this period; on a tie the SSDs
@@ -633,6 +669,14 @@ class Planner {
   }
 
   void commit(Plan& plan, Candidate& c, const Choice& ch) {
+    if (ch.via >= 0) {  // the period that writes the version first
+      Candidate& e = at(candidates_, ch.via);
+      const Choice first = evaluate_target(e, ch.target);
+      TIDAL_EXPECT(first.ok && !first.clean && first.via < 0,
+                   "planner: the period that writes ahead no longer fits; this is a bug");
+      commit(plan, e, first);
+      TIDAL_EXPECT(clean_on(c, ch.target), "planner: the write ahead left no copy; a bug");
+    }
     c.done = true;
     c.target = ch.target;
     c.offload_end = ch.offload_end;
@@ -1193,6 +1237,7 @@ class Planner {
   std::vector<BucketTree> buckets_;  // remaining capacity per op, one per Channel (index_of)
   std::vector<Candidate> candidates_;
   std::vector<std::vector<OpIndex>> writes_;    // per tensor, the ops that modify it, in order
+  std::vector<std::vector<int>> periods_of_;    // per tensor, its candidates
   std::vector<std::vector<int>> committed_;     // per tensor, its candidates ever committed
   std::unique_ptr<Fenwick> over_time_;          // compute time of the ops still over the target
   std::unique_ptr<RangeTree> over_memory_;      // memory of the ops over the target, kInf: fits

@@ -38,11 +38,17 @@ struct PlannerInternals {
   /// and the simulator drops the tensor without writing it (SimOptions::skip_clean_writes).
   /// false: every offload books its write, as before session 16.
   bool clean_copies = true;
+  /// With clean_copies: where a period's write would keep it in device memory over ops above
+  /// the target, the version's first period (not planned) is planned too, so that the write
+  /// runs there and the period leaves at once with no write.
+  bool write_ahead = true;
 };
 
 /// The planner before issue 27: nominal moves, a scan of every candidate, the exact greedy, two
 /// ways where host memory is short.
-inline PlannerInternals reference_internals() { return {false, false, 1e-12, false, false, false}; }
+inline PlannerInternals reference_internals() {
+  return {false, false, 1e-12, false, false, false, false};
+}
 
 /// make_plan() with the given internals.
 Plan make_plan_with(const trace::Trace& trace, const Hardware& hw, const PlannerOptions& options,

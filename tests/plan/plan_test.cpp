@@ -678,6 +678,35 @@ TEST(Planner, AnUnchangedTensorLeavesAgainWithoutAWrite) {
   EXPECT_LT(simulate(t, &q, hw).stall_seconds, q.summary.planned_stall_seconds - 0.5);
 }
 
+TEST(Planner, WritesAheadWhereAWriteWouldKeepATensorOverTheTarget) {
+  // P (100 B) is modified at op 0 and used at ops 6 and 12; X (100 B, ops 8..10) leaves room
+  // for one of them with 150 B. Written after op 6 at 50 B/s, P would stay over ops 7..8; its
+  // first period (ops 1..5, nothing over the target) takes the write instead, and P leaves
+  // after op 6 with no write: no stall.
+  trace::Trace t = hand_trace(13, {{100, true, {0, 6, 12}}, {100, false, {8, 10}}});
+  t.ops[0].outputs.push_back(0);
+  trace::validate(t);
+  const Hardware hw = write_scarce_hw();
+  const Plan p = make_plan(t, hw);
+  EXPECT_TRUE(p.summary.fits);
+  EXPECT_EQ(p.stalls.size(), 0u);
+  ASSERT_NO_THROW(validate_plan(p, t));
+  expect_paired(p, t);
+  EXPECT_EQ(p.actions.size(), 4u);  // both periods of P
+  const SimResult sim = simulate(t, &p, hw);
+  EXPECT_LE(sim.peak_bytes, hw.device_memory);
+  EXPECT_NEAR(sim.stall_seconds, 0, 1e-9);
+  EXPECT_EQ(sim.misses, 0);
+  EXPECT_EQ(sim.ssd_bytes_written, 100u);
+  EXPECT_EQ(sim.ssd_bytes_read, 200u);
+  // Without it the write runs after op 6 and the iteration waits for it.
+  detail::PlannerInternals no_ahead;
+  no_ahead.write_ahead = false;
+  const Plan q = detail::make_plan_with(t, hw, PlannerOptions{}, no_ahead);
+  EXPECT_GT(q.summary.planned_stall_seconds, 0.5);
+  EXPECT_GT(simulate(t, &q, hw).stall_seconds, 0.5);
+}
+
 TEST(Simulator, EachTierKeepsItsCopyUntilTheTensorChanges) {
   // P goes to the SSDs over ops 1..7, to host memory over ops 9..11 and to the SSDs again over
   // the wrap (ops 13..); op 0 changes it. Only the first two offloads write: the host copy does
