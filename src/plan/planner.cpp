@@ -379,6 +379,8 @@ class Planner {
     return {epoch, after};
   }
 
+  [[nodiscard]] bool clean_copies() const { return in_.clean_copies && opt_.clean_copies; }
+
   // The committed migrations of c's version to `target` nearest before and after it (-1: none).
   [[nodiscard]] std::pair<int, int> neighbours(const Candidate& c, Target target) const {
     int before = -1;
@@ -395,7 +397,7 @@ class Planner {
   // Whether c would book no write on `target` (PlannerInternals::clean_copies): an earlier
   // migration of its version went there, and the tier keeps that copy until the tensor changes.
   [[nodiscard]] bool clean_on(const Candidate& c, Target target) const {
-    return in_.clean_copies && neighbours(c, target).first >= 0;
+    return clean_copies() && neighbours(c, target).first >= 0;
   }
 
   // ---- a candidate's period ------------------------------------------------------------------
@@ -540,7 +542,7 @@ class Planner {
       ch.score = over_time(c, end + 1, start - 1);
       ch.clean = clean;
     }
-    if (!clean && in_.write_ahead) write_ahead(c, target, start, ch);
+    if (!clean && clean_copies() && in_.write_ahead) write_ahead(c, target, start, ch);
     return ch;
   }
 
@@ -705,7 +707,7 @@ class Planner {
     set_times(plan, c);
     const int i = static_cast<int>(&c - candidates_.data());
     track_present(i);
-    if (in_.clean_copies) {
+    if (clean_copies()) {
       at(committed_, c.tensor).push_back(i);
       clean_later(plan, c);
     }

@@ -33,6 +33,13 @@ struct PlannerOptions {
   /// hold what must leave; simulate all three and keep the fastest that fits (docs/simulator.md,
   /// "Host memory against SSD bandwidth"). Triples the planning time where it runs.
   bool choose_host_by_density = true;
+  /// A tier keeps its copy of a tensor until the tensor changes, so a period of a tensor
+  /// unchanged since an earlier planned migration of it to the same tier books no write, and
+  /// the version's first period may take the write ahead of a busy one (docs/simulator.md,
+  /// planner step 9; the simulator skips those writes, SimOptions::skip_clean_writes). false:
+  /// every offload books its write, for an executor that writes every offload (the plan
+  /// executor does, so a training session plans with false).
+  bool clean_copies = true;
   /// Tensors smaller than this stay in device memory (their migration costs more than it frees).
   std::uint64_t min_bytes = 0;
   /// How the error for a plan that cannot fit tells the user to give more memory (the CLI's
