@@ -28,12 +28,16 @@ if [ "${TIDAL_QUICK:-0}" != 1 ]; then
     ctest --test-dir build-asan --output-on-failure -j "$(nproc)" --timeout 900
 
   stamp "build with ThreadSanitizer (torch-free layers)"
-  TIDAL_TARGETS="tidal_io_tests" \
+  TIDAL_TARGETS="tidal_io_tests tidal_plan_tests" \
     BUILD_DIR=build-tsan BUILD_TYPE=RelWithDebInfo bash scripts/build.sh -DTIDAL_WITH_TORCH=OFF \
     -DTIDAL_BUILD_BENCH=OFF -DTIDAL_INSTALL=OFF -DTIDAL_SANITIZE=thread
   stamp "store concurrency tests under TSan"
   TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
     ctest --test-dir build-tsan --output-on-failure -L io --timeout 900
+  stamp "the planner's threads under TSan (the ways of a plan, the micro-batch orders)"
+  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+    ctest --test-dir build-tsan --output-on-failure --timeout 900 \
+    -R "tidal_plan_tests[.](OrderChoice[.]|PlannerFuzz[.](SsdWhereNeeded|HostMemoryByDensity))"
 fi
 
 stamp "format check"

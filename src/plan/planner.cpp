@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <future>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -1299,24 +1300,34 @@ WayPlan plan_ways(const trace::Trace& trace, const trace::Trace& real, const Har
   // A third way where host memory is short: the SSDs only for the periods over the ops where
   // host memory cannot hold what must leave (HostChoice::kSsdWhereNeeded). The fastest plan
   // that fits is kept.
-  std::vector<Plan> plans;
   std::vector<HostChoice> ways = {HostChoice::kByScore, HostChoice::kDensest};
-  plans.push_back(std::move(by_score));
-  plans.push_back(Planner(trace, hw, options, internals, HostChoice::kDensest).run());
-  if (internals.ssd_where_needed) {
-    plans.push_back(Planner(trace, hw, options, internals, HostChoice::kSsdWhereNeeded).run());
-    ways.push_back(HostChoice::kSsdWhereNeeded);
+  if (internals.ssd_where_needed) ways.push_back(HostChoice::kSsdWhereNeeded);
+  // The ways after the first are planned and simulated on threads of their own (a Planner only
+  // reads the trace): on two cores the three ways take the time of two. Only this thread
+  // reports progress (PlannerOptions::progress is called on the planner's thread).
+  const auto plan_way = [&](HostChoice way, bool report) {
+    PlannerOptions o = options;
+    if (!report) o.progress = nullptr;
+    WayPlan w{Planner(trace, hw, o, internals, way).run(), way, std::nullopt};
+    w.sim = simulate(real, &w.plan, hw);
+    return w;
+  };
+  std::vector<std::future<WayPlan>> others;
+  for (std::size_t i = 2; i < ways.size(); ++i) {
+    others.push_back(std::async(std::launch::async, plan_way, ways[i], false));
   }
+  std::vector<WayPlan> plans;
+  SimResult first_sim = simulate(real, &by_score, hw);
+  plans.push_back({std::move(by_score), HostChoice::kByScore, std::move(first_sim)});
+  plans.push_back(plan_way(ways[1], true));
+  for (auto& f : others) plans.push_back(f.get());  // rethrows a thread's error
   std::size_t best = 0;
-  SimResult best_sim = simulate(real, &plans[0], hw);
   for (std::size_t i = 1; i < plans.size(); ++i) {
-    SimResult r = simulate(real, &plans[i], hw);
-    if (r.fits && (!best_sim.fits || r.iteration_seconds < best_sim.iteration_seconds)) {
-      best = i;
-      best_sim = std::move(r);
-    }
+    const SimResult& r = *plans[i].sim;
+    const SimResult& b = *plans[best].sim;
+    if (r.fits && (!b.fits || r.iteration_seconds < b.iteration_seconds)) best = i;
   }
-  return {std::move(plans[best]), ways[best], std::move(best_sim)};
+  return std::move(plans[best]);
 }
 
 // The waits the stall bound says no plan avoids, per op: each window's stall spread over the
