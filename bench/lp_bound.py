@@ -1,14 +1,20 @@
 """A linear-programme relaxation of offloading one iteration, to see how loose tidal's stall
 bound is (docs/simulator.md, "How loose is the bound: an LP relaxation").
 
-    python bench/lp_bound.py TRACE.json SIMULATE.json [--segments S]
-    python bench/lp_bound.py [--segments S] --simulate TIDAL simulate ARGS...
+    python bench/lp_bound.py TRACE.json SIMULATE.json [--segments S] [--by-unit OUT [--per-op CSV]]
+    python bench/lp_bound.py [--segments S] [--by-unit OUT] --simulate TIDAL simulate ARGS...
 
 TRACE.json is `tidal simulate --save-trace`'s trace and SIMULATE.json the last line of the same
 `tidal simulate --json` run (the hardware, the window bound and tidal's result); --simulate runs
 the command given with those two flags. Prints one JSON line: the LP's least iteration, with
 tidal's and the window bound's beside it. TIDAL_LP_METHOD: scipy's solver (highs-ipm; highs-ds
 found the same optima 2-20x slower).
+
+--by-unit OUT writes the LP's solution unit by unit (JSON lines: its stall, the GB each channel
+moves by tensor class, what is away at the sample by class) beside tidal's plan over the same
+ops (its stall and each channel's busy seconds, from `tidal simulate --per-op`: with --simulate
+the script asks for it; with TRACE.json give the CSV as --per-op): where tidal loses against the
+LP, and on which channel.
 
 The relaxation. The ops are cut into S segments of equal compute; in each, the op with the most
 live bytes (everything kept) is its sample, the only op whose memory is checked. Each segment is
@@ -36,6 +42,7 @@ Needs scipy (HiGHS); bench/lp_bound.sh installs it for this benchmark only.
 """
 import argparse
 import collections
+import csv
 import json
 import os
 import subprocess
@@ -55,6 +62,8 @@ def main():
     ap.add_argument("trace", nargs="?")
     ap.add_argument("simulate_json", nargs="?")
     ap.add_argument("--segments", type=int, default=48)
+    ap.add_argument("--by-unit", help="write the LP's solution and tidal's plan unit by unit here")
+    ap.add_argument("--per-op", help="with TRACE.json and --by-unit: tidal's `simulate --per-op` CSV")
     ap.add_argument("--simulate", nargs=argparse.REMAINDER,
                     help="instead of TRACE and SIMULATE.json: a `tidal simulate` command line "
                          "(with tidal in --policy), run here with --save-trace and --json")
@@ -63,7 +72,10 @@ def main():
         cmd = [x for x in a.simulate if x != "--"]
         if "--json" not in cmd:
             cmd.append("--json")
-        if "auto" in cmd and cmd.index("auto") > 0 and cmd[cmd.index("auto") - 1] == "--micro-batch-order":
+        auto = "auto" in cmd and cmd.index("auto") > 0 and cmd[cmd.index("auto") - 1] == "--micro-batch-order"
+        if auto and a.by_unit:
+            ap.error("--by-unit needs one order: give --micro-batch-order sequential or layer-major")
+        if auto:
             # A choice between two orders is bounded by the lower of the two orders' bounds (each
             # holds only for plans of its own order): the LP of each, and the looser kept.
             i = cmd.index("auto")
@@ -74,24 +86,25 @@ def main():
             out["tidal_beats_lp"] = any(r["tidal_beats_lp"] for r in runs)
             print(json.dumps(out))
         else:
-            print(json.dumps(simulate_and_bound(cmd, a.segments)))
+            print(json.dumps(simulate_and_bound(cmd, a.segments, a.by_unit)))
         return
     if not a.trace or not a.simulate_json:
         ap.error("give TRACE and SIMULATE.json, or --simulate")
-    print(json.dumps(bound(a.trace, a.simulate_json, a.segments)))
+    print(json.dumps(bound(a.trace, a.simulate_json, a.segments, a.by_unit, a.per_op)))
 
 
-def simulate_and_bound(cmd, segments):
+def simulate_and_bound(cmd, segments, by_unit=None):
     with tempfile.TemporaryDirectory() as tmp:
-        trace, sim_json = f"{tmp}/trace.json", f"{tmp}/simulate.json"
-        p = subprocess.run(cmd + ["--save-trace", trace], capture_output=True, text=True)
+        trace, sim_json, per_op = f"{tmp}/trace.json", f"{tmp}/simulate.json", f"{tmp}/ops.csv"
+        extra = ["--save-trace", trace] + (["--per-op", per_op] if by_unit else [])
+        p = subprocess.run(cmd + extra, capture_output=True, text=True)
         if p.returncode != 0:
             sys.exit(f"{' '.join(cmd)} failed: {p.stderr.strip()[-300:]}")
         open(sim_json, "w").write(p.stdout.strip().splitlines()[-1])
-        return bound(trace, sim_json, segments)
+        return bound(trace, sim_json, segments, by_unit, per_op if by_unit else None)
 
 
-def bound(trace_path, sim_path, segments):
+def bound(trace_path, sim_path, segments, by_unit=None, per_op=None):
     tr = json.load(open(trace_path))
     sim = json.load(open(sim_path))
     hw = sim["hardware"]
@@ -104,7 +117,8 @@ def bound(trace_path, sim_path, segments):
     host_w = max(0.0, hw["host_link_bw"] / GB - ssd_w) if host_cap > 0 else 0.0
     t0 = time.time()
     stall, segs = lp_stall(tr, segments, cap, host_cap,
-                           {"rS": ssd_r, "wS": ssd_w, "rH": host_r, "wH": host_w})
+                           {"rS": ssd_r, "wS": ssd_w, "rH": host_r, "wH": host_w},
+                           (by_unit, per_op) if by_unit else None)
     compute = sim["compute_seconds"]
     tidal = sim["policies"].get("tidal", {})
     return {
@@ -133,7 +147,7 @@ def op_times(ops):
     return d
 
 
-def lp_stall(tr, S, cap, host_cap, rates):
+def lp_stall(tr, S, cap, host_cap, rates, by_unit=None):
     ops, tensors = tr["ops"], tr["tensors"]
     n = len(ops)
     d = op_times(ops)
@@ -210,7 +224,8 @@ def lp_stall(tr, S, cap, host_cap, rates):
             v = max((m for m in mods_unwrapped if m <= pa), default=None)
             sig.append((cpos(pa), cpos(pb), None if v is None else cpos(v)))
         if sig:
-            groups[tuple(sig)] += t["bytes"] / GB
+            # With --by-unit the classes stay apart, to say what each channel moves.
+            groups[(tuple(sig), t["class"] if by_unit else "")] += t["bytes"] / GB
 
     # Columns: stall per unit, then per group the writes, reads and shares away.
     ncol = U
@@ -239,7 +254,9 @@ def lp_stall(tr, S, cap, host_cap, rates):
     # Reads and writes as running totals, so that each row has a few entries: Q[s], the bytes of a
     # period read from a tier in its segments s and later (never more at s than at s - 1), and
     # P[s], those of a version written to it up to segment s; a segment moves the differences.
-    for sig, size in groups.items():
+    col_class = {}  # --by-unit: the tensor class of each group's columns
+    for (sig, klass), size in groups.items():
+        first_col = ncol
         periods = []
         write_end = {}  # version -> last segment whose sample needs its writes
         for pa, pb, pv in sig:
@@ -282,6 +299,7 @@ def lp_stall(tr, S, cap, host_cap, rates):
                     if tier == "H":
                         host_cols[x % S].append(z)
                 add_row([(z, 1.0) for z in zs], size)
+        col_class.update((c, klass) for c in range(first_col, ncol))
     for c, rate in rates.items():
         for u in range(U):
             add_row(chan_cols[c][u] + [(u, -rate)], rate * unit_time[u])
@@ -297,7 +315,44 @@ def lp_stall(tr, S, cap, host_cap, rates):
     if res.status != 0:
         sys.exit(f"the LP did not solve: {res.message}")
     print(f"LP: {len(groups)} tensor groups, {ncol} columns, {len(rhs)} rows", file=sys.stderr)
+    if by_unit:
+        write_by_unit(by_unit, ops, res.x, U, unit_of_op, unit_time, sample, rates, chan_cols,
+                      mem_cols, col_class)
     return float(res.fun), S
+
+
+def write_by_unit(by_unit, ops, x, U, unit_of_op, unit_time, sample, rates, chan_cols, mem_cols,
+                  col_class):
+    out, per_op = by_unit
+    tidal = None
+    if per_op:
+        tidal = np.zeros((U, 5))  # stall, then busy seconds: ssd write, ssd read, host write, host read
+        cols = ("stall_s", "ssd_write_busy_s", "ssd_read_busy_s", "host_write_busy_s", "host_read_busy_s")
+        with open(per_op) as f:
+            for r in csv.DictReader(f):
+                tidal[unit_of_op[int(r["op"])]] += [float(r[c]) for c in cols]
+    with open(out, "w") as f:
+        for u in range(U):
+            first = int(np.nonzero(unit_of_op == u)[0][0]) if (unit_of_op == u).any() else None
+            row = {"unit": u, "segment": u // 2, "part": "AB"[u % 2],
+                   "first_op": ops[first]["name"] if first is not None else None,
+                   "compute_s": unit_time[u], "lp_stall_s": x[u]}
+            for c in rates:
+                by = collections.defaultdict(float)
+                for col, coef in chan_cols[c][u]:
+                    by[col_class[col]] += coef * x[col]
+                row["lp_" + c + "_gb"] = {k: round(v, 3) for k, v in by.items() if abs(v) > 1e-3}
+            if u % 2 == 0:  # the sample is in part A
+                by = collections.defaultdict(float)
+                for z in mem_cols[u // 2]:
+                    by[col_class[z]] += x[z]
+                row["sample_op"] = ops[sample[u // 2]]["name"]
+                row["lp_away_gb"] = {k: round(v, 3) for k, v in by.items() if abs(v) > 1e-3}
+            if tidal is not None:
+                row["tidal_stall_s"] = tidal[u][0]
+                row.update(zip(("tidal_ssd_write_busy_s", "tidal_ssd_read_busy_s",
+                                "tidal_host_write_busy_s", "tidal_host_read_busy_s"), tidal[u][1:]))
+            f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":
