@@ -220,7 +220,6 @@ class Planner {
     for (const auto& op : tr_.ops) {
       for (TensorId id : op.outputs) at(writes_, id).push_back(op.index);
     }
-    committed_.assign(tr_.tensors.size(), {});
     periods_of_.assign(tr_.tensors.size(), {});
     for (const auto& life : la.tensors) {
       for (const auto& p : life.periods) {
@@ -389,7 +388,7 @@ class Planner {
   [[nodiscard]] std::pair<int, int> neighbours(const Candidate& c, Target target) const {
     int before = -1;
     int later = -1;
-    for (int j : at(committed_, c.tensor)) {
+    for (int j : at(periods_of_, c.tensor)) {
       const Candidate& m = at(candidates_, j);
       if (!m.done || m.target != target || m.epoch != c.epoch || &m == &c) continue;
       if (m.after < c.after && (before < 0 || m.after > at(candidates_, before).after)) before = j;
@@ -568,25 +567,31 @@ class Planner {
     ch.via = e;
   }
 
-  [[nodiscard]] bool is_first_of_version(const Candidate& c) const {
+  // Calls fn(j) for each period j of c's version before c.
+  template <class Fn>
+  void for_each_earlier(const Candidate& c, Fn&& fn) const {
     for (int j : at(periods_of_, c.tensor)) {
       const Candidate& m = at(candidates_, j);
-      if (m.epoch == c.epoch && m.after < c.after) return false;
+      if (m.epoch == c.epoch && m.after < c.after) fn(j);
     }
-    return true;
+  }
+
+  [[nodiscard]] bool is_first_of_version(const Candidate& c) const {
+    bool first = true;
+    for_each_earlier(c, [&](int) { first = false; });
+    return first;
   }
 
   // The earliest period of c's version before c, if none of the version's periods before c is
   // planned (-1: none).
   [[nodiscard]] int first_period(const Candidate& c) const {
     int first = -1;
-    for (int j : at(periods_of_, c.tensor)) {
-      const Candidate& m = at(candidates_, j);
-      if (m.epoch != c.epoch || m.after >= c.after) continue;
-      if (m.done) return -1;
-      if (first < 0 || m.after < at(candidates_, first).after) first = j;
-    }
-    return first;
+    bool planned = false;
+    for_each_earlier(c, [&](int j) {
+      planned = planned || at(candidates_, j).done;
+      if (first < 0 || at(candidates_, j).after < at(candidates_, first).after) first = j;
+    });
+    return planned ? -1 : first;
   }
 
   // The target whose channels free more over-target time for this period; on a tie the SSDs
@@ -719,10 +724,7 @@ class Planner {
     set_times(plan, c);
     const int i = static_cast<int>(&c - candidates_.data());
     track_present(i);
-    if (clean_copies()) {
-      at(committed_, c.tensor).push_back(i);
-      clean_later(plan, c);
-    }
+    if (clean_copies()) clean_later(plan, c);
     if ((++commits_ & 255) == 0) report_progress();
   }
 
@@ -1252,7 +1254,6 @@ class Planner {
   std::vector<Candidate> candidates_;
   std::vector<std::vector<OpIndex>> writes_;    // per tensor, the ops that modify it, in order
   std::vector<std::vector<int>> periods_of_;    // per tensor, its candidates
-  std::vector<std::vector<int>> committed_;     // per tensor, its candidates ever committed
   std::unique_ptr<Fenwick> over_time_;          // compute time of the ops still over the target
   std::unique_ptr<RangeTree> over_memory_;      // memory of the ops over the target, kInf: fits
   std::unique_ptr<RangeTree> away_bytes_[2];    // bytes planned away per op: [0] SSD, [1] host
