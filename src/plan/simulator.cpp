@@ -112,7 +112,7 @@ class Simulator {
     const auto kk = static_cast<std::size_t>(k);
     const double g = static_cast<double>(it) * n + k;
     if (report != nullptr && opt_.record_residency) report->residency[kk] = residency();
-    advance_all(t);
+    // Every channel has been served up to t (the previous op ended with advance_all(t)).
     std::array<double, kNumChannels> busy_before{};
     for (Channel c : kChannels) busy_before[index_of(c)] = channel(c).busy;
     for (TensorId id : sched_.created[kk]) create(id);
