@@ -1,6 +1,7 @@
 #include "tidal/plan/planner.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <future>
@@ -136,6 +137,9 @@ struct PruneState {
 // wherever it frees as much as the SSDs.
 enum class HostChoice : std::uint8_t { kByScore, kDensest, kSsdWhereNeeded };
 
+// Thrown by a Planner whose cancel flag was set (Planner::cancel_on).
+struct Cancelled {};
+
 class Planner {
  public:
   Planner(const trace::Trace& tr, const Hardware& hw, PlannerOptions opt,
@@ -147,6 +151,9 @@ class Planner {
         n_(static_cast<int>(tr.ops.size())),
         cycle_(n_),
         in_(in) {}
+
+  // Planning stops with Cancelled soon after *flag turns true (a plan no longer wanted).
+  void cancel_on(const std::atomic<bool>* flag) { cancel_ = flag; }
 
   // The stages: set up the channels, candidates and memory over the target; the greedy; the
   // least-stall fallback; prune; the stalls and the summary.
@@ -777,6 +784,10 @@ class Planner {
   [[nodiscard]] bool host_short() const { return host_short_; }
 
  private:
+  void check_cancel() const {
+    if (cancel_ != nullptr && cancel_->load(std::memory_order_relaxed)) throw Cancelled{};
+  }
+
   // ---- stage: the greedy ---------------------------------------------------------------------
 
   void greedy(Plan& plan) {
@@ -794,6 +805,7 @@ class Planner {
       if (ch.ok) heap.push({ch.score, candidates_[i].bytes, static_cast<int>(i)});
     }
     while (!heap.empty() && over_time_->sum(0, n_ - 1) > 0) {
+      if ((++steps_ & 1023) == 0) check_cancel();
       const Entry top = heap.top();
       heap.pop();
       Candidate& c = at(candidates_, top.cand);
@@ -905,6 +917,7 @@ class Planner {
       }
       if (is_over(k)) fail_to_relieve(k);
       report_progress();
+      check_cancel();
     }
   }
 
@@ -1264,6 +1277,8 @@ class Planner {
   std::int64_t commits_ = 0;
   bool host_short_ = false;
   bool any_ssd_ = false;  // the fallback's last resort: any period may take the SSDs
+  const std::atomic<bool>* cancel_ = nullptr;  // set: stop with Cancelled
+  std::int64_t steps_ = 0;                     // greedy pops, for the cancel check
   detail::PlannerInternals in_;
   std::unique_ptr<IntervalStab> present_;  // the fallback's index of where candidates can go
   std::vector<std::uint32_t> version_;     // per candidate, its entries' version in present_
@@ -1293,8 +1308,6 @@ WayPlan plan_ways(const trace::Trace& trace, const trace::Trace& real, const Har
                   const PlannerOptions& options, const PlannerInternals& internals,
                   std::optional<HostChoice> only = std::nullopt) {
   if (only) return {Planner(trace, hw, options, internals, *only).run(), *only, std::nullopt};
-  Planner first(trace, hw, options, internals);
-  Plan by_score = first.run();
   // Host memory was short (a migration went to the SSDs for want of room in it), the SSDs are
   // the scarce channel (under half of the host channel's rate) and the plan stalls: plan again
   // with host memory promised to the periods that save the most SSD traffic per byte held, and
@@ -1305,34 +1318,64 @@ WayPlan plan_ways(const trace::Trace& trace, const trace::Trace& real, const Har
   const ChannelRates rates = hw.channels();
   const bool ssds_scarce = rates[Channel::kSsdRead] < 0.5 * rates[Channel::kHostRead] ||
                            rates[Channel::kSsdWrite] < 0.5 * rates[Channel::kHostWrite];
-  if (!options.choose_host_by_density || !options.use_host || !first.host_short() || !ssds_scarce ||
-      by_score.summary.planned_stall_seconds <= 0) {
-    return {std::move(by_score), HostChoice::kByScore, std::nullopt};
-  }
+  const bool may_need_ways =
+      options.choose_host_by_density && options.use_host && hw.host_memory > 0 && ssds_scarce;
   // A third way where host memory is short: the SSDs only for the periods over the ops where
   // host memory cannot hold what must leave (HostChoice::kSsdWhereNeeded). The fastest plan
   // that fits is kept.
   std::vector<HostChoice> ways = {HostChoice::kByScore, HostChoice::kDensest};
   if (internals.ssd_where_needed) ways.push_back(HostChoice::kSsdWhereNeeded);
-  // The ways after the first are planned and simulated on threads of their own (a Planner only
-  // reads the trace): on two cores the three ways take the time of two. Only this thread
-  // reports progress (PlannerOptions::progress is called on the planner's thread).
-  const auto plan_way = [&](HostChoice way, bool report) {
+  // The ways after the first start on threads of their own at once, where the machine says they
+  // may be needed (the first plan says whether they are): a Planner only reads the trace, and
+  // on two cores the three ways then take about the time of the slowest and a half instead of
+  // the first's and the slowest's. Where the first plan does not need them they are cancelled.
+  // Only this thread reports progress (PlannerOptions::progress is called on the planner's
+  // thread).
+  std::atomic<bool> cancel{false};
+  const auto plan_way = [&](HostChoice way) -> std::optional<WayPlan> {
     PlannerOptions o = options;
-    if (!report) o.progress = nullptr;
-    WayPlan w{Planner(trace, hw, o, internals, way).run(), way, std::nullopt};
-    w.sim = simulate(real, &w.plan, hw);
-    return w;
+    o.progress = nullptr;
+    Planner p(trace, hw, o, internals, way);
+    p.cancel_on(&cancel);
+    try {
+      WayPlan w{p.run(), way, std::nullopt};
+      if (cancel) return std::nullopt;
+      w.sim = simulate(real, &w.plan, hw);
+      return w;
+    } catch (const Cancelled&) {
+      return std::nullopt;
+    }
   };
-  std::vector<std::future<WayPlan>> others;
-  for (std::size_t i = 2; i < ways.size(); ++i) {
-    others.push_back(std::async(std::launch::async, plan_way, ways[i], false));
+  std::vector<std::future<std::optional<WayPlan>>> others;
+  if (may_need_ways) {
+    for (std::size_t i = 1; i < ways.size(); ++i) {
+      others.push_back(std::async(std::launch::async, plan_way, ways[i]));
+    }
+  }
+  // The other threads are stopped and joined on every way out, an error included.
+  struct StopOthers {
+    std::atomic<bool>& cancel;
+    std::vector<std::future<std::optional<WayPlan>>>& others;
+    ~StopOthers() {
+      cancel = true;
+      for (auto& f : others) {
+        if (f.valid()) f.wait();
+      }
+    }
+  } stop_others{cancel, others};
+  Planner first(trace, hw, options, internals);
+  Plan by_score = first.run();
+  if (!may_need_ways || !first.host_short() || by_score.summary.planned_stall_seconds <= 0) {
+    return {std::move(by_score), HostChoice::kByScore, std::nullopt};
   }
   std::vector<WayPlan> plans;
   SimResult first_sim = simulate(real, &by_score, hw);
   plans.push_back({std::move(by_score), HostChoice::kByScore, std::move(first_sim)});
-  plans.push_back(plan_way(ways[1], true));
-  for (auto& f : others) plans.push_back(f.get());  // rethrows a thread's error
+  for (auto& f : others) {
+    std::optional<WayPlan> w = f.get();  // rethrows a thread's error
+    TIDAL_EXPECT(w.has_value(), "planner: a host-memory way was cancelled; this is a bug");
+    plans.push_back(std::move(*w));
+  }
   std::size_t best = 0;
   for (std::size_t i = 1; i < plans.size(); ++i) {
     const SimResult& r = *plans[i].sim;
