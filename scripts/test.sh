@@ -37,7 +37,7 @@ if [ "${TIDAL_QUICK:-0}" != 1 ]; then
   stamp "the planner's threads under TSan (the ways of a plan, the micro-batch orders)"
   TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
     ctest --test-dir build-tsan --output-on-failure --timeout 900 \
-    -R "tidal_plan_tests[.](OrderChoice[.]|PlannerFuzz[.](SsdWhereNeeded|HostMemoryByDensity))"
+    -R "tidal_plan_tests[.](OrderChoice[.]|PlannerFuzz[.](SsdWhereNeeded|HostMemoryByDensity|TheWaysStartedTogether))"
 fi
 
 stamp "format check"

@@ -1347,11 +1347,12 @@ WayPlan plan_ways(const trace::Trace& trace, const trace::Trace& real, const Har
     }
   };
   std::vector<std::future<std::optional<WayPlan>>> others;
-  if (may_need_ways) {
+  const auto start_others = [&] {
     for (std::size_t i = 1; i < ways.size(); ++i) {
       others.push_back(std::async(std::launch::async, plan_way, ways[i]));
     }
-  }
+  };
+  if (may_need_ways && internals.ways_together) start_others();
   // The other threads are stopped and joined on every way out, an error included.
   struct StopOthers {
     std::atomic<bool>& cancel;
@@ -1368,6 +1369,7 @@ WayPlan plan_ways(const trace::Trace& trace, const trace::Trace& real, const Har
   if (!may_need_ways || !first.host_short() || by_score.summary.planned_stall_seconds <= 0) {
     return {std::move(by_score), HostChoice::kByScore, std::nullopt};
   }
+  if (others.empty()) start_others();
   std::vector<WayPlan> plans;
   SimResult first_sim = simulate(real, &by_score, hw);
   plans.push_back({std::move(by_score), HostChoice::kByScore, std::move(first_sim)});

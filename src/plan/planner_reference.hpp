@@ -42,6 +42,10 @@ struct PlannerInternals {
   /// the target, the version's first period (not planned) is planned too, so that the write
   /// runs there and the period leaves at once with no write.
   bool write_ahead = true;
+  /// Where the machine makes the second and third host-memory ways possible, they start beside
+  /// the first and are cancelled where it does not need them; false: they start once the first
+  /// plan says it needs them. The plans are the same; only the time differs.
+  bool ways_together = true;
 };
 
 /// The planner before issue 27: nominal moves, a scan of every candidate, the exact greedy, two

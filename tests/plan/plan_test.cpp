@@ -1769,6 +1769,19 @@ TEST(StallBoundFuzz, TheSweepMatchesOnTensorsWithAGap) {
 }
 
 // The plan of detail::make_plan_with, or nothing where none fits.
+// Two plans with the same actions (tensor, kind, trigger, deadline, target) and stalls.
+void expect_same_plan(const Plan& a, const Plan& b, const std::string& where) {
+  ASSERT_EQ(a.actions.size(), b.actions.size()) << where;
+  for (std::size_t i = 0; i < a.actions.size(); ++i) {
+    const PlanAction& x = a.actions[i];
+    const PlanAction& y = b.actions[i];
+    EXPECT_TRUE(x.tensor == y.tensor && x.kind == y.kind && x.trigger == y.trigger &&
+                x.deadline == y.deadline && x.target == y.target)
+        << where << " action " << i;
+  }
+  EXPECT_EQ(a.stalls, b.stalls) << where;
+}
+
 std::optional<Plan> try_plan_with(const trace::Trace& t, const Hardware& hw,
                                   const detail::PlannerInternals& in) {
   try {
@@ -1784,32 +1797,54 @@ std::optional<Plan> try_plan_with(const trace::Trace& t, const Hardware& hw,
 TEST(PlannerFuzz, TheFallbacksIndexMakesTheScansPlan) {
   int compared = 0;
   int stalled = 0;
-  for_each_fuzz_case(
-      31, always(FuzzLink::kPerSsd), true, [&](std::uint64_t seed, const FuzzCase& fc) {
-        for (bool booked : {true, false}) {
-          detail::PlannerInternals in;
-          in.booked_spans = booked;
-          detail::PlannerInternals scan = in;
-          scan.index_candidates = false;
-          const std::optional<Plan> a = try_plan_with(fc.trace, fc.hw, in);
-          const std::optional<Plan> b = try_plan_with(fc.trace, fc.hw, scan);
-          ASSERT_EQ(a.has_value(), b.has_value()) << "seed " << seed;
-          if (!a) continue;
-          ++compared;
-          if (!a->stalls.empty()) ++stalled;
-          ASSERT_EQ(a->actions.size(), b->actions.size()) << "seed " << seed;
-          for (std::size_t i = 0; i < a->actions.size(); ++i) {
-            const PlanAction& x = a->actions[i];
-            const PlanAction& y = b->actions[i];
-            EXPECT_TRUE(x.tensor == y.tensor && x.kind == y.kind && x.trigger == y.trigger &&
-                        x.deadline == y.deadline && x.target == y.target)
-                << "seed " << seed << " action " << i;
-          }
-          EXPECT_EQ(a->stalls, b->stalls) << "seed " << seed;
-        }
-      });
+  for_each_fuzz_case(31, always(FuzzLink::kPerSsd), true,
+                     [&](std::uint64_t seed, const FuzzCase& fc) {
+                       for (bool booked : {true, false}) {
+                         detail::PlannerInternals in;
+                         in.booked_spans = booked;
+                         detail::PlannerInternals scan = in;
+                         scan.index_candidates = false;
+                         const std::optional<Plan> a = try_plan_with(fc.trace, fc.hw, in);
+                         const std::optional<Plan> b = try_plan_with(fc.trace, fc.hw, scan);
+                         ASSERT_EQ(a.has_value(), b.has_value()) << "seed " << seed;
+                         if (!a) continue;
+                         ++compared;
+                         if (!a->stalls.empty()) ++stalled;
+                         expect_same_plan(*a, *b, "seed " + std::to_string(seed));
+                       }
+                     });
   expect_count_above("compared", compared, 300);
   expect_count_above("stalled", stalled, 40);
+}
+
+// The host-memory ways that start beside the first (and are cancelled where it does not need
+// them) plan what they plan when they start after it: on random traces with scarce host memory
+// and SSDs, the same plan action for action and stall for stall, another way than the first
+// kept on some of them.
+TEST(PlannerFuzz, TheWaysStartedTogetherPlanAsOneAfterAnother) {
+  detail::PlannerInternals after = detail::PlannerInternals{};
+  after.ways_together = false;
+  PlannerOptions by_score;
+  by_score.choose_host_by_density = false;
+  int compared = 0;
+  int other_way = 0;
+  for_each_fuzz_case(
+      43, always(FuzzLink::kPerSsd), false, [&](std::uint64_t seed, const FuzzCase& fc) {
+        if (fc.hw.host_memory == 0) return;
+        Hardware hw = fc.hw;
+        hw.host_memory = fc.lifetimes.summary.peak_live_bytes / 4;
+        hw.host_link_bw = hw.ssd_write_bw * 4;
+        const std::optional<Plan> a = try_plan_with(fc.trace, hw, detail::PlannerInternals{});
+        const std::optional<Plan> b = try_plan_with(fc.trace, hw, after);
+        ASSERT_EQ(a.has_value(), b.has_value()) << "seed " << seed;
+        if (!a) return;
+        ++compared;
+        expect_same_plan(*a, *b, "seed " + std::to_string(seed));
+        const Plan first = detail::make_plan_with(fc.trace, hw, by_score, {});
+        if (first.actions.size() != a->actions.size() || first.stalls != a->stalls) ++other_way;
+      });
+  expect_count_above("compared", compared, 100);
+  expect_count_above("another way kept", other_way, 0);
 }
 
 // The planner against the one before issue 27 (nominal moves in the fallback, a scan of every
