@@ -46,12 +46,17 @@ struct PlannerInternals {
   /// the first and are cancelled where it does not need them; false: they start once the first
   /// plan says it needs them. The plans are the same; only the time differs.
   bool ways_together = true;
+  /// The greedy re-queues a popped candidate without evaluating it where the over-target time
+  /// of its whole period (an upper bound of its score) is already under the next entry's key;
+  /// false: every popped candidate is evaluated (before session 17). Still a (1 - tolerance)
+  /// approximate lazy greedy, but near-ties may be committed in another order.
+  bool greedy_bound_skip = true;
 };
 
 /// The planner before issue 27: nominal moves, a scan of every candidate, the exact greedy, two
 /// ways where host memory is short.
 inline PlannerInternals reference_internals() {
-  return {false, false, 1e-12, false, false, false, false};
+  return {false, false, 1e-12, false, false, false, false, false, false};
 }
 
 /// make_plan() with the given internals.
