@@ -166,6 +166,8 @@ class RangeTree {
   }
   /// Max of [l, r]; -kInf when l > r.
   std::int64_t max(int l, int r) { return l <= r ? max_in(1, 0, leaves_ - 1, l, r) : -kInf; }
+  /// The largest value of all (the root: empty leaves hold -kInf).
+  [[nodiscard]] std::int64_t max_all() const { return at(max_, 1); }
   std::int64_t get(int i) { return max_in(1, 0, leaves_ - 1, i, i); }
   void set(int i, std::int64_t v) { set(1, 0, leaves_ - 1, i, v); }
   /// Leftmost index in [l, r] whose value is <= threshold, or -1.
