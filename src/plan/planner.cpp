@@ -817,9 +817,10 @@ class Planner {
       Candidate& c = at(candidates_, top.cand);
       if (c.done) continue;
       // The over-target time of the whole period bounds the score from above (the score is that
-      // of a part of it, and both only shrink): where the bound is already under the next
-      // entry's, the candidate goes back with the bound as its key, without the bucket searches
-      // of a full evaluation (PlannerInternals::greedy_bound_skip).
+      // of a part of it, whatever the transfers' places, and the bound only shrinks): where the
+      // bound is already under the next entry's, the candidate goes back with the bound as its
+      // key, without the bucket searches of a full evaluation
+      // (PlannerInternals::greedy_bound_skip).
       if (in_.greedy_bound_skip) {
         const double ub = over_time(c, 0, c.len - 1);
         if (ub <= 0) continue;  // nothing over the target left in its period: it frees nothing
