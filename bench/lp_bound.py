@@ -24,7 +24,8 @@ at each sample k with a < k < b, any share z of its bytes may be away, in host m
 SSDs; then
   - z <= the bytes of this version of the tensor written to that tier in the units from the one
     of its last modification to k's A (a tensor unchanged since its last write is not written
-    again);
+    again); in host memory, plus those staged from the SSDs in those units (tidal's stage: an
+    SSD-to-host copy over the SSD read channel, at most what was written to the SSDs by then);
   - z <= the bytes of it read from that tier in the units from k's B to b's;
   - the live bytes at k less everything away there <= device memory; what is away in host
     memory <= host memory;
@@ -278,6 +279,18 @@ def lp_stall(tr, S, cap, host_cap, rates, by_unit=None):
                         chan_cols["w" + tier][x % U].append((cols[x - 1], -1.0))
                         add_row([(cols[x - 1], 1.0), (c, -1.0)], 0.0)
         for inside, ub, pv in periods:
+            # A stage (tidal's SSD-to-host copy): host memory may hold a share that came from
+            # the SSDs, over their read channel, in the units from the version's to the last
+            # sample's A, at most what was written to the SSDs up to then (G[x], cumulative).
+            staged = {}
+            if pv is not None:
+                staged = {x: new_col() for x in range(unit(pv), 2 * inside[-1] + 1)}
+                for x, c in staged.items():
+                    chan_cols["rS"][x % U].append((c, 1.0))
+                    add_row([(c, 1.0), (written[pv, "S"][x], -1.0)], 0.0)
+                    if x - 1 in staged:
+                        chan_cols["rS"][x % U].append((staged[x - 1], -1.0))
+                        add_row([(staged[x - 1], 1.0), (c, -1.0)], 0.0)
             read = {}
             for tier in "SH":
                 cols = {x: new_col() for x in range(2 * inside[0] + 1, ub + 1)}
@@ -294,7 +307,10 @@ def lp_stall(tr, S, cap, host_cap, rates, by_unit=None):
                     zs.append(z)
                     add_row([(z, 1.0), (read[tier][2 * x + 1], -1.0)], 0.0)
                     if pv is not None:
-                        add_row([(z, 1.0), (written[pv, tier][2 * x], -1.0)], 0.0)
+                        came = [(written[pv, tier][2 * x], -1.0)]
+                        if tier == "H":
+                            came.append((staged[2 * x], -1.0))
+                        add_row([(z, 1.0)] + came, 0.0)
                     mem_cols[x % S].append(z)
                     if tier == "H":
                         host_cols[x % S].append(z)

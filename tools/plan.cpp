@@ -26,6 +26,7 @@ struct PlanArgs {
   std::string min_bytes;
   bool no_host = false;
   bool prefer_host = false;
+  bool no_stage = false;
   bool no_stalls = false;
   bool json = false;
 };
@@ -37,6 +38,7 @@ void run_plan(const PlanArgs& a) {
   plan::PlannerOptions opt;
   opt.use_host = !a.no_host;
   opt.prefer_host = a.prefer_host;
+  opt.stage_via_host = !a.no_stage;
   opt.allow_stalls = !a.no_stalls;
   if (!a.min_bytes.empty()) opt.min_bytes = parse_bytes(a.min_bytes);
   opt.progress = planning_progress();
@@ -153,6 +155,9 @@ void add_plan_command(CLI::App& app) {
   cmd->add_flag("--no-host", args->no_host, "never use host memory as a destination");
   cmd->add_flag("--prefer-host", args->prefer_host,
                 "host memory before SSDs where both have the bandwidth (fewer SSD writes)");
+  cmd->add_flag("--no-stage", args->no_stage,
+                "never bring an SSD tensor back through host memory (the plan executor of "
+                "`tidal train` does not stage, so its sessions plan this way)");
   cmd->add_flag("--no-stalls", args->no_stalls,
                 "do not accept planned stalls (the plan may then not fit)");
   cmd->add_option("--out", args->out, "write the plan JSON here");

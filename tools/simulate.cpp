@@ -48,6 +48,7 @@ struct SimulateArgs {
   std::string policy = "all";
   bool json = false;
   bool prefer_host = false;
+  bool no_stage = false;
   std::string svg;
   std::string per_op;
   std::string save_trace;
@@ -213,6 +214,7 @@ void run_simulate(const SimulateArgs& a) {
   plan::PolicyOptions opt;
   opt.planner.min_bytes = a.min_bytes;
   opt.planner.prefer_host = a.prefer_host;
+  opt.planner.stage_via_host = !a.no_stage;
   opt.planner.progress = planning_progress();
   using Clock = std::chrono::steady_clock;
   const auto since = [](Clock::time_point t0) {
@@ -475,6 +477,9 @@ void add_simulate_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_flag("--prefer-host", args->prefer_host,
                 "tidal: host memory before SSDs where both have the bandwidth (fewer SSD writes)");
+  cmd->add_flag("--no-stage", args->no_stage,
+                "tidal: never bring an SSD tensor back through host memory (as `tidal train` "
+                "plans)");
   cmd->add_option("--svg", args->svg, "write a plot of memory over the iteration");
   cmd->add_option("--save-trace", args->save_trace,
                   "write the trace tidal's plan is for (with --model: the analytic trace) as "

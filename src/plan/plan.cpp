@@ -13,7 +13,8 @@ namespace tidal::plan {
 using nlohmann::json;
 
 TIDAL_ENUM_NAMES(ActionKind, action_kind_from_string, "plan action",
-                 {ActionKind::kOffload, "offload"}, {ActionKind::kPrefetch, "prefetch"})
+                 {ActionKind::kOffload, "offload"}, {ActionKind::kPrefetch, "prefetch"},
+                 {ActionKind::kStage, "stage"})
 TIDAL_ENUM_TO_STRING(Tier, {Tier::kSsd, "ssd"}, {Tier::kHost, "host"}, {Tier::kDevice, "device"})
 TIDAL_ENUM_TO_STRING(Channel, {Channel::kSsdWrite, "ssd-write"}, {Channel::kSsdRead, "ssd-read"},
                      {Channel::kHostWrite, "host-write"}, {Channel::kHostRead, "host-read"})
@@ -162,8 +163,11 @@ void validate_plan(const Plan& plan, const trace::Trace& trace) {
                     ": wraps must be true exactly when deadline <= trigger");
     TIDAL_EXPECT_AS(InvalidArgument,
                     a.kind == ActionKind::kOffload || offloaded[static_cast<std::size_t>(a.tensor)],
-                    "plan action ", i, ": prefetch of tensor ", a.tensor,
+                    "plan action ", i, ": ", to_string(a.kind), " of tensor ", a.tensor,
                     " which the plan never offloads");
+    TIDAL_EXPECT_AS(InvalidArgument, a.kind != ActionKind::kStage || a.target == Target::kHost,
+                    "plan action ", i, ": a stage copies from the SSDs to host memory, so its "
+                    "target must be host");
     TIDAL_EXPECT_AS(InvalidArgument, !a.wraps || trace.tensors[a.tensor].persistent, "plan action ",
                     i, ": only a persistent tensor can wait across iterations");
   }

@@ -76,9 +76,16 @@ struct Candidate {
   Target target = Target::kSsd;
   int offload_end = -1;     // position of the bucket where the offload completes
   int prefetch_start = -1;  // position of the bucket where the prefetch starts
+  // Staged (on the SSDs, back through host memory: ActionKind::kStage): the stage's first
+  // bucket; host memory holds the tensor from there to the end of the period, and the prefetch
+  // reads host memory.
+  bool staged = false;
+  int stage_start = -1;
   Reservation write_res;
   Reservation read_res;
-  std::size_t off_action = 0;  // index of its offload in Plan::actions; the prefetch follows
+  Reservation stage_res;       // SSD read bandwidth of the stage
+  std::size_t off_action = 0;    // index of its offload in Plan::actions; the prefetch follows
+  std::size_t stage_action = 0;  // index of its stage, where staged
 };
 
 // Where the transfers of a candidate would go on one target, and what that frees.
@@ -90,6 +97,8 @@ struct Choice {
   double score = 0;    // compute time of the freed ops that are over the target
   bool clean = false;  // no write: the target holds this version already
   int via = -1;        // the earlier period planned with it to write the version (write_ahead)
+  bool staged = false;  // on the SSDs, back through host memory from stage_start
+  int stage_start = -1;
 };
 
 // A stall that makes a candidate absent at one op (the least-stall fallback).
@@ -178,6 +187,7 @@ class Planner {
 
     greedy(plan);
     if (first_over(0, n_ - 1) >= 0 && opt_.allow_stalls) fallback(plan);
+    if (staging()) stage_pass(plan);
     if (opt_.prune) prune(plan, la);
     stall_summary(plan);
     summarize(plan, la);
@@ -265,7 +275,8 @@ class Planner {
       order.emplace_back(seconds, static_cast<int>(i));
     }
     std::sort(order.begin(), order.end());
-    RangeTree promised(std::vector<std::int64_t>(ops(), 0));
+    promised_ = std::make_unique<RangeTree>(std::vector<std::int64_t>(ops(), 0));
+    RangeTree& promised = *promised_;
     // More is promised than host memory holds (room() still holds the commits to it): the greedy
     // commits only some of the promised periods, and pruning drops some of those. On Llama3-70B
     // b16 TP 2 with 1 SSD, promising 1.25x gave 44.8 -> 46.9% of ideal with 256 GB, 36.4 -> 37.0%
@@ -508,15 +519,31 @@ class Planner {
     return target == Target::kHost || hw_.ssd_capacity > 0;
   }
 
-  // Adds `bytes` (negative: removes) to what `target` holds over c's inactive period.
-  void mark_away(const Candidate& c, Target target, std::int64_t bytes) {
+  // Adds `bytes` (negative: removes) to what `target` holds over positions [p0, p1] of c's
+  // inactive period (by default all of it).
+  void mark_away(const Candidate& c, Target target, std::int64_t bytes, int p0 = 0, int p1 = -1) {
     if (!bounded(target)) return;
-    for_each_segment(c, 0, c.len - 1, [&](const Segment& s) { away(target).add(s.l, s.r, bytes); });
+    if (p1 < 0) p1 = c.len - 1;
+    for_each_segment(c, p0, p1, [&](const Segment& s) { away(target).add(s.l, s.r, bytes); });
   }
 
-  // Whether `target` can hold c over its whole inactive period.
-  bool room(const Candidate& c, Target target) {
+  // What c holds where: the SSDs (or host memory) over its whole period, and a staged one host
+  // memory too from the op after which its stage is issued (the reads in flight then may still
+  // hold theirs: the host memory of a read is given back when it completes, before the next op)
+  // to its use.
+  void mark_all_away(const Candidate& c, std::int64_t bytes) {
+    mark_away(c, c.target, bytes);
+    if (c.staged) mark_away(c, Target::kHost, bytes, c.stage_start - 1, c.len - 1);
+  }
+
+  // The tier c's prefetch reads: host memory for a staged one, else the one it went to.
+  static Target read_tier(const Candidate& c) { return c.staged ? Target::kHost : c.target; }
+
+  // Whether `target` can hold c over positions [p0, p1] of its inactive period (by default all
+  // of it).
+  bool room(const Candidate& c, Target target, int p0 = 0, int p1 = -1) {
     if (!bounded(target)) return true;
+    if (p1 < 0) p1 = c.len - 1;
     const std::uint64_t cap = tier_capacity(target);
     // Where the tier has room for c at its fullest op, it has room over c's period (the same
     // answer without a range query: a tenth of the planning time on the paper's bf16 cells).
@@ -525,7 +552,7 @@ class Planner {
       return true;
     }
     std::int64_t used = 0;
-    for_each_segment(c, 0, c.len - 1,
+    for_each_segment(c, p0, p1,
                      [&](const Segment& s) { used = std::max(used, away(target).max(s.l, s.r)); });
     return used + static_cast<std::int64_t>(c.bytes) <= static_cast<std::int64_t>(cap);
   }
@@ -580,6 +607,110 @@ class Planner {
     ch.via = e;
   }
 
+  // After the greedy and the fallback: each period planned on the SSDs comes back through host
+  // memory where host memory has room for it from a stage to its use, and the host link can
+  // bring it in no earlier than its SSD prefetch started (so device memory is held no longer):
+  // its SSD read moves to where the SSDs have bandwidth, with host memory left over.
+  void stage_pass(Plan& plan) {
+    std::vector<int> order;
+    for (std::size_t i = 0; i < candidates_.size(); ++i) {
+      const Candidate& c = candidates_[i];
+      if (c.done && c.target == Target::kSsd && !c.staged) order.push_back(static_cast<int>(i));
+    }
+    // The largest first: host memory left over goes to the transfers that take the SSDs longest.
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+      return at(candidates_, a).bytes > at(candidates_, b).bytes;
+    });
+    for (int i : order) {
+      check_cancel();
+      Candidate& c = at(candidates_, i);
+      const auto need = static_cast<double>(c.bytes);
+      BucketTree& ssd_read = bucket(Target::kSsd, Direction::kRead);
+      BucketTree& host_read = bucket(Target::kHost, Direction::kRead);
+      const int start = fill(host_read, c, 0, c.len - 1, need, Scan::kBackward);
+      if (start < c.prefetch_start) continue;
+      // The SSD read given back first: the stage may take its buckets.
+      Reservation old = c.read_res;
+      release(ssd_read, c, c.read_res, 0, c.len - 1);
+      const int stage =
+          start - 2 >= c.offload_end + 2
+              ? fill(ssd_read, c, c.offload_end + 2, start - 2, need, Scan::kBackward)
+              : -1;
+      if (stage < 0 || !room(c, Target::kHost, stage - 1, c.len - 1)) {
+        c.read_res = Reservation{};
+        reserve_items(ssd_read, c, old);
+        continue;
+      }
+      c.staged = true;
+      c.stage_start = stage;
+      reserve(ssd_read, c, stage, start - 2, need, Scan::kBackward, c.stage_res);
+      c.read_res = Reservation{};
+      reserve(host_read, c, start, c.len - 1, need, Scan::kBackward, c.read_res);
+      const int old_start = c.prefetch_start;
+      c.prefetch_start = start;
+      free_span(c, old_start, start - 1);
+      mark_away(c, Target::kHost, static_cast<std::int64_t>(c.bytes), stage - 1, c.len - 1);
+      plan.actions[c.off_action + 1].target = Target::kHost;
+      add_stage_action(plan, c);
+      set_times(plan, c);
+      track_present(i);
+    }
+  }
+
+  // Takes a reservation's items again (undoing release()).
+  static void reserve_items(BucketTree& t, Candidate& c, Reservation res) {
+    for (const Leaf& l : res.items) t.set(l.first, t.get(l.first) - l.second);
+    c.read_res = std::move(res);
+  }
+
+  [[nodiscard]] bool staging() const {
+    return in_.stage_via_host && opt_.stage_via_host && rates_.usable(Target::kSsd) &&
+           rates_.usable(Target::kHost);
+  }
+
+  // c on the SSDs and back through host memory (PlannerOptions::stage_via_host): the prefetch
+  // fills the host link's read buckets backward from the use, the stage the SSDs' read buckets
+  // backward from the op before the prefetch's trigger (the stage's deadline is that trigger op,
+  // which waits for it), after the offload's end and the op after it (so that the write is done
+  // when the stage is issued); host memory must hold c from the op before the stage's first
+  // bucket to the use. It frees the ops from the offload's end to the prefetch, as a plain SSD
+  // period does to its own (earlier) prefetch.
+  Choice evaluate_staged(const Candidate& c) {
+    Choice ch;
+    if (!staging() || (!c.ssd_ok && !any_ssd_) || !room(c, Target::kSsd)) return ch;
+    const auto need = static_cast<double>(c.bytes);
+    const int start =
+        fill(bucket(Target::kHost, Direction::kRead), c, 0, c.len - 1, need, Scan::kBackward);
+    if (start < 4) return ch;
+    const bool clean = clean_on(c, Target::kSsd);
+    const int end = clean ? -1
+                          : fill(bucket(Target::kSsd, Direction::kWrite), c, 0, start - 4, need,
+                                 Scan::kForward);
+    if (!clean && end < 0) return ch;
+    const int stage =
+        fill(bucket(Target::kSsd, Direction::kRead), c, end + 2, start - 2, need, Scan::kBackward);
+    if (stage < 0 || !room(c, Target::kHost, stage - 1, c.len - 1)) return ch;
+    if (promised_) {
+      // HostChoice::kDensest: host memory is promised to the densest periods; a stage takes
+      // only what the promises leave.
+      std::int64_t used = 0;
+      for_each_segment(c, stage - 1, c.len - 1,
+                       [&](const Segment& g) { used = std::max(used, promised_->max(g.l, g.r)); });
+      if (used + static_cast<std::int64_t>(c.bytes) > static_cast<std::int64_t>(hw_.host_memory)) {
+        return ch;
+      }
+    }
+    ch.ok = true;
+    ch.target = Target::kSsd;
+    ch.offload_end = end;
+    ch.prefetch_start = start;
+    ch.score = over_time(c, end + 1, start - 1);
+    ch.clean = clean;
+    ch.staged = true;
+    ch.stage_start = stage;
+    return ch;
+  }
+
   // Calls fn(j) for each period j of c's version before c.
   template <class Fn>
   void for_each_earlier(const Candidate& c, Fn&& fn) const {
@@ -619,11 +750,18 @@ class Planner {
     if (!ssd.ok || ssd.score <= 0) ssd = Choice{};
     Choice host = evaluate_target(c, Target::kHost);
     const bool host_on_tie = opt_.prefer_host || host_choice_ != HostChoice::kByScore;
+    Choice best = ssd;
     if (host.ok && host.score > 0 &&
         (host.score > ssd.score || (host_on_tie && host.score >= ssd.score))) {
-      return host;
+      best = host;
     }
-    return ssd;
+    // Staged where it frees more than either: it takes host memory for part of the period only,
+    // and two channels' bandwidth.
+    if (staging()) {
+      const Choice staged = evaluate_staged(c);
+      if (staged.ok && staged.score > 0 && (!best.ok || staged.score > best.score)) return staged;
+    }
+    return best;
   }
 
   // Reserves `need` bytes of positions [p0, p1] of c into res: all of the buckets but the last
@@ -714,15 +852,26 @@ class Planner {
     c.offload_end = ch.offload_end;
     c.prefetch_start = ch.prefetch_start;
     c.clean = ch.clean;
+    c.staged = ch.staged;
+    c.stage_start = ch.stage_start;
     const auto need = static_cast<double>(c.bytes);
     if (!c.clean) {
       reserve(bucket(ch.target, Direction::kWrite), c, 0, c.offload_end, need, Scan::kForward,
               c.write_res);
     }
-    reserve(bucket(ch.target, Direction::kRead), c, c.prefetch_start, c.len - 1, need,
+    if (c.staged) {
+      reserve(bucket(Target::kSsd, Direction::kRead), c, c.stage_start, c.prefetch_start - 2, need,
+              Scan::kBackward, c.stage_res);
+    }
+    reserve(bucket(read_tier(c), Direction::kRead), c, c.prefetch_start, c.len - 1, need,
             Scan::kBackward, c.read_res);
     free_span(c, c.offload_end + 1, c.prefetch_start - 1);
-    mark_away(c, ch.target, static_cast<std::int64_t>(c.bytes));
+    mark_all_away(c, static_cast<std::int64_t>(c.bytes));
+    if (c.staged && promised_) {
+      for_each_segment(c, c.stage_start - 1, c.len - 1, [&](const Segment& g) {
+        promised_->add(g.l, g.r, static_cast<std::int64_t>(c.bytes));
+      });
+    }
     count_offload(plan.summary, c, true);
     PlanAction off;
     off.tensor = c.tensor;
@@ -731,14 +880,24 @@ class Planner {
     off.bytes = c.bytes;
     PlanAction pre = off;
     pre.kind = ActionKind::kPrefetch;
+    pre.target = read_tier(c);
     c.off_action = plan.actions.size();
     plan.actions.push_back(off);
     plan.actions.push_back(pre);
+    if (c.staged) add_stage_action(plan, c);
     set_times(plan, c);
     const int i = static_cast<int>(&c - candidates_.data());
     track_present(i);
     if (clean_copies()) clean_later(plan, c);
     if ((++commits_ & 255) == 0) report_progress();
+  }
+
+  void add_stage_action(Plan& plan, Candidate& c) {
+    PlanAction stage = plan.actions[c.off_action + 1];
+    stage.kind = ActionKind::kStage;
+    stage.target = Target::kHost;
+    c.stage_action = plan.actions.size();
+    plan.actions.push_back(stage);
   }
 
   // The next committed migration of c's version to c's tier, if it booked a write, now finds
@@ -776,6 +935,12 @@ class Planner {
     pre.trigger = op_at(c, c.prefetch_start - 1);
     pre.deadline = c.next_use;
     pre.wraps = pre.deadline <= pre.trigger;
+    if (c.staged) {  // issued before its first bucket, done before the prefetch's trigger op
+      PlanAction& stage = plan.actions[c.stage_action];
+      stage.trigger = op_at(c, c.stage_start - 1);
+      stage.deadline = op_at(c, c.prefetch_start - 1);
+      stage.wraps = stage.deadline <= stage.trigger;
+    }
   }
 
   // Whether a migration went to the SSDs while host memory, which may take it, had no room for
@@ -870,7 +1035,9 @@ class Planner {
         continue;
       }
       const BucketTree& tw = bucket(target, Direction::kWrite);
-      const BucketTree& tr = bucket(target, Direction::kRead);
+      // A committed staged period's prefetch reads host memory.
+      const Target from = c.done ? read_tier(c) : target;
+      const BucketTree& tr = bucket(from, Direction::kRead);
       double dw = 0;
       double dr = 0;
       const bool clean = c.done ? c.clean : clean_on(c, target);
@@ -899,7 +1066,7 @@ class Planner {
       o.cand = i;
       o.target = target;
       o.stall_write = dw / rates_[channel_of(target, Direction::kWrite)];
-      o.stall_read = dr / rates_[channel_of(target, Direction::kRead)];
+      o.stall_read = dr / rates_[channel_of(from, Direction::kRead)];
       o.cost = (o.stall_write + o.stall_read) / denom;
       if (o.cost < best.cost) best = o;
     }
@@ -1052,7 +1219,7 @@ class Planner {
   // start after pk, its bytes up to pk moved to the buckets after.
   void move_clear_of(Candidate& c, int pk, Direction dir) {
     const bool write = dir == Direction::kWrite;
-    BucketTree& t = bucket(c.target, dir);
+    BucketTree& t = bucket(write ? c.target : read_tier(c), dir);
     Reservation& res = write ? c.write_res : c.read_res;
     const double moved = write ? release(t, c, res, pk, c.len - 1) : release(t, c, res, 0, pk);
     const Scan scan = write ? Scan::kBackward : Scan::kForward;
@@ -1215,15 +1382,19 @@ class Planner {
       st.memory.add(seg.l, seg.r, s);
       add_planned(seg, s);
     });
-    for (Direction dir : {Direction::kWrite, Direction::kRead}) {
-      Reservation& res = dir == Direction::kWrite ? c.write_res : c.read_res;
-      bucket(c.target, dir).add(res.items.data(), res.items.data() + res.items.size());
+    const auto give_back = [&](BucketTree& t, Reservation& res) {
+      t.add(res.items.data(), res.items.data() + res.items.size());
       res = Reservation{};
-    }
-    mark_away(c, c.target, -s);
+    };
+    give_back(bucket(c.target, Direction::kWrite), c.write_res);
+    give_back(bucket(read_tier(c), Direction::kRead), c.read_res);
+    give_back(bucket(Target::kSsd, Direction::kRead), c.stage_res);
+    mark_all_away(c, -s);
     count_offload(plan.summary, c, false);
     c.done = false;
     st.dropped[c.off_action] = st.dropped[c.off_action + 1] = 1;
+    if (c.staged) st.dropped[c.stage_action] = 1;
+    c.staged = false;
   }
 
   // ---- stage: stalls and summary -------------------------------------------------------------
@@ -1289,6 +1460,7 @@ class Planner {
   std::unique_ptr<Fenwick> over_time_;          // compute time of the ops still over the target
   std::unique_ptr<RangeTree> over_memory_;      // memory of the ops over the target, kInf: fits
   std::unique_ptr<RangeTree> away_bytes_[2];    // bytes planned away per op: [0] SSD, [1] host
+  std::unique_ptr<RangeTree> promised_;  // HostChoice::kDensest: host memory promised, and staged
   std::vector<std::int64_t> planned_delta_;     // planned memory change, as differences per op
   std::vector<double> stall_at_;                // seconds of stall added per bucket
   std::vector<std::pair<double, int>> ranked_;  // the fallback's options for one op

@@ -53,12 +53,15 @@ struct PlannerInternals {
   /// false: every popped candidate is evaluated (before session 17). Still a (1 - tolerance)
   /// approximate lazy greedy, but near-ties may be committed in another order.
   bool greedy_bound_skip = true;
+  /// Periods on the SSDs may come back through host memory (PlannerOptions::stage_via_host, which
+  /// must be on too); false: as before session 18.
+  bool stage_via_host = true;
 };
 
 /// The planner before issue 27: nominal moves, a scan of every candidate, the exact greedy, two
 /// ways where host memory is short.
 inline PlannerInternals reference_internals() {
-  return {false, false, 1e-12, false, false, false, false, false, false};
+  return {false, false, 1e-12, false, false, false, false, false, false, false};
 }
 
 /// make_plan() with the given internals.

@@ -29,6 +29,7 @@ struct Job {
   std::uint64_t bytes = 0;
   std::uint64_t version = 0;
   bool done = false;
+  bool stage = false;  // an SSD-to-host copy (ActionKind::kStage)
 };
 
 struct TensorState {
@@ -40,7 +41,9 @@ struct TensorState {
   bool dead = false;  // freed by the program while a transfer was in flight
   bool on_host = false;
   bool on_ssd = false;
-  int job = -1;  // the transfer in flight
+  bool staging = false;  // host memory taken for a stage in flight
+  int job = -1;          // the transfer in flight
+  int stage_job = -1;    // the stage in flight
 };
 
 class Simulator {
@@ -131,8 +134,11 @@ class Simulator {
       }
     }
     double start = t;
+    // Offloads and stages due by this op are done before it (a stage's deadline is its
+    // prefetch's trigger op; the SSD reads due by now that are not stages are of tensors this op
+    // uses, waited for anyway).
     for (Channel c : kChannels) {
-      if (is_write(c)) start = std::max(start, run_until_key(c, g));
+      if (is_write(c) || c == Channel::kSsdRead) start = std::max(start, run_until_key(c, g));
     }
     for (int j : waits) start = std::max(start, run_until_done(j));
     advance_all(start);
@@ -283,7 +289,7 @@ class Simulator {
     complete(pop(c));
   }
 
-  int new_job(Channel c, TensorId id, double key) {
+  int new_job(Channel c, TensorId id, double key, bool stage = false) {
     TIDAL_EXPECT_AS(InvalidArgument, channel(c).rate > 0, "the plan moves tensor ", id,
                     " over the ", tier_of(c) == Tier::kSsd ? "SSD" : "host-memory",
                     " channel, but that channel has no bandwidth on this hardware model");
@@ -295,6 +301,7 @@ class Simulator {
     j.tensor = id;
     j.channel = c;
     j.version = state(id).version;
+    j.stage = stage;
     jobs_.push_back(j);
     const int index = static_cast<int>(jobs_.size()) - 1;
     if (counting_) issued_[index_of(c)] += j.bytes;
@@ -313,6 +320,18 @@ class Simulator {
     if (j.tensor < 0) return;  // its tensor instance is gone
     TensorState& s = state(j.tensor);
     const std::uint64_t bytes = bytes_of(j.tensor);
+    if (j.stage) {
+      // The SSD copy is in host memory now; the tensor's prefetch reads it from there. A stage
+      // still in flight when the tensor was wanted was detached (drop_stage).
+      if (s.stage_job != index) return;
+      s.stage_job = -1;
+      hold(s.staging, false, bytes, host_bytes_, peak_host_);
+      if (s.state == State::kOffloaded && s.on_ssd && s.version == j.version) {
+        hold(s.on_host, true, bytes, host_bytes_, peak_host_);
+        copy_of(s, Tier::kHost) = static_cast<std::int64_t>(j.version);
+      }
+      return;
+    }
     const bool write = is_write(j.channel);
     if (s.job == index) s.job = -1;
     if (write) {
@@ -338,10 +357,12 @@ class Simulator {
     return s.copy_version[tier == Tier::kHost ? 1 : 0];
   }
 
-  // Where a tensor's only copy is while it is away from device memory (none: it is not away).
+  // Where a tensor's only copy is while it is away from device memory (none: it is not away,
+  // and a stage of it in flight no longer matters).
   void set_away(TensorId id, std::optional<Tier> tier) {
     TensorState& s = state(id);
     const std::uint64_t bytes = bytes_of(id);
+    if (!tier) drop_stage(id);
     hold(s.on_host, tier == Tier::kHost, bytes, host_bytes_, peak_host_);
     hold(s.on_ssd, tier == Tier::kSsd, bytes, ssd_bytes_, peak_ssd_);
   }
@@ -357,6 +378,16 @@ class Simulator {
     } else {
       held -= bytes;
     }
+  }
+
+  // Forgets the stage of `id` in flight, if any: its bytes keep the SSD channel busy but land
+  // nowhere, and the host memory it took is given back.
+  void drop_stage(TensorId id) {
+    TensorState& s = state(id);
+    if (s.stage_job < 0) return;
+    job(s.stage_job).tensor = -1;
+    s.stage_job = -1;
+    hold(s.staging, false, bytes_of(id), host_bytes_, peak_host_);
   }
 
   void create(TensorId id) {
@@ -406,6 +437,33 @@ class Simulator {
   void issue_read(TensorId id, double key, double now) {
     TensorState& s = state(id);
     advance_all(now);
+    if (s.stage_job >= 0) {
+      // Wanted before its stage is done: the read waits for the stage and then crosses the host
+      // link, as one job on the SSD channel (at the read's urgency, if that is greater) that
+      // takes the host link's time for the tensor on top of the stage's rest. The bytes moved
+      // are those of a stage and a host read whatever the timing.
+      const int j = s.stage_job;
+      Job& stage = job(j);
+      const Channel c = stage.channel;
+      const double host_rate = channel(Channel::kHostRead).rate;
+      TIDAL_EXPECT_AS(InvalidArgument, host_rate > 0, "the plan stages tensor ", id,
+                      " into host memory, but the host-memory channel has no bandwidth on this "
+                      "hardware model");
+      stage.remaining += static_cast<double>(stage.bytes) * channel(c).rate / host_rate;
+      if (counting_) issued_[index_of(Channel::kHostRead)] += stage.bytes;
+      io_compute_ += static_cast<double>(stage.bytes) *
+                     hw_.compute_seconds_per_byte[index_of(Channel::kHostRead)];
+      stage.stage = false;
+      stage.key = std::min(stage.key, key);
+      auto& h = channel(c).heap;
+      std::make_heap(h.begin(), h.end(), most_urgent_on_top());
+      s.stage_job = -1;
+      hold(s.staging, false, bytes_of(id), host_bytes_, peak_host_);
+      s.state = State::kReading;
+      resident_ += bytes_of(id);
+      s.job = j;
+      return;
+    }
     const Channel c = channel_of(s.on_host ? Tier::kHost : Tier::kSsd, Direction::kRead);
     s.state = State::kReading;
     resident_ += bytes_of(id);
@@ -426,6 +484,11 @@ class Simulator {
       advance_all(now);
       s.state = State::kWriting;
       s.job = new_job(m.channel, m.tensor, key);
+    } else if (m.kind == ActionKind::kStage) {
+      if (s.state != State::kOffloaded || !s.on_ssd || s.on_host || s.stage_job >= 0) return;
+      advance_all(now);
+      hold(s.staging, true, m.bytes, host_bytes_, peak_host_);
+      s.stage_job = new_job(m.channel, m.tensor, key, /*stage=*/true);
     } else {
       if (s.state == State::kWriting) {
         s.state = State::kResident;

@@ -749,6 +749,10 @@ struct PlanExecutor::Impl {
   // Issues migration `m` of a step that started `base` ops into the run.
   void run_migration(const plan::Migration& m, std::int64_t base) {
     if (m.tensor < 0 || static_cast<std::size_t>(m.tensor) >= bound.size()) return;
+    // A stage (SSD to host memory) is not executed: the tensor's prefetch reads it from the tier
+    // that holds it, the SSD store. Correct, at the SSDs' rate instead of the host link's; a
+    // training session plans without stages (PlannerOptions::stage_via_host).
+    if (m.kind == plan::ActionKind::kStage) return;
     c10::intrusive_ptr<c10::StorageImpl> impl = bound[static_cast<std::size_t>(m.tensor)].lock();
     if (!impl) {
       ++stats.unbound;

@@ -19,6 +19,12 @@ inline constexpr int kPlanVersion = 1;
 enum class ActionKind : std::uint8_t {
   kOffload,   ///< write the tensor out, then release its device memory
   kPrefetch,  ///< allocate device memory and read the tensor back
+  /// Copy a tensor offloaded to the SSDs into host memory (target kHost), over the SSD read
+  /// channel, so that its prefetch from host memory later comes over the faster host link: the
+  /// SSDs read early, while host memory has room, and device memory is taken only just before
+  /// the use. The tensor stays away from device memory; host memory holds it from the stage's
+  /// issue on.
+  kStage,
 };
 
 const char* to_string(ActionKind k);
@@ -27,12 +33,15 @@ const char* to_string(ActionKind k);
 ActionKind action_kind_from_string(const std::string& s);
 Target target_from_string(const std::string& s);
 
-/// One migration. Both kinds are issued when the trigger op ends and must have completed before
+/// One migration. Every kind is issued when the trigger op ends and must have completed before
 /// the deadline op starts:
 /// - offload: the device memory is released when the write completes, at the latest before the
 ///   deadline op (the planner counts the tensor as gone from the deadline op on);
 /// - prefetch: the device memory is allocated when issued (counted from trigger + 1 on) and the
-///   tensor is resident before the deadline op, which uses it.
+///   tensor is resident before the deadline op, which uses it;
+/// - stage: host memory is allocated when issued and the tensor's SSD copy is in it before the
+///   deadline op (its prefetch's trigger op), so that its prefetch (target kHost) reads host
+///   memory.
 /// When deadline <= trigger, the deadline op is in the next iteration (wraps == true): the
 /// period of a persistent tensor that spans the iteration boundary.
 struct PlanAction {

@@ -40,6 +40,13 @@ struct PlannerOptions {
   /// every offload books its write, for an executor that writes every offload (the plan
   /// executor does, so a training session plans with false).
   bool clean_copies = true;
+  /// A period on the SSDs may come back through host memory (ActionKind::kStage): read from the
+  /// SSDs into host memory early, where the SSD channel and host memory have room, then over
+  /// the faster host link just before its use, so that it takes device memory for less of its
+  /// period (docs/simulator.md, planner step 10). false: every prefetch reads the tier written
+  /// to, for an executor that does not stage (the plan executor does not, so a training session
+  /// plans with false).
+  bool stage_via_host = true;
   /// Tensors smaller than this stay in device memory (their migration costs more than it frees).
   std::uint64_t min_bytes = 0;
   /// How the error for a plan that cannot fit tells the user to give more memory (the CLI's

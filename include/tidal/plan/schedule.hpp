@@ -22,8 +22,9 @@ struct Migration {
   trace::OpIndex issue = 0;     ///< issued when this op ends
   trace::OpIndex deadline = 0;  ///< complete before this op starts (next iteration if wraps)
   bool wraps = false;
-  Tier tier = Tier::kSsd;                ///< the lower tier written to or read from
-  Channel channel = Channel::kSsdWrite;  ///< channel_of(tier, kind's direction)
+  Tier tier = Tier::kSsd;  ///< the lower tier written to or read from (a stage's: host memory)
+  /// channel_of(tier, kind's direction); a stage's: Channel::kSsdRead.
+  Channel channel = Channel::kSsdWrite;
   std::uint64_t bytes = 0;
   /// Urgency: the deadline's position counted from the start of the issuing iteration (the
   /// deadline, plus the iteration's op count when it wraps). Smaller is more urgent; both
