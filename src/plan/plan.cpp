@@ -166,7 +166,8 @@ void validate_plan(const Plan& plan, const trace::Trace& trace) {
                     "plan action ", i, ": ", to_string(a.kind), " of tensor ", a.tensor,
                     " which the plan never offloads");
     TIDAL_EXPECT_AS(InvalidArgument, a.kind != ActionKind::kStage || a.target == Target::kHost,
-                    "plan action ", i, ": a stage copies from the SSDs to host memory, so its "
+                    "plan action ", i,
+                    ": a stage copies from the SSDs to host memory, so its "
                     "target must be host");
     TIDAL_EXPECT_AS(InvalidArgument, !a.wraps || trace.tensors[a.tensor].persistent, "plan action ",
                     i, ": only a persistent tensor can wait across iterations");

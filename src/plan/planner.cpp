@@ -83,7 +83,7 @@ struct Candidate {
   int stage_start = -1;
   Reservation write_res;
   Reservation read_res;
-  Reservation stage_res;       // SSD read bandwidth of the stage
+  Reservation stage_res;         // SSD read bandwidth of the stage
   std::size_t off_action = 0;    // index of its offload in Plan::actions; the prefetch follows
   std::size_t stage_action = 0;  // index of its stage, where staged
 };
@@ -94,9 +94,9 @@ struct Choice {
   Target target = Target::kSsd;
   int offload_end = -1;
   int prefetch_start = -1;
-  double score = 0;    // compute time of the freed ops that are over the target
-  bool clean = false;  // no write: the target holds this version already
-  int via = -1;        // the earlier period planned with it to write the version (write_ahead)
+  double score = 0;     // compute time of the freed ops that are over the target
+  bool clean = false;   // no write: the target holds this version already
+  int via = -1;         // the earlier period planned with it to write the version (write_ahead)
   bool staged = false;  // on the SSDs, back through host memory from stage_start
   int stage_start = -1;
 };
@@ -632,10 +632,9 @@ class Planner {
       // The SSD read given back first: the stage may take its buckets.
       Reservation old = c.read_res;
       release(ssd_read, c, c.read_res, 0, c.len - 1);
-      const int stage =
-          start - 2 >= c.offload_end + 2
-              ? fill(ssd_read, c, c.offload_end + 2, start - 2, need, Scan::kBackward)
-              : -1;
+      const int stage = start - 2 >= c.offload_end + 2
+                            ? fill(ssd_read, c, c.offload_end + 2, start - 2, need, Scan::kBackward)
+                            : -1;
       if (stage < 0 || !room(c, Target::kHost, stage - 1, c.len - 1)) {
         c.read_res = Reservation{};
         reserve_items(ssd_read, c, old);
@@ -1460,11 +1459,11 @@ class Planner {
   std::vector<double> op_seconds_;
   std::vector<BucketTree> buckets_;  // remaining capacity per op, one per Channel (index_of)
   std::vector<Candidate> candidates_;
-  std::vector<std::vector<OpIndex>> writes_;    // per tensor, the ops that modify it, in order
-  std::vector<std::vector<int>> periods_of_;    // per tensor, its candidates
-  std::unique_ptr<Fenwick> over_time_;          // compute time of the ops still over the target
-  std::unique_ptr<RangeTree> over_memory_;      // memory of the ops over the target, kInf: fits
-  std::unique_ptr<RangeTree> away_bytes_[2];    // bytes planned away per op: [0] SSD, [1] host
+  std::vector<std::vector<OpIndex>> writes_;  // per tensor, the ops that modify it, in order
+  std::vector<std::vector<int>> periods_of_;  // per tensor, its candidates
+  std::unique_ptr<Fenwick> over_time_;        // compute time of the ops still over the target
+  std::unique_ptr<RangeTree> over_memory_;    // memory of the ops over the target, kInf: fits
+  std::unique_ptr<RangeTree> away_bytes_[2];  // bytes planned away per op: [0] SSD, [1] host
   std::unique_ptr<RangeTree> promised_;  // HostChoice::kDensest: host memory promised, and staged
   std::vector<std::int64_t> planned_delta_;     // planned memory change, as differences per op
   std::vector<double> stall_at_;                // seconds of stall added per bucket

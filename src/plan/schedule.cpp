@@ -77,8 +77,8 @@ Schedule compile_schedule(const trace::Trace& trace, const Plan* plan, bool stri
     // A stage reads the SSDs (into host memory); the others move bytes to or from device memory.
     m.channel = a.kind == ActionKind::kStage
                     ? Channel::kSsdRead
-                    : channel_of(a.target,
-                                 a.kind == ActionKind::kOffload ? Direction::kWrite : Direction::kRead);
+                    : channel_of(a.target, a.kind == ActionKind::kOffload ? Direction::kWrite
+                                                                          : Direction::kRead);
     m.bytes = trace.tensors[static_cast<std::size_t>(a.tensor)].bytes;
     m.due = m.deadline + (m.wraps ? n : 0);
     s.migrations.push_back(m);

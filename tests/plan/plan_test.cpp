@@ -768,6 +768,94 @@ TEST(Simulator, EachTierKeepsItsCopyUntilTheTensorChanges) {
   EXPECT_EQ(simulate(t, &p, hw, every).ssd_bytes_written, 200u);
 }
 
+// A hand plan that stages P: offloaded to the SSDs after op 0, copied into host memory from op 4
+// (the stage's deadline is op 9, its prefetch's trigger), read back over the host link for op 12.
+Plan staged_plan(const trace::Trace& t, const Hardware& hw, OpIndex stage_deadline) {
+  Plan p;
+  p.model = t.model;
+  p.hardware = hw.name;
+  p.num_ops = static_cast<std::int32_t>(t.ops.size());
+  p.num_tensors = static_cast<std::int32_t>(t.tensors.size());
+  PlanAction off;
+  off.tensor = 0;
+  off.kind = ActionKind::kOffload;
+  off.target = Target::kSsd;
+  off.bytes = 100;
+  off.trigger = 0;
+  off.deadline = 2;
+  PlanAction stage = off;
+  stage.kind = ActionKind::kStage;
+  stage.target = Target::kHost;
+  stage.trigger = 3;
+  stage.deadline = stage_deadline;
+  PlanAction pre = off;
+  pre.kind = ActionKind::kPrefetch;
+  pre.target = Target::kHost;
+  pre.trigger = 9;
+  pre.deadline = 12;
+  p.actions = {off, stage, pre};
+  validate_plan(p, t);
+  return p;
+}
+
+// P (100 B, persistent) is changed by op 0 and used again by op 12.
+trace::Trace staged_trace() {
+  trace::Trace t = hand_trace(16, {{100, true, {0, 12}}});
+  t.ops[0].outputs.push_back(0);
+  trace::validate(t);
+  return t;
+}
+
+TEST(Simulator, AStagedTensorComesBackOverTheHostLink) {
+  const trace::Trace t = staged_trace();
+  Hardware hw = simple_hw(1000, 100);  // the SSDs: 100 B/s, an op's worth of P per op
+  hw.host_link_bw = 1100;              // host memory: what the SSDs leave of the link
+  hw.host_memory = 100;
+  const Plan p = staged_plan(t, hw, 9);
+  const SimResult sim = simulate(t, &p, hw);
+  EXPECT_EQ(sim.ssd_bytes_written, 100u);
+  EXPECT_EQ(sim.ssd_bytes_read, 100u);  // the stage
+  EXPECT_EQ(sim.host_bytes_written, 0u);
+  EXPECT_EQ(sim.host_bytes_read, 100u);  // the prefetch
+  EXPECT_EQ(sim.peak_host_bytes, 100u);
+  EXPECT_NEAR(sim.stall_seconds, 0.0, 1e-9);
+  // Away from the write's deadline to the prefetch's issue (counted from op 10 on).
+  for (OpIndex k = 2; k <= 9; ++k) EXPECT_EQ(sim.memory_per_op[k], 0u) << "op " << k;
+  for (const OpIndex k : {0, 10, 12}) EXPECT_EQ(sim.memory_per_op[k], 100u) << "op " << k;
+  // A plan that stages on a machine without host memory's channels is refused with the reason.
+  Hardware no_host = hw;
+  no_host.host_link_bw = 100;
+  EXPECT_THROW(simulate(t, &p, no_host), InvalidArgument);
+  // "stage" reads back from JSON, and a stage must land in host memory.
+  const Plan back = plan_from_json(plan_to_json(p));
+  EXPECT_EQ(back.actions[1].kind, ActionKind::kStage);
+  Plan wrong = back;
+  wrong.actions[1].target = Target::kSsd;
+  EXPECT_THROW(validate_plan(wrong, t), InvalidArgument);
+}
+
+TEST(Simulator, AStageLateForItsDeadlineStallsAndALateOneIsFinishedByItsRead) {
+  const trace::Trace t = staged_trace();
+  Hardware hw = simple_hw(1000, 100);
+  hw.ssd_read_bw = 10;     // the stage takes 10 s: issued after op 3 (t = 4), done at t = 14
+  hw.host_link_bw = 1100;  // the host read about 0.1 s (the link less the SSDs' 10 B/s)
+  hw.host_memory = 100;
+  // Its deadline op (9, which starts at t = 9) waits for it: 5 s.
+  const Plan p = staged_plan(t, hw, 9);
+  const SimResult on_time = simulate(t, &p, hw);
+  EXPECT_NEAR(on_time.stall_seconds, 5.0, 1e-6);
+  // With a deadline after the prefetch's issue (op 12, the use), the prefetch (after op 9, t =
+  // 10) finds it in flight: the read waits for the stage and then crosses the host link; op 12
+  // (due at t = 12) starts after both, at t = 14 + 100 B / the host read rate. The bytes are
+  // those of a stage and a host read.
+  const Plan q = staged_plan(t, hw, 12);
+  const SimResult late = simulate(t, &q, hw);
+  EXPECT_NEAR(late.stall_seconds, 2.0 + 100.0 / hw.channels()[Channel::kHostRead], 1e-6);
+  EXPECT_EQ(late.ssd_bytes_read, 100u);
+  EXPECT_EQ(late.host_bytes_read, 100u);
+  EXPECT_EQ(late.misses, 0);
+}
+
 // ---- simulator invariants ------------------------------------------------------------------
 
 TEST(Simulator, KeepAllPeakIsTheTracePeak) {
@@ -1582,7 +1670,8 @@ TEST(PlannerFuzz, RandomTracesFitAndPair) {
         EXPECT_EQ(sim.misses, 0) << "seed " << seed;
         EXPECT_GE(sim.iteration_seconds, t.compute_seconds() * (1 - 1e-12));
         if (hw.host_memory == 0) EXPECT_EQ(p.summary.offloads_host, 0);
-        EXPECT_LE(sim.peak_host_bytes, std::max<std::uint64_t>(hw.host_memory, 0)) << "seed " << seed;
+        EXPECT_LE(sim.peak_host_bytes, std::max<std::uint64_t>(hw.host_memory, 0))
+            << "seed " << seed;
       });
   expect_count_above("planned", planned, 150);
   RecordProperty("infeasible", infeasible);
@@ -1624,6 +1713,65 @@ TEST(PlannerFuzz, TheSsdCapacityBoundsWhatIsAwayOnTheSsds) {
         ++bounded;
       });
   EXPECT_GT(bounded, 40) << refused << " refused";
+}
+
+// Llama3-8B cut to 4 blocks, batch 8 x 1024, on 20 GB with one SSD and 8 GB of host memory: the
+// states read back for the optimizer step come at the one SSD's rate. Staged through host memory
+// they come in over the rest of the link instead, and the iteration is shorter than the plan
+// without stages.
+TEST(Planner, StagingThroughHostMemoryShortensAnIterationOnOneSsd) {
+  Hardware hw = hardware_preset("h100-4ssd");
+  hw.ssd_count = 1;
+  hw.device_memory = 20'000'000'000;
+  hw.host_memory = 8'000'000'000;
+  const trace::Trace t = transformer_trace(preset_blocks("llama3-8b", 4), 8, 1024, hw);
+  const Plan staged = make_plan(t, hw);
+  PlannerOptions plain;
+  plain.stage_via_host = false;
+  const Plan unstaged = make_plan(t, hw, plain);
+  const auto stages = [](const Plan& p) {
+    return std::count_if(p.actions.begin(), p.actions.end(),
+                         [](const PlanAction& a) { return a.kind == ActionKind::kStage; });
+  };
+  EXPECT_GT(stages(staged), 0);
+  EXPECT_EQ(stages(unstaged), 0);
+  const SimResult a = simulate(t, &staged, hw);
+  const SimResult b = simulate(t, &unstaged, hw);
+  EXPECT_TRUE(a.fits);
+  EXPECT_LE(a.peak_host_bytes, hw.host_memory);
+  EXPECT_LT(a.iteration_seconds, b.iteration_seconds);
+}
+
+// Where the host link is six times the SSDs', the planner stages periods through host memory
+// (PlannerOptions::stage_via_host): every staged plan fits, pairs its actions (a host prefetch of
+// an SSD offload after its stage), keeps host memory within its budget in simulation, misses
+// nothing, and its planned stall bounds the simulated one.
+TEST(PlannerFuzz, StagedPlansFitPairAndKeepHostMemory) {
+  int staged = 0;
+  for_each_fuzz_case(
+      2468, always(FuzzLink::kPerArray), true, [&](std::uint64_t seed, const FuzzCase& fc) {
+        trace::Trace t = fc.trace;
+        Hardware hw = fc.hw;
+        hw.host_link_bw = 6 * hw.ssd_count * hw.ssd_read_bw;
+        hw.host_memory = fc.lifetimes.summary.peak_live_bytes / 4;
+        const std::optional<Plan> p = try_plan(t, hw);
+        if (!p) return;
+        const bool stages =
+            std::any_of(p->actions.begin(), p->actions.end(),
+                        [](const PlanAction& a) { return a.kind == ActionKind::kStage; });
+        if (!stages) return;
+        ++staged;
+        ASSERT_NO_THROW(validate_plan(*p, t)) << "seed " << seed;
+        expect_paired(*p, t);
+        const SimResult sim = simulate(t, &*p, hw);
+        EXPECT_TRUE(sim.fits) << "seed " << seed;
+        EXPECT_EQ(sim.misses, 0) << "seed " << seed;
+        EXPECT_LE(sim.peak_host_bytes, hw.host_memory) << "seed " << seed;
+        const double slack = 1e-6 * t.compute_seconds() + 1e-9;
+        EXPECT_LE(sim.stall_seconds, p->summary.planned_stall_seconds * (1 + 1e-6) + slack)
+            << "seed " << seed;
+      });
+  expect_count_above("staged", staged, 30);
 }
 
 TEST(PlannerFuzz, PlannedStallBoundsTheSimulatedStall) {
