@@ -31,6 +31,7 @@ class SessionStats:
     bytes_read: int
     bytes_to_host: int
     bytes_from_host: int
+    bytes_staged: int  # read from the SSD store into the host pool ahead of a prefetch
     host_stall_seconds: float
     planned_bytes_to_ssd: int
     planned_bytes_to_host: int

@@ -263,6 +263,21 @@ std::uint64_t HostPool::free_bytes() const {
   return impl_->extents.free_bytes();
 }
 
+std::optional<std::pair<Ticket, void*>> HostPool::reserve(std::uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& m = *impl_;
+  const auto extent = bytes == 0 ? std::optional<Extent>(Extent{}) : m.extents.allocate(bytes);
+  if (!extent) return std::nullopt;
+  const std::uint64_t id = m.next_id++;
+  Impl::Entry& e = m.entries[id];
+  e.bytes = bytes;
+  e.writing = true;
+  e.extent = *extent;
+  m.counters.used_bytes = m.extents.used_bytes();
+  m.counters.peak_used_bytes = std::max(m.counters.peak_used_bytes, m.counters.used_bytes);
+  return std::make_pair(Ticket{id}, static_cast<void*>(m.base + e.extent.offset));
+}
+
 std::uint64_t HostPool::size(Ticket ticket) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->find(ticket).bytes;

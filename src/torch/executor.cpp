@@ -224,6 +224,9 @@ struct PlanExecutor::Impl {
     std::exception_ptr error;  // a read that failed; thrown to the next op that needs it
     std::int32_t tensor = -1;  // its id in the trace, when known (for the timeline)
     std::size_t recorded = kNotRecorded;  // the timeline's handle of its transfer in flight
+    // A stage in flight: the host pool's ticket the store is reading the tensor into (the slot
+    // stays offloaded on the store until it lands; plan::ActionKind::kStage).
+    io::Ticket staged;
   };
   static constexpr std::size_t kNotRecorded = static_cast<std::size_t>(-1);
   // One step shape: the ops of a profiled step and its plan's schedule (the one the simulator
@@ -417,13 +420,14 @@ struct PlanExecutor::Impl {
       Slot& s = it->second;
       c10::intrusive_ptr<c10::StorageImpl> live = s.weak.lock();
       if (!live) {
-        if (s.ticket.valid()) s.tier->free(s.ticket);  // waits; errors of discarded data drop
+        release_io(s);  // waits; errors of discarded data drop
         record_end(s, false);
         settle(s, State::kResident);
         it = slots.erase(it);
         continue;
       }
       if (s.state == State::kWriting && s.tier->ready(s.ticket)) finish_write(*live, s);
+      if (s.state == State::kOffloaded && s.staged.valid()) finish_stage(s, false);
       if (s.state == State::kReading && s.tier->ready(s.ticket)) {
         try {
           finish_read(*live, s, false);
@@ -433,6 +437,55 @@ struct PlanExecutor::Impl {
       }
       ++it;
     }
+  }
+
+  // Gives back a slot's space in its tier, and a stage's in the host pool after its read.
+  void release_io(Slot& s) {
+    if (s.ticket.valid()) s.tier->free(s.ticket);  // waits for a request in flight
+    s.ticket = io::Ticket{};
+    if (s.staged.valid()) opt.host->free(s.staged);
+    s.staged = io::Ticket{};
+  }
+
+  // A stage: the store reads an offloaded tensor into the host pool, so that its prefetch reads
+  // the pool (the SSDs read early, the faster host link late). Skipped where the pool has no
+  // room; the prefetch then reads the store.
+  void start_stage(Slot& s, std::int64_t due) {
+    if (!opt.host || s.state != State::kOffloaded || on_host(s) || s.staged.valid()) return;
+    if (s.error || !s.ticket.valid()) return;
+    const auto room = opt.host->reserve(s.nbytes);
+    if (!room) {
+      ++stats.stage_skips;
+      return;
+    }
+    s.staged = room->first;
+    s.tier->read(s.ticket, room->second, io::Priority::kPrefetch);
+    record_start(s, plan::Direction::kRead, plan::TransferKind::kPlanned, due);
+    issued(s, plan::Direction::kRead);
+  }
+
+  // Ends a stage whose read is done (or, with `wait`, waits for it): the tensor is in the host
+  // pool and its store space goes back. A failed read keeps the store's copy, which the
+  // prefetch then reads (and reports, if it fails again).
+  void finish_stage(Slot& s, bool wait) {
+    if (!s.staged.valid() || (!wait && !s.tier->ready(s.ticket))) return;
+    try {
+      s.tier->wait(s.ticket);
+    } catch (const Error&) {
+      ++stats.stage_failures;
+      opt.host->free(s.staged);
+      s.staged = io::Ticket{};
+      record_end(s, true);
+      return;
+    }
+    record_end(s, false);
+    s.tier->free(s.ticket);
+    s.ticket = s.staged;
+    s.tier = opt.host.get();
+    s.staged = io::Ticket{};
+    ++stats.stages;
+    stats.bytes_staged += s.nbytes;
+    stats.bytes_read += s.nbytes;
   }
 
   void finish_write(c10::StorageImpl& impl, Slot& s) {
@@ -466,6 +519,7 @@ struct PlanExecutor::Impl {
   // label it in the timeline.
   void start_read(c10::StorageImpl& impl, Slot& s, io::Priority p, plan::TransferKind kind,
                   std::int64_t due) {
+    finish_stage(s, true);  // a stage in flight lands first: the read then takes the pool's copy
     c10::Allocator* alloc = impl.allocator();
     {
       detail::ReadAllocationScope scope(s.device);  // no queued kernel may use this memory
@@ -749,10 +803,6 @@ struct PlanExecutor::Impl {
   // Issues migration `m` of a step that started `base` ops into the run.
   void run_migration(const plan::Migration& m, std::int64_t base) {
     if (m.tensor < 0 || static_cast<std::size_t>(m.tensor) >= bound.size()) return;
-    // A stage (SSD to host memory) is not executed: the tensor's prefetch reads it from the tier
-    // that holds it, the SSD store. Correct, at the SSDs' rate instead of the host link's; a
-    // training session plans without stages (PlannerOptions::stage_via_host).
-    if (m.kind == plan::ActionKind::kStage) return;
     c10::intrusive_ptr<c10::StorageImpl> impl = bound[static_cast<std::size_t>(m.tensor)].lock();
     if (!impl) {
       ++stats.unbound;
@@ -790,6 +840,10 @@ struct PlanExecutor::Impl {
     auto it = slots.find(impl.get());
     if (it == slots.end()) return;
     Slot& s = it->second;
+    if (m.kind == plan::ActionKind::kStage) {
+      start_stage(s, base + m.due);
+      return;
+    }
     if (s.state == State::kWriting && !s.cancel) {
       // Forwarding: the tensor is wanted back before its write is done. It keeps its memory;
       // a write not yet started is dropped, one that runs is finished and forgotten.
@@ -943,7 +997,7 @@ PlanExecutor::~PlanExecutor() {
   {
     std::lock_guard<std::recursive_mutex> lock(impl_->mu);
     for (auto& [storage, s] : impl_->slots) {
-      if (s.ticket.valid()) s.tier->free(s.ticket);
+      impl_->release_io(s);
       impl_->settle(s, Impl::State::kResident);
     }
     impl_->slots.clear();

@@ -223,7 +223,6 @@ struct Session::Impl {
     plan::PlannerOptions po;
     po.min_bytes = opt.executor.min_bytes;
     po.clean_copies = false;    // the plan executor writes every offload (no copy kept on a tier)
-    po.stage_via_host = false;  // nor copies from the SSD store to host memory
     po.more_memory_hint = "a larger memory budget (" + opt.budget_option + "; now " +
                           bytes_text(stats.memory_budget) + " for the whole process)";
     if (opt.between_steps == BetweenSteps::kResident) {
@@ -888,6 +887,7 @@ void Session::end_step(std::int64_t step) {
     s.write_stall_seconds = e.write_stall_seconds;
     s.bytes_to_host = e.bytes_to_host;
     s.bytes_from_host = e.bytes_from_host;
+    s.bytes_staged = e.bytes_staged;
     s.host_stall_seconds = e.host_stall_seconds;
     s.shape = e.shape;
     if (e.shape >= 0 && static_cast<std::size_t>(e.shape) < m.shapes.size()) {

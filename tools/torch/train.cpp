@@ -153,6 +153,7 @@ class KillAtStep final : public torch_layer::StepObserver {
 // The I/O of a run's offloaded steps, summed from the session's per-step stats.
 struct IoTotals {
   std::uint64_t bytes_written = 0, bytes_read = 0, bytes_to_host = 0, bytes_from_host = 0;
+  std::uint64_t bytes_staged = 0;
   std::uint64_t planned_to_ssd = 0, planned_to_host = 0, misses = 0, failures = 0, full = 0;
   std::string write_error;  // the last failed write's message
   double stall = 0, host_stall = 0, write_stall = 0;
@@ -161,6 +162,7 @@ struct IoTotals {
     bytes_read += s.bytes_read;
     bytes_to_host += s.bytes_to_host;
     bytes_from_host += s.bytes_from_host;
+    bytes_staged += s.bytes_staged;
     planned_to_ssd += s.planned_bytes_to_ssd;
     planned_to_host += s.planned_bytes_to_host;
     misses += s.misses;
@@ -529,6 +531,7 @@ void run_train(const TrainArgs& args) {
       j["host_memory"] = so.host_memory;
       j["bytes_to_host"] = io.bytes_to_host;
       j["bytes_from_host"] = io.bytes_from_host;
+      j["bytes_staged"] = io.bytes_staged;
       j["planned_bytes_to_ssd"] = io.planned_to_ssd;
       j["planned_bytes_to_host"] = io.planned_to_host;
       j["ssd_stall_seconds"] = io.stall - io.host_stall;

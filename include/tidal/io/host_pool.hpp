@@ -18,6 +18,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <utility>
 
 #include "tidal/io/tier.hpp"
 
@@ -55,6 +57,11 @@ class HostPool final : public Tier {
   void free(Ticket ticket) override;
   bool cancel_write(Ticket ticket) override;
   [[nodiscard]] std::uint64_t free_bytes() const override;
+
+  /// Takes `bytes` of the pool for a tensor that another tier will copy in (a stage: the SSD
+  /// store reads into it). Returns the ticket and the memory, or nothing when the pool has no
+  /// room. The caller fills the memory before any read() of the ticket.
+  std::optional<std::pair<Ticket, void*>> reserve(std::uint64_t bytes);
 
   [[nodiscard]] std::uint64_t size(Ticket ticket) const;
   [[nodiscard]] HostPoolStats stats() const;

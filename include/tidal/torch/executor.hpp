@@ -85,6 +85,13 @@ struct ExecutorStats {
   std::uint64_t host_fallbacks = 0;  ///< host offloads the pool had no room for: to SSD instead
   std::uint64_t bytes_to_host = 0;
   std::uint64_t bytes_from_host = 0;
+  /// Stages (plan::ActionKind::kStage): SSD copies read into the host pool, so that their
+  /// prefetch reads the pool; those the pool had no room for, or whose read failed (the tensor
+  /// stays on the SSD and is read from there), and the bytes staged.
+  std::uint64_t stages = 0;
+  std::uint64_t stage_skips = 0;
+  std::uint64_t stage_failures = 0;
+  std::uint64_t bytes_staged = 0;
   double stall_seconds = 0;          ///< time ops waited for reads (misses and late prefetches)
   double host_stall_seconds = 0;     ///< the part of stall_seconds spent on host pool reads
   double write_stall_seconds = 0;    ///< time ops waited for writes to free memory (the budget)

@@ -156,6 +156,9 @@ struct SessionStats {
   std::uint64_t bytes_read = 0;       ///< last step, from the SSD store
   std::uint64_t bytes_to_host = 0;    ///< last step, plan mode: to the host pool
   std::uint64_t bytes_from_host = 0;  ///< last step, plan mode: from the host pool
+  /// Last step, plan mode: read from the SSD store into the host pool ahead of their prefetch
+  /// (the plan's stages); counted in bytes_read too.
+  std::uint64_t bytes_staged = 0;
   double host_stall_seconds = 0;      ///< last step: the part of stall_seconds on host reads
   /// Plan mode: what the plan of the last step's shape moves per step (the planner's figures,
   /// to compare with the executed ones above).
