@@ -125,12 +125,11 @@ py::dict store_stats_dict(const tidal::io::StoreStats& s) {
 py::dict session_stats_dict(const tt::SessionStats& s) {
   return TIDAL_FIELDS_DICT(
       s, mode, state, bytes_written, bytes_read, bytes_to_host, bytes_from_host, bytes_staged,
-      host_stall_seconds,
-      planned_bytes_to_ssd, planned_bytes_to_host, planned_step_seconds, between_steps,
-      stall_seconds, write_stall_seconds, misses, write_failures, store_full_writes, write_error,
-      step_peak, memory_budget, untouched_bytes, profiled_peak, within_budget, steps_measured,
-      steps_over_budget, budget_reason, shapes, shape, replans, tightenings, executed_peak,
-      plan_summary, notice);
+      host_stall_seconds, planned_bytes_to_ssd, planned_bytes_to_host, planned_step_seconds,
+      between_steps, stall_seconds, write_stall_seconds, misses, write_failures, store_full_writes,
+      write_error, step_peak, memory_budget, untouched_bytes, profiled_peak, within_budget,
+      steps_measured, steps_over_budget, budget_reason, shapes, shape, replans, tightenings,
+      executed_peak, plan_summary, notice);
 }
 
 py::dict activation_stats_dict(const tt::ActivationStats& s) {

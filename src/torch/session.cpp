@@ -222,7 +222,7 @@ struct Session::Impl {
     plan::Hardware hw = hardware();
     plan::PlannerOptions po;
     po.min_bytes = opt.executor.min_bytes;
-    po.clean_copies = false;    // the plan executor writes every offload (no copy kept on a tier)
+    po.clean_copies = false;  // the plan executor writes every offload (no copy kept on a tier)
     po.more_memory_hint = "a larger memory budget (" + opt.budget_option + "; now " +
                           bytes_text(stats.memory_budget) + " for the whole process)";
     if (opt.between_steps == BetweenSteps::kResident) {

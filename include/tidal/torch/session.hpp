@@ -159,7 +159,7 @@ struct SessionStats {
   /// Last step, plan mode: read from the SSD store into the host pool ahead of their prefetch
   /// (the plan's stages); counted in bytes_read too.
   std::uint64_t bytes_staged = 0;
-  double host_stall_seconds = 0;      ///< last step: the part of stall_seconds on host reads
+  double host_stall_seconds = 0;  ///< last step: the part of stall_seconds on host reads
   /// Plan mode: what the plan of the last step's shape moves per step (the planner's figures,
   /// to compare with the executed ones above).
   std::uint64_t planned_bytes_to_ssd = 0;
