@@ -664,7 +664,7 @@ class Planner {
 
   // Stages where the host link reads more than twice as fast as the SSDs: on the shape fuzz's
   // machines with three or four SSDs (the host link's rest about as fast as the SSDs) staged
-  // plans won on 2 shapes and lost on 8, by up to 1.1 points of the bound.
+  // plans won on 2 shapes and lost on 8, by up to 1.3 points of the bound.
   [[nodiscard]] bool staging() const {
     return in_.stage_via_host && opt_.stage_via_host && rates_.usable(Target::kSsd) &&
            rates_.usable(Target::kHost) &&
@@ -761,7 +761,7 @@ class Planner {
     // Staged where it frees more than either: it takes host memory for part of the period only,
     // and two channels' bandwidth. Only in the way that promises host memory by density, where
     // a stage takes only what the promises leave (evaluate_staged): in the other two ways the
-    // stages took host memory the denser periods needed (on the shape fuzz -1.1 to -3.1 points
+    // stages took host memory the denser periods needed (on the shape fuzz -1.3 to -3.1 points
     // of the bound on shapes 48, 94, 119), and the pass after the fallback stages there.
     // (The over-target time of the whole period bounds any choice's score.)
     if (staging() && host_choice_ == HostChoice::kDensest &&
