@@ -287,11 +287,8 @@ class Planner {
     for (const auto& [seconds, i] : order) {
       Candidate& c = at(candidates_, i);
       const auto bytes = static_cast<std::int64_t>(c.bytes);
-      std::int64_t used = 0;
-      for_each_segment(c, 0, c.len - 1,
-                       [&](const Segment& g) { used = std::max(used, promised.max(g.l, g.r)); });
-      if (used + bytes > cap) continue;
-      for_each_segment(c, 0, c.len - 1, [&](const Segment& g) { promised.add(g.l, g.r, bytes); });
+      if (std::max<std::int64_t>(0, span_max(promised, c, 0, c.len - 1)) + bytes > cap) continue;
+      span_add(promised, c, 0, c.len - 1, bytes);
       c.host_ok = true;
     }
   }
@@ -327,14 +324,9 @@ class Planner {
     for (const auto& [neg_seconds, i] : order) {
       if (left.max(0, n_ - 1) <= 0) break;
       Candidate& c = at(candidates_, i);
-      std::int64_t m = 0;
-      for_each_segment(c, 1, c.len - 2,
-                       [&](const Segment& g) { m = std::max(m, left.max(g.l, g.r)); });
-      if (m <= 0) continue;
+      if (span_max(left, c, 1, c.len - 2) <= 0) continue;
       c.ssd_ok = true;
-      for_each_segment(c, 1, c.len - 2, [&](const Segment& g) {
-        left.add(g.l, g.r, -static_cast<std::int64_t>(c.bytes));
-      });
+      span_add(left, c, 1, c.len - 2, -static_cast<std::int64_t>(c.bytes));
     }
   }
 
@@ -451,6 +443,16 @@ class Planner {
     return v;
   }
 
+  // The largest value of `tree` (per op) over positions [p0, p1] of c, and adding `v` there.
+  std::int64_t span_max(RangeTree& tree, const Candidate& c, int p0, int p1) const {
+    std::int64_t m = std::numeric_limits<std::int64_t>::min();
+    for_each_segment(c, p0, p1, [&](const Segment& g) { m = std::max(m, tree.max(g.l, g.r)); });
+    return m;
+  }
+  void span_add(RangeTree& tree, const Candidate& c, int p0, int p1, std::int64_t v) const {
+    for_each_segment(c, p0, p1, [&](const Segment& g) { tree.add(g.l, g.r, v); });
+  }
+
   // Filling `need` bytes into positions [p0, p1] of c, from p0 up (forward) or from p1 down
   // (backward): the position where it completes, or -1.
   [[nodiscard]] int fill(const BucketTree& t, const Candidate& c, int p0, int p1, double need,
@@ -523,17 +525,19 @@ class Planner {
   // inactive period (by default all of it).
   void mark_away(const Candidate& c, Target target, std::int64_t bytes, int p0 = 0, int p1 = -1) {
     if (!bounded(target)) return;
-    if (p1 < 0) p1 = c.len - 1;
-    for_each_segment(c, p0, p1, [&](const Segment& s) { away(target).add(s.l, s.r, bytes); });
+    span_add(away(target), c, p0, p1 < 0 ? c.len - 1 : p1, bytes);
   }
 
+  // The first position at which a stage starting at position `stage` holds host memory: the op
+  // after which it is issued (the reads in flight then may still hold theirs: the host memory of
+  // a read is given back when it completes, before the next op). It holds it to the use.
+  static int staged_host_from(int stage) { return stage - 1; }
+
   // What c holds where: the SSDs (or host memory) over its whole period, and a staged one host
-  // memory too from the op after which its stage is issued (the reads in flight then may still
-  // hold theirs: the host memory of a read is given back when it completes, before the next op)
-  // to its use.
+  // memory too from staged_host_from(its stage) on.
   void mark_all_away(const Candidate& c, std::int64_t bytes) {
     mark_away(c, c.target, bytes);
-    if (c.staged) mark_away(c, Target::kHost, bytes, c.stage_start - 1, c.len - 1);
+    if (c.staged) mark_away(c, Target::kHost, bytes, staged_host_from(c.stage_start), c.len - 1);
   }
 
   // The tier c's prefetch reads: host memory for a staged one, else the one it went to.
@@ -543,7 +547,6 @@ class Planner {
   // of it).
   bool room(const Candidate& c, Target target, int p0 = 0, int p1 = -1) {
     if (!bounded(target)) return true;
-    if (p1 < 0) p1 = c.len - 1;
     const std::uint64_t cap = tier_capacity(target);
     // Where the tier has room for c at its fullest op, it has room over c's period (the same
     // answer without a range query: a tenth of the planning time on the paper's bf16 cells).
@@ -551,9 +554,8 @@ class Planner {
         static_cast<std::int64_t>(cap)) {
       return true;
     }
-    std::int64_t used = 0;
-    for_each_segment(c, p0, p1,
-                     [&](const Segment& s) { used = std::max(used, away(target).max(s.l, s.r)); });
+    const std::int64_t used =
+        std::max<std::int64_t>(0, span_max(away(target), c, p0, p1 < 0 ? c.len - 1 : p1));
     return used + static_cast<std::int64_t>(c.bytes) <= static_cast<std::int64_t>(cap);
   }
 
@@ -635,31 +637,25 @@ class Planner {
       const int stage = start - 2 >= c.offload_end + 2
                             ? fill(ssd_read, c, c.offload_end + 2, start - 2, need, Scan::kBackward)
                             : -1;
-      if (stage < 0 || !room(c, Target::kHost, stage - 1, c.len - 1)) {
-        c.read_res = Reservation{};
-        reserve_items(ssd_read, c, old);
+      if (stage < 0 || !room(c, Target::kHost, staged_host_from(stage), c.len - 1)) {
+        for (const Leaf& l : old.items) ssd_read.set(l.first, ssd_read.get(l.first) - l.second);
+        c.read_res = std::move(old);  // as it was before the release
         continue;
       }
       c.staged = true;
       c.stage_start = stage;
       reserve(ssd_read, c, stage, start - 2, need, Scan::kBackward, c.stage_res);
-      c.read_res = Reservation{};
       reserve(host_read, c, start, c.len - 1, need, Scan::kBackward, c.read_res);
       const int old_start = c.prefetch_start;
       c.prefetch_start = start;
       free_span(c, old_start, start - 1);
-      mark_away(c, Target::kHost, static_cast<std::int64_t>(c.bytes), stage - 1, c.len - 1);
+      mark_away(c, Target::kHost, static_cast<std::int64_t>(c.bytes), staged_host_from(stage),
+                c.len - 1);
       plan.actions[c.off_action + 1].target = Target::kHost;
       add_stage_action(plan, c);
       set_times(plan, c);
       track_present(i);
     }
-  }
-
-  // Takes a reservation's items again (undoing release()).
-  static void reserve_items(BucketTree& t, Candidate& c, Reservation res) {
-    for (const Leaf& l : res.items) t.set(l.first, t.get(l.first) - l.second);
-    c.read_res = std::move(res);
   }
 
   // Stages where the host link reads more than twice as fast as the SSDs: on the shape fuzz's
@@ -692,16 +688,14 @@ class Planner {
     if (!clean && end < 0) return ch;
     const int stage =
         fill(bucket(Target::kSsd, Direction::kRead), c, end + 2, start - 2, need, Scan::kBackward);
-    if (stage < 0 || !room(c, Target::kHost, stage - 1, c.len - 1)) return ch;
-    if (promised_) {
-      // HostChoice::kDensest: host memory is promised to the densest periods; a stage takes
-      // only what the promises leave.
-      std::int64_t used = 0;
-      for_each_segment(c, stage - 1, c.len - 1,
-                       [&](const Segment& g) { used = std::max(used, promised_->max(g.l, g.r)); });
-      if (used + static_cast<std::int64_t>(c.bytes) > static_cast<std::int64_t>(hw_.host_memory)) {
-        return ch;
-      }
+    const int host_from = staged_host_from(stage);
+    if (stage < 0 || !room(c, Target::kHost, host_from, c.len - 1)) return ch;
+    // HostChoice::kDensest: host memory is promised to the densest periods; a stage takes only
+    // what the promises leave.
+    if (promised_ &&
+        span_max(*promised_, c, host_from, c.len - 1) + static_cast<std::int64_t>(c.bytes) >
+            static_cast<std::int64_t>(hw_.host_memory)) {
+      return ch;
     }
     ch.ok = true;
     ch.target = Target::kSsd;
@@ -876,9 +870,8 @@ class Planner {
     free_span(c, c.offload_end + 1, c.prefetch_start - 1);
     mark_all_away(c, static_cast<std::int64_t>(c.bytes));
     if (c.staged && promised_) {
-      for_each_segment(c, c.stage_start - 1, c.len - 1, [&](const Segment& g) {
-        promised_->add(g.l, g.r, static_cast<std::int64_t>(c.bytes));
-      });
+      span_add(*promised_, c, staged_host_from(c.stage_start), c.len - 1,
+               static_cast<std::int64_t>(c.bytes));
     }
     count_offload(plan.summary, c, true);
     PlanAction off;
