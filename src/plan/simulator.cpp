@@ -29,7 +29,6 @@ struct Job {
   std::uint64_t bytes = 0;
   std::uint64_t version = 0;
   bool done = false;
-  bool stage = false;  // an SSD-to-host copy (ActionKind::kStage)
 };
 
 struct TensorState {
@@ -289,7 +288,7 @@ class Simulator {
     complete(pop(c));
   }
 
-  int new_job(Channel c, TensorId id, double key, bool stage = false) {
+  int new_job(Channel c, TensorId id, double key) {
     TIDAL_EXPECT_AS(InvalidArgument, channel(c).rate > 0, "the plan moves tensor ", id,
                     " over the ", tier_of(c) == Tier::kSsd ? "SSD" : "host-memory",
                     " channel, but that channel has no bandwidth on this hardware model");
@@ -301,7 +300,6 @@ class Simulator {
     j.tensor = id;
     j.channel = c;
     j.version = state(id).version;
-    j.stage = stage;
     jobs_.push_back(j);
     const int index = static_cast<int>(jobs_.size()) - 1;
     if (counting_) issued_[index_of(c)] += j.bytes;
@@ -320,10 +318,10 @@ class Simulator {
     if (j.tensor < 0) return;  // its tensor instance is gone
     TensorState& s = state(j.tensor);
     const std::uint64_t bytes = bytes_of(j.tensor);
-    if (j.stage) {
-      // The SSD copy is in host memory now; the tensor's prefetch reads it from there. A stage
-      // still in flight when the tensor was wanted was detached (drop_stage).
-      if (s.stage_job != index) return;
+    if (s.stage_job == index) {
+      // The SSD copy is in host memory now; the tensor's prefetch reads it from there. (A stage
+      // still in flight when the tensor was wanted became its read: issue_read; one whose
+      // tensor died was detached: drop_stage.)
       s.stage_job = -1;
       hold(s.staging, false, bytes, host_bytes_, peak_host_);
       if (s.state == State::kOffloaded && s.on_ssd && s.version == j.version) {
@@ -453,7 +451,6 @@ class Simulator {
       if (counting_) issued_[index_of(Channel::kHostRead)] += stage.bytes;
       io_compute_ += static_cast<double>(stage.bytes) *
                      hw_.compute_seconds_per_byte[index_of(Channel::kHostRead)];
-      stage.stage = false;
       stage.key = std::min(stage.key, key);
       auto& h = channel(c).heap;
       std::make_heap(h.begin(), h.end(), most_urgent_on_top());
@@ -488,7 +485,7 @@ class Simulator {
       if (s.state != State::kOffloaded || !s.on_ssd || s.on_host || s.stage_job >= 0) return;
       advance_all(now);
       hold(s.staging, true, m.bytes, host_bytes_, peak_host_);
-      s.stage_job = new_job(m.channel, m.tensor, key, /*stage=*/true);
+      s.stage_job = new_job(m.channel, m.tensor, key);
     } else {
       if (s.state == State::kWriting) {
         s.state = State::kResident;
