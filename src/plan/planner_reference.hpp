@@ -29,12 +29,23 @@ struct PlannerInternals {
   /// Llama3-70B's one-SSD cells.
   double greedy_tolerance = 1e-2;
   /// Where make_plan plans a second time (host memory short, SSDs scarce, a stall), it also
-  /// plans a third time with the SSDs only where host memory cannot hold what must leave.
-  bool ssd_where_needed = true;
+  /// plans a third time with the SSDs only where host memory cannot hold what must leave. Off
+  /// since session 19: with waits_first it changed no plan kept on the Figure 9 sweep or the
+  /// shape fuzz, and took a third of the planning time where it ran.
+  bool ssd_where_needed = false;
   /// Where the plan of the trace as it is stalls, plan it again with each window of the stall
   /// bound (bound.hpp) given its stall as time, then once more with the faster plan's own
   /// simulated waits, and keep the fastest in simulation (docs/simulator.md, planner step 8).
   bool plan_into_waits = true;
+  /// With plan_into_waits, where the stall bound is positive, the plan of the trace as it is is
+  /// not made: the plan into the bound's stalls comes first, with the host-memory ways chosen
+  /// there (docs/simulator.md, planner step 8). false: the plan of the trace first, the others
+  /// only where it stalls, the fastest kept (before session 19: never slower than the plan of
+  /// the trace, and about twice the time where it stalls long).
+  bool waits_first = true;
+  /// With plan_into_waits, rounds of planning again with the best plan's own simulated waits,
+  /// each kept only where faster, stopping at the first that is not (1 before session 19).
+  int wait_rounds = 3;
   /// A period of a tensor unchanged since an earlier planned migration of it to the same tier
   /// (and none to the other tier since) books no write: the tier still holds that version,
   /// and the simulator drops the tensor without writing it (SimOptions::skip_clean_writes).
@@ -61,7 +72,7 @@ struct PlannerInternals {
 /// The planner before issue 27: nominal moves, a scan of every candidate, the exact greedy, two
 /// ways where host memory is short.
 inline PlannerInternals reference_internals() {
-  return {false, false, 1e-12, false, false, false, false, false, false, false};
+  return {false, false, 1e-12, false, false, false, 1, false, false, false, false, false};
 }
 
 /// make_plan() with the given internals.
