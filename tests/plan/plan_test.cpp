@@ -2092,13 +2092,13 @@ TEST(PlannerFuzz, TheGreedysBoundSkipPlansAsWell) {
 }
 
 // Over random traces with host memory (the link to it four times one SSD's write rate), host
-// memory set to the trace's peak over `host_divisor`: the plan `with` makes is never slower
-// than the one `without` makes, and faster on some traces.
-template <typename Without, typename With>
-void expect_kept_only_where_faster(std::uint64_t seed, std::uint64_t host_divisor, Without without,
-                                   With with) {
+// memory set to the trace's peak over `host_divisor`: the plans `without` and `with` make, each
+// simulated; fn(seed, with's plan, without's simulation, with's) where without's plan fits (and
+// both plan or neither). Returns how many were compared.
+template <typename Without, typename With, typename Fn>
+int compare_on_scarce_traces(std::uint64_t seed, std::uint64_t host_divisor, Without without,
+                             With with, Fn fn) {
   int compared = 0;
-  int faster = 0;
   for_each_fuzz_case(
       seed, always(FuzzLink::kPerSsd), false, [&](std::uint64_t s, const FuzzCase& fc) {
         if (fc.hw.host_memory == 0) return;
@@ -2114,11 +2114,25 @@ void expect_kept_only_where_faster(std::uint64_t seed, std::uint64_t host_diviso
         if (!sa.fits) return;
         ++compared;
         EXPECT_TRUE(sb.fits) << "seed " << s;
+        fn(s, *b, sa, sb);
+      });
+  expect_count_above("compared", compared, 100);
+  return compared;
+}
+
+// The plan `with` makes is never slower than the one `without` makes (compare_on_scarce_traces),
+// and faster on some traces.
+template <typename Without, typename With>
+void expect_kept_only_where_faster(std::uint64_t seed, std::uint64_t host_divisor, Without without,
+                                   With with) {
+  int faster = 0;
+  compare_on_scarce_traces(
+      seed, host_divisor, without, with,
+      [&](std::uint64_t s, const Plan&, const SimResult& sa, const SimResult& sb) {
         const double slack = 1e-9 * sa.iteration_seconds;
         EXPECT_LE(sb.iteration_seconds, sa.iteration_seconds + slack) << "seed " << s;
         if (sb.iteration_seconds < sa.iteration_seconds - slack) ++faster;
       });
-  expect_count_above("compared", compared, 100);
   expect_count_above("faster", faster, 0);
 }
 
@@ -2176,33 +2190,23 @@ TEST(PlannerFuzz, PlanIntoTheBoundsStallsIsKeptOnlyWhereFaster) {
 TEST(PlannerFuzz, PlanningIntoTheWaitsFirstFitsAndKeepsPace) {
   detail::PlannerInternals plain_first;
   plain_first.waits_first = false;
-  int compared = 0;
   int faster = 0;
   int slower = 0;
   double log_ratio = 0;
-  for_each_fuzz_case(
-      41, always(FuzzLink::kPerSsd), false, [&](std::uint64_t s, const FuzzCase& fc) {
-        if (fc.hw.host_memory == 0) return;
-        Hardware hw = fc.hw;
-        hw.host_memory = fc.lifetimes.summary.peak_live_bytes / 4;  // scarce
-        hw.host_link_bw = hw.ssd_write_bw * 4;  // the SSDs carry a quarter of the link
-        const std::optional<Plan> a = try_plan_with(fc.trace, hw, plain_first);
-        const std::optional<Plan> b = try_plan_with(fc.trace, hw, detail::PlannerInternals{});
-        ASSERT_EQ(a.has_value(), b.has_value()) << "seed " << s;
-        if (!a) return;
-        const SimResult sa = simulate(fc.trace, &*a, hw);
-        const SimResult sb = simulate(fc.trace, &*b, hw);
-        if (!sa.fits) return;
-        ++compared;
-        EXPECT_TRUE(sb.fits) << "seed " << s;
+  const int compared = compare_on_scarce_traces(
+      41, 4,
+      [&](const trace::Trace& t, const Hardware& hw) { return try_plan_with(t, hw, plain_first); },
+      [](const trace::Trace& t, const Hardware& hw) {
+        return try_plan_with(t, hw, detail::PlannerInternals{});
+      },
+      [&](std::uint64_t s, const Plan& b, const SimResult& sa, const SimResult& sb) {
         const double slack = 1e-9 * sb.iteration_seconds + 1e-12;
-        EXPECT_LE(sb.stall_seconds, b->summary.planned_stall_seconds + slack) << "seed " << s;
+        EXPECT_LE(sb.stall_seconds, b.summary.planned_stall_seconds + slack) << "seed " << s;
         const double slack_a = 1e-9 * sa.iteration_seconds;
         if (sb.iteration_seconds < sa.iteration_seconds - slack_a) ++faster;
         if (sb.iteration_seconds > sa.iteration_seconds + slack_a) ++slower;
         log_ratio += std::log(sb.iteration_seconds / sa.iteration_seconds);
       });
-  expect_count_above("compared", compared, 100);
   expect_count_above("faster", faster, 0);
   const double mean = std::exp(log_ratio / std::max(compared, 1));
   std::printf(
