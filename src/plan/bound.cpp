@@ -419,7 +419,10 @@ class WindowSweep {
     return std::all_of(rate_.begin(), rate_.end(), [](double r) { return r > 0; });
   }
 
-  StallBound run(const std::function<void(double)>& progress) {
+  // The best disjoint windows within ops lo..hi (all ops by default). The tensors' uses before
+  // lo are still swept, so that a window from lo knows what existed before it.
+  StallBound run(const std::function<void(double)>& progress, OpIndex lo = 0, OpIndex hi = -1) {
+    if (hi < 0) hi = n_ - 1;
     std::array<double, kTerms> inv{};
     for (int t = 0; t < kTerms; ++t) inv[t] = 1.0 / rate_[t];
     WindowTree tree(std::max(n_, 1), inv);
@@ -433,9 +436,9 @@ class WindowSweep {
     for (OpIndex k = 0; k < n_; ++k) {
       at(p, k + 1) = at(p, k) + trace_.op_seconds(static_cast<std::size_t>(k));
     }
-    for (OpIndex j = 0; j < n_; ++j) {
+    for (OpIndex j = 0; j <= hi; ++j) {
       if (progress && (j & 255) == 0) progress(static_cast<double>(j) / n_);
-      tree.activate(j, at(best, j) + at(p, j));
+      if (j >= lo) tree.activate(j, at(best, j) + at(p, j));
       const auto& op = at(trace_.ops, j);
       auto read = [&](TensorId x) {
         OpIndex& prev = at(prev_use, x);
@@ -467,6 +470,7 @@ class WindowSweep {
         tree.add(0, prev, -static_cast<double>(at(trace_.tensors, x).bytes), true);
         prev = -1;
       }
+      if (j < lo) continue;
       // The best window ending at j over the four terms; on a tie the earliest start.
       WindowTree::Leaf top{-1, 0, 0, 0};
       double value = -std::numeric_limits<double>::infinity();
@@ -498,9 +502,9 @@ class WindowSweep {
       }
     }
     StallBound out;
-    out.stall_seconds = at(best, n_);
-    out.iteration_seconds = trace_.compute_seconds() + out.stall_seconds;
-    for (OpIndex k = n_; k > 0;) {
+    out.stall_seconds = at(best, hi + 1);
+    out.iteration_seconds = at(p, hi + 1) - at(p, lo) + out.stall_seconds;
+    for (OpIndex k = hi + 1; k > lo;) {
       if (at(from, k) < 0) {
         --k;
         continue;
@@ -522,14 +526,109 @@ class WindowSweep {
   std::array<double, kTerms> threshold_{};
 };
 
+// Two iterations of `trace` one after the other: ops n..2n-1 are ops 0..n-1 again, with the
+// persistent tensors shared and every other tensor made anew. A persistent tensor with a gap
+// (live over [producer, end) and [0, freed_after]) becomes two: one live over the first
+// iteration's first stretch and the second's last (a gap from freed_after to n + producer), and
+// one made by the first iteration's producer and used up to the second's freed_after.
+trace::Trace two_iterations(const trace::Trace& trace) {
+  const auto n = static_cast<OpIndex>(trace.ops.size());
+  const auto nt = static_cast<TensorId>(trace.tensors.size());
+  trace::Trace two = trace;
+  std::vector<TensorId> second(static_cast<std::size_t>(nt));      // the tensor in iteration 2
+  std::vector<TensorId> bridge(static_cast<std::size_t>(nt), -1);  // a gap's middle stretch
+  const auto add = [&](trace::Tensor t) {
+    t.id = static_cast<TensorId>(two.tensors.size());
+    two.tensors.push_back(std::move(t));
+    return two.tensors.back().id;
+  };
+  for (TensorId x = 0; x < nt; ++x) {
+    const trace::Tensor& t = at(trace.tensors, x);
+    if (t.has_gap()) {
+      at(two.tensors, x).producer = n + t.producer;
+      trace::Tensor mid = t;
+      mid.persistent = false;
+      mid.freed_after = trace::kNoOp;
+      at(bridge, x) = add(std::move(mid));
+      at(second, x) = x;
+    } else if (t.persistent) {
+      at(second, x) = x;
+    } else {
+      trace::Tensor copy = t;
+      if (copy.producer != trace::kNoOp) copy.producer += n;
+      if (copy.freed_after != trace::kNoOp) copy.freed_after += n;
+      at(second, x) = add(std::move(copy));
+    }
+  }
+  // Which tensor op k (of 2n) names for x.
+  const auto name = [&](TensorId x, OpIndex k) {
+    const trace::Tensor& t = at(trace.tensors, x);
+    const OpIndex i = k % n;
+    if (t.has_gap() && (k < n ? i >= t.producer : i <= t.freed_after)) return at(bridge, x);
+    return k < n ? x : at(second, x);
+  };
+  const double length = trace.ops.empty() ? 0.0 : trace.ops.back().end_s;
+  for (OpIndex i = 0; i < n; ++i) two.ops.push_back(at(trace.ops, i));
+  for (OpIndex k = 0; k < 2 * n; ++k) {
+    trace::Op& op = at(two.ops, k);
+    if (k >= n) {
+      op.index = k;
+      op.start_s += length;
+      op.end_s += length;
+    }
+    for (TensorId& x : op.inputs) x = name(x, k);
+    for (TensorId& x : op.outputs) x = name(x, k);
+  }
+  return two;
+}
+
+// The candidates where a periodic schedule's cycle may be cut (docs/simulator.md, "Windows
+// over the iteration's end"): the ends of the windows one iteration finds, which a window over
+// the end would join.
+std::vector<OpIndex> cuts(const StallBound& b, OpIndex n) {
+  std::vector<OpIndex> out;
+  const auto put = [&](OpIndex k) {
+    if (k > 0 && k < n && std::find(out.begin(), out.end(), k) == out.end()) out.push_back(k);
+  };
+  if (!b.windows.empty()) {
+    put(b.windows.front().last + 1);
+    put(b.windows.back().first);
+  }
+  return out;
+}
+
 }  // namespace
 
 StallBound stall_lower_bound(const trace::Trace& trace, const Hardware& hw,
                              const std::function<void(double)>& progress) {
   StallBound b = detail::stall_lower_bound_by_windows(trace, hw, progress);
+  // Windows over the iteration's end: in a periodic schedule (each iteration plans and runs as
+  // the one before; the simulator's iteration is its third) the ops from r to the end and those
+  // up to r - 1 of the next iteration are one iteration too. The windows within ops r..r+n-1 of
+  // two iterations bound its stall as the windows of one do; a window over the optimizer step
+  // and the next forward pass charges both the step's writes and the forward's.
+  const auto n = static_cast<OpIndex>(trace.ops.size());
+  if (n > 0) {
+    const std::vector<OpIndex> at_cuts = cuts(b, n);
+    if (!at_cuts.empty()) {
+      const trace::Trace two = two_iterations(trace);
+      WindowSweep sweep(two, hw);
+      if (sweep.applies()) {
+        for (const OpIndex r : at_cuts) {
+          StallBound c = sweep.run({}, r, r + n - 1);
+          if (c.stall_seconds <= b.stall_seconds) continue;
+          for (StallWindow& w : c.windows) {
+            w.first %= n;
+            w.last %= n;
+          }
+          c.iteration_seconds = trace.compute_seconds() + c.stall_seconds;
+          b = std::move(c);
+        }
+      }
+    }
+  }
   // The whole iteration as one window, with the reads no plan avoids (the packing term): where
   // it is longer than the windows' sum, it is the bound.
-  const auto n = static_cast<OpIndex>(trace.ops.size());
   if (n > 0) {
     const ChannelRates ch = hw.channels();
     const bool host = hw.host_memory > 0 && ch[Channel::kHostRead] > 0;

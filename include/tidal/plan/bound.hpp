@@ -26,7 +26,8 @@ struct StallBound {
   double stall_seconds = 0;
   /// compute + stall_seconds: the shortest iteration any plan can reach.
   double iteration_seconds = 0;
-  /// Disjoint windows whose stalls add up to stall_seconds, in op order.
+  /// Disjoint windows whose stalls add up to stall_seconds, in op order from a cut of the
+  /// iteration (at most one runs over its end).
   std::vector<StallWindow> windows;
 };
 
@@ -39,8 +40,13 @@ struct StallBound {
 /// are the SSD and host channels together, and stalls by that minus T. Disjoint windows stall
 /// independently; the best set of them is found by dynamic programming over all windows, swept
 /// over the window's last op with a segment tree over its first (O((ops + tensor uses) log ops);
-/// where a channel has rate 0, by growing every window, O(ops^2)). Windows do not wrap around
-/// the end of the iteration, which can only make the bound lower.
+/// where a channel has rate 0, by growing every window, O(ops^2)). A window may run over the
+/// iteration's end (last < first: ops first..end and 0..last of the next iteration): the
+/// iteration repeats, so the ops from a cut r to the end and those before r in the next
+/// iteration are one period, and the windows within it are found on two iterations one after
+/// the other, for the cuts at the ends of the windows of one iteration (docs/simulator.md,
+/// "Windows over the iteration's end"). The bound holds for periodic plans, as the simulator's
+/// (its third iteration) are.
 /// `progress`, when set, is called now and then with the share of ops swept (0..1), on the
 /// calling thread.
 StallBound stall_lower_bound(const trace::Trace& trace, const Hardware& hw,
