@@ -14,8 +14,8 @@
 
 namespace tidal::plan::detail {
 
-/// The windows' part of stall_lower_bound(): the best set of disjoint windows, without the whole
-/// iteration's read term.
+/// The windows' part of stall_lower_bound(): the best set of disjoint windows of one iteration,
+/// without the windows over its end and the whole iteration's read term.
 StallBound stall_lower_bound_by_windows(const trace::Trace& trace, const Hardware& hw,
                                         const std::function<void(double)>& progress = {});
 
