@@ -438,17 +438,20 @@ class WindowSweep {
     }
     for (OpIndex j = 0; j <= hi; ++j) {
       if (progress && (j & 255) == 0) progress(static_cast<double>(j) / n_);
-      if (j >= lo) tree.activate(j, at(best, j) + at(p, j));
+      // Before lo only the uses are followed: every add then covers starts before lo, which no
+      // window takes.
+      const bool starts = j >= lo;
+      if (starts) tree.activate(j, at(best, j) + at(p, j));
       const auto& op = at(trace_.ops, j);
       auto read = [&](TensorId x) {
         OpIndex& prev = at(prev_use, x);
         if (prev == j) return;  // an op that lists a tensor twice uses it once
         const auto& ten = at(trace_.tensors, x);
         const auto bytes = static_cast<double>(ten.bytes);
-        if (ten.has_gap()) {  // existed before i: i <= freed_after or i > producer
+        if (starts && ten.has_gap()) {  // existed before i: i <= freed_after or i > producer
           tree.add(prev + 1, std::min(j, ten.freed_after), bytes, false);
           tree.add(std::max(prev + 1, ten.producer + 1), j, bytes, false);
-        } else {
+        } else if (starts) {
           tree.add(std::max(prev + 1, at(spans_.begin, x) + 1), j, bytes, false);
         }
         prev = j;
@@ -461,16 +464,16 @@ class WindowSweep {
             ten.has_gap() ? j >= ten.producer : ten.persistent || at(spans_.last_use, x) > j;
         OpIndex& prev = at(prev_write, x);
         if (!needed || prev == j) continue;
-        tree.add(prev + 1, j, static_cast<double>(ten.bytes), true);
+        if (starts) tree.add(prev + 1, j, static_cast<double>(ten.bytes), true);
         prev = j;
       }
       for (const TensorId x : at(spans_.dies_at, j)) {
         OpIndex& prev = at(prev_write, x);
         if (prev < 0) continue;
-        tree.add(0, prev, -static_cast<double>(at(trace_.tensors, x).bytes), true);
+        if (starts) tree.add(0, prev, -static_cast<double>(at(trace_.tensors, x).bytes), true);
         prev = -1;
       }
-      if (j < lo) continue;
+      if (!starts) continue;
       // The best window ending at j over the four terms; on a tie the earliest start.
       WindowTree::Leaf top{-1, 0, 0, 0};
       double value = -std::numeric_limits<double>::infinity();
