@@ -3,6 +3,7 @@
 
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "commands.hpp"
 #include "progress.hpp"
@@ -62,9 +63,11 @@ void run_plan(const PlanArgs& a) {
     sim = best.tidal.sim;
     bound = choice->bound();
   } else {
-    p = plan::make_plan(src.traces[0], hw, opt);
+    std::optional<plan::StallBound> planned;
+    p = plan::make_plan(src.traces[0], hw, opt, &planned);
     sim = plan::simulate(src.traces[0], &p, hw);
-    bound = plan::stall_lower_bound(src.traces[0], hw, fraction_progress("lower bound"));
+    bound = planned ? *planned
+                    : plan::stall_lower_bound(src.traces[0], hw, fraction_progress("lower bound"));
   }
   const trace::Trace& tr = src.traces[chosen];
   const plan::PlanSummary& s = p.summary;

@@ -1479,8 +1479,9 @@ class Planner {
 
 }  // namespace
 
-Plan make_plan(const trace::Trace& trace, const Hardware& hw, const PlannerOptions& options) {
-  return detail::make_plan_with(trace, hw, options, detail::PlannerInternals{});
+Plan make_plan(const trace::Trace& trace, const Hardware& hw, const PlannerOptions& options,
+               std::optional<StallBound>* bound) {
+  return detail::make_plan_with(trace, hw, options, detail::PlannerInternals{}, bound);
 }
 
 namespace detail {
@@ -1654,7 +1655,8 @@ Plan plan_with_waits(const trace::Trace& trace, const std::vector<double>& wait,
 }  // namespace
 
 Plan make_plan_with(const trace::Trace& trace, const Hardware& hw, const PlannerOptions& options,
-                    const PlannerInternals& internals) {
+                    const PlannerInternals& internals, std::optional<StallBound>* bound_out) {
+  if (bound_out != nullptr) bound_out->reset();
   TIDAL_EXPECT_AS(InvalidArgument, hw.device_memory > 0,
                   "the hardware model has no device memory capacity; give it one");
   const auto t0 = std::chrono::steady_clock::now();
@@ -1704,6 +1706,7 @@ Plan make_plan_with(const trace::Trace& trace, const Hardware& hw, const Planner
     // bound's stalls takes its place, with the host-memory ways chosen there, and then up to
     // wait_rounds rounds of its simulated waits.
     bound = stall_lower_bound(trace, hw);
+    if (bound_out != nullptr) *bound_out = bound;
     if (bound.stall_seconds <= 0)
       return finish(plan_ways(trace, trace, hw, options, internals).plan);
     const auto into_waits = [&](const StallBound& from) {
@@ -1749,6 +1752,7 @@ Plan make_plan_with(const trace::Trace& trace, const Hardware& hw, const Planner
   WayPlan first = plan_ways(trace, trace, hw, options, internals);
   if (first.plan.summary.planned_stall_seconds <= 0) return finish(std::move(first.plan));
   bound = stall_lower_bound(trace, hw);
+  if (bound_out != nullptr) *bound_out = bound;
   if (bound.stall_seconds <= 0) return finish(std::move(first.plan));
   if (!first.sim) first.sim = simulate(trace, &first.plan, hw);
   if (near_bound(*first.sim)) return finish(std::move(first.plan));

@@ -84,6 +84,7 @@ inline PlannerInternals reference_internals() {
 
 /// make_plan() with the given internals.
 Plan make_plan_with(const trace::Trace& trace, const Hardware& hw, const PlannerOptions& options,
-                    const PlannerInternals& internals);
+                    const PlannerInternals& internals,
+                    std::optional<StallBound>* bound_out = nullptr);
 
 }  // namespace tidal::plan::detail

@@ -778,7 +778,7 @@ PolicyResult run_policy(Policy policy, const trace::Trace& tr, const Hardware& h
       break;
     case Policy::kTidal: {
       try {
-        Plan p = make_plan(tr, hw, opt.planner);
+        Plan p = make_plan(tr, hw, opt.planner, &r.bound);
         r.planning_seconds = p.summary.planning_seconds;
         r.sim = simulate(tr, &p, hw, opt.sim);
         r.fits = r.sim.fits;

@@ -4,8 +4,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 
+#include "tidal/plan/bound.hpp"
 #include "tidal/plan/hardware.hpp"
 #include "tidal/plan/plan.hpp"
 #include "tidal/trace/trace.hpp"
@@ -79,6 +81,10 @@ struct PlannerOptions {
 /// Thread-safe for distinct arguments; runs on the calling thread. Throws
 /// tidal::InvalidArgument when even the tensors that cannot leave (the active ones) exceed the
 /// capacity at some op, naming the op and the shortfall.
-Plan make_plan(const trace::Trace& trace, const Hardware& hw, const PlannerOptions& options = {});
+/// `bound`, when given, receives the stall bound of `trace` on `hw` (plan/bound.hpp) where the
+/// planner computed it (it does where it plans into the waits), so that a caller that reports
+/// it need not compute it again; it is left empty otherwise.
+Plan make_plan(const trace::Trace& trace, const Hardware& hw, const PlannerOptions& options = {},
+               std::optional<StallBound>* bound = nullptr);
 
 }  // namespace tidal::plan

@@ -63,6 +63,8 @@ struct PolicyResult {
   double planning_seconds = 0;  ///< tidal only
   std::string note;             ///< what was assumed or why it does not fit
   std::optional<Plan> plan;     ///< the plan simulated, where there is one
+  /// tidal: the stall bound of the trace, where its planner computed it (make_plan's `bound`).
+  std::optional<StallBound> bound;
 };
 
 /// Runs one policy. `ideal_seconds` (> 0) sets fraction_of_ideal. Never throws for a policy
