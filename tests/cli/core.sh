@@ -137,10 +137,11 @@ expect "give fewer layers (--layers" plan --model llama3-8b --batch 1 --seq 512 
 ms=$((($(date +%s%N) - start) / 1000000))
 ((ms < 5000)) || fail "--layers 1000000 took $ms ms to be refused" ""
 
-# A long plan shows its progress on a terminal (script(1) gives it one) ...
+# A long plan shows its progress on a terminal (script(1) gives it one) ... (the lower bound it
+# reports is the one the planner computed, within "planning", where it planned into the waits)
 if command -v script >/dev/null; then
   out=$(script -qec "$tidal plan --model llama3-8b --batch 1 --seq 512 --layers 40" /dev/null 2>&1)
-  if grep -q "planning .*%" <<<"$out" && grep -q "lower bound .*%" <<<"$out"; then
+  if grep -q "planning .*%" <<<"$out"; then
     echo "ok   plan shows its progress on a terminal"
   else
     fail "plan shows no progress on a terminal" "$out"
