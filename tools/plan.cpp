@@ -122,7 +122,7 @@ void run_plan(const PlanArgs& a) {
     std::printf("  wrote %zu actions to %s\n", p.actions.size(), a.out.c_str());
   }
   if (a.json) {
-    nlohmann::json j = nlohmann::json::parse(plan::plan_to_json(p))["summary"];
+    nlohmann::json j = nlohmann::json::parse(plan::summary_to_json(p.summary));
     j["model"] = tr.model;
     if (const auto it = tr.meta.find("optimizer_schedule"); it != tr.meta.end())
       j["optimizer_schedule"] = it->second;

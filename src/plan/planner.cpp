@@ -188,8 +188,10 @@ class Planner {
 
     greedy(plan);
     if (first_over(0, n_ - 1) >= 0 && opt_.allow_stalls) fallback(plan);
+    if (retargeting()) retarget_pass(plan);
     if (staging()) stage_pass(plan);
     if (opt_.prune) prune(plan, la);
+    drop_dead_actions(plan);
     stall_summary(plan);
     summarize(plan, la);
 
@@ -608,6 +610,105 @@ class Planner {
     ch.score = score;
     ch.clean = true;
     ch.via = e;
+  }
+
+  // After the greedy and the fallback: a period planned on the SSDs moves to host memory where
+  // host memory has room for all of it and the host link can write it no later and read it no
+  // earlier than the SSDs do (so it frees at least the same ops and its reservations fit): the
+  // SSDs' bandwidth goes to the periods that stay there. The greedy sends a period to the SSDs
+  // on a tie (host memory is the scarcer tier), which late in the greedy leaves the SSDs' reads
+  // oversubscribed where host memory and the host link still have room. Only periods whose SSD
+  // write serves no other period of their version (an activation, an accumulated gradient);
+  // the shortest first (the most SSD traffic per byte-second of host memory).
+  void retarget_pass(Plan& plan) {
+    std::vector<int> order;
+    for (std::size_t i = 0; i < candidates_.size(); ++i) {
+      const Candidate& c = candidates_[i];
+      if (!c.done || c.target != Target::kSsd || c.clean || !c.host_ok) continue;
+      const auto [before, later] = neighbours(c, Target::kSsd);
+      if (before >= 0 || later >= 0) continue;  // its SSD write serves others of its version
+      order.push_back(static_cast<int>(i));
+    }
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int a, int b) { return at(candidates_, a).len < at(candidates_, b).len; });
+    for (int i : order) {
+      check_cancel();
+      Candidate& c = at(candidates_, i);
+      // A staged period holds host memory from its stage on already, and reads it from there.
+      const int held_from = c.staged ? staged_host_from(c.stage_start) : c.len;
+      if (held_from > 0 && !room(c, Target::kHost, 0, held_from - 1)) continue;
+      const auto need = static_cast<double>(c.bytes);
+      const bool clean = clean_on(c, Target::kHost);
+      int start = c.prefetch_start;
+      if (!c.staged) {
+        start =
+            fill(bucket(Target::kHost, Direction::kRead), c, 0, c.len - 1, need, Scan::kBackward);
+        if (start < c.prefetch_start) continue;
+      }
+      const int end = clean ? -1
+                            : fill(bucket(Target::kHost, Direction::kWrite), c, 0, c.len - 1, need,
+                                   Scan::kForward);
+      if (!clean && (end < 0 || end > c.offload_end)) continue;
+      release(bucket(Target::kSsd, Direction::kWrite), c, c.write_res, 0, c.len - 1);
+      const bool was_staged = c.staged;
+      if (was_staged) {
+        release(bucket(Target::kSsd, Direction::kRead), c, c.stage_res, 0, c.len - 1);
+        if (promised_) {
+          span_add(*promised_, c, held_from, c.len - 1, -static_cast<std::int64_t>(c.bytes));
+        }
+        mark_away(c, Target::kHost, -static_cast<std::int64_t>(c.bytes), held_from, c.len - 1);
+        dead_actions_.push_back(c.stage_action);
+        c.staged = false;
+        c.stage_start = -1;
+      } else {
+        release(bucket(Target::kSsd, Direction::kRead), c, c.read_res, 0, c.len - 1);
+      }
+      count_offload(plan.summary, c, false);
+      mark_away(c, Target::kSsd, -static_cast<std::int64_t>(c.bytes));
+      const int old_end = c.offload_end;
+      const int old_start = c.prefetch_start;
+      c.target = Target::kHost;
+      c.clean = clean;
+      c.offload_end = end;
+      if (!clean) {
+        reserve(bucket(Target::kHost, Direction::kWrite), c, 0, end, need, Scan::kForward,
+                c.write_res);
+      }
+      if (!was_staged) {  // a staged one's prefetch reads host memory already
+        c.prefetch_start = start;
+        reserve(bucket(Target::kHost, Direction::kRead), c, start, c.len - 1, need, Scan::kBackward,
+                c.read_res);
+      }
+      if (end < old_end) free_span(c, end + 1, old_end);
+      if (start > old_start) free_span(c, old_start, start - 1);
+      mark_away(c, Target::kHost, static_cast<std::int64_t>(c.bytes));
+      count_offload(plan.summary, c, true);
+      plan.actions[c.off_action].target = Target::kHost;
+      plan.actions[c.off_action + 1].target = Target::kHost;
+      set_times(plan, c);
+      track_present(i);
+      if (!clean && clean_copies()) clean_later(plan, c);
+    }
+  }
+
+  // Removes the actions of dead_actions_ (the stages of periods moved to host memory) where
+  // prune has not (it removes them with its own).
+  void drop_dead_actions(Plan& plan) {
+    if (dead_actions_.empty()) return;
+    std::vector<char> dead(plan.actions.size(), 0);
+    for (const std::size_t a : dead_actions_) dead[a] = 1;
+    dead_actions_.clear();
+    std::size_t out = 0;
+    for (std::size_t i = 0; i < plan.actions.size(); ++i) {
+      if (dead[i] == 0) plan.actions[out++] = plan.actions[i];
+    }
+    plan.actions.resize(out);
+  }
+
+  // Periods move from the SSDs to host memory after the plan where both tiers are usable
+  // (PlannerInternals::retarget_to_host).
+  [[nodiscard]] bool retargeting() const {
+    return in_.retarget_to_host && rates_.usable(Target::kSsd) && rates_.usable(Target::kHost);
   }
 
   // After the greedy and the fallback: each period planned on the SSDs comes back through host
@@ -1268,6 +1369,8 @@ class Planner {
     PruneState st{planned_memory(la, over_prefix), prune_members(), {}, {}};
     st.groups = prune_groups(st.members, over_prefix);
     st.dropped.assign(plan.actions.size(), 0);
+    for (const std::size_t a : dead_actions_) st.dropped[a] = 1;
+    dead_actions_.clear();
     for (bool host : {false, true}) {
       for (const PruneGroup& g : st.groups) {
         if (g.host == host) drop_group(plan, st, g);
@@ -1469,6 +1572,8 @@ class Planner {
   double initial_over_time_ = 0;
   std::int64_t commits_ = 0;
   bool host_short_ = false;
+  // Actions to remove when the plan is done (the stages of periods moved to host memory).
+  std::vector<std::size_t> dead_actions_;
   bool any_ssd_ = false;  // the fallback's last resort: any period may take the SSDs
   const std::atomic<bool>* cancel_ = nullptr;  // set: stop with Cancelled
   std::int64_t steps_ = 0;                     // greedy pops, for the cancel check
@@ -1707,8 +1812,12 @@ Plan make_plan_with(const trace::Trace& trace, const Hardware& hw, const Planner
     // wait_rounds rounds of its simulated waits.
     bound = stall_lower_bound(trace, hw);
     if (bound_out != nullptr) *bound_out = bound;
-    if (bound.stall_seconds <= 0)
-      return finish(plan_ways(trace, trace, hw, options, internals).plan);
+    if (bound.stall_seconds <= 0) {
+      WayPlan plain = plan_ways(trace, trace, hw, options, internals);
+      if (plain.plan.summary.planned_stall_seconds <= 0) return finish(std::move(plain.plan));
+      if (!plain.sim) plain.sim = simulate(trace, &plain.plan, hw);
+      return finish(with_simulated_waits(std::move(plain)).plan);
+    }
     const auto into_waits = [&](const StallBound& from) {
       WayPlan w;
       w.plan = plan_with_waits(trace, bound_waits(trace, from), hw, options, internals,

@@ -74,12 +74,17 @@ struct PlannerInternals {
   /// Periods on the SSDs may come back through host memory (PlannerOptions::stage_via_host, which
   /// must be on too); false: as before session 18.
   bool stage_via_host = true;
+  /// After the greedy and the fallback, periods on the SSDs move to host memory where it has
+  /// room and the host link does their transfers no later (docs/simulator.md, planner step 11);
+  /// false: as before session 20.
+  bool retarget_to_host = true;
 };
 
 /// The planner before issue 27: nominal moves, a scan of every candidate, the exact greedy, two
 /// ways where host memory is short.
 inline PlannerInternals reference_internals() {
-  return {false, false, 1e-12, false, false, false, 1, 0.0, false, false, false, false, false};
+  return {false, false, 1e-12, false, false, false, 1,
+          0.0,   false, false, false, false, false, false};
 }
 
 /// make_plan() with the given internals.

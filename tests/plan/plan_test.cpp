@@ -526,17 +526,19 @@ TEST(Planner, TakesTheTargetThatFreesMore) {
   EXPECT_EQ(p.actions[0].target, Target::kHost);
   EXPECT_EQ(p.actions[0].tensor, 1);
   EXPECT_TRUE(simulate(t, &p, slow_ssd).fits);
-  // Both fast: the SSDs on a tie by default, host memory with prefer_host, same timing.
+  // Both fast: the greedy takes the SSDs on a tie, host memory with prefer_host, same timing.
   Hardware fast = simple_hw(210, 1e6);
   fast.host_link_bw = 3e6;
   fast.host_memory = 1000;
   // (Not through host memory: with these rates the staged period frees more than either.)
   PlannerOptions plain;
   plain.stage_via_host = false;
-  const Plan ssd = make_plan(t, fast, plain);
+  detail::PlannerInternals greedy_only;
+  greedy_only.retarget_to_host = false;
+  const Plan ssd = detail::make_plan_with(t, fast, plain, greedy_only);
   PlannerOptions o = plain;
   o.prefer_host = true;
-  const Plan host = make_plan(t, fast, o);
+  const Plan host = detail::make_plan_with(t, fast, o, greedy_only);
   ASSERT_EQ(ssd.actions.size(), 2u);
   ASSERT_EQ(host.actions.size(), 2u);
   EXPECT_EQ(ssd.actions[0].target, Target::kSsd);
@@ -547,9 +549,21 @@ TEST(Planner, TakesTheTargetThatFreesMore) {
   const SimResult hs = simulate(t, &host, fast);
   EXPECT_TRUE(hs.fits);
   EXPECT_EQ(hs.ssd_bytes_written, 0u);
-  // Without room in host memory, prefer_host still plans on the SSDs.
+  // After the greedy, the SSD period moves to host memory, which has room for it and whose link
+  // writes it no later and reads it no earlier (PlannerInternals::retarget_to_host).
+  const Plan moved = make_plan(t, fast, plain);
+  ASSERT_EQ(moved.actions.size(), 2u);
+  EXPECT_EQ(moved.actions[0].target, Target::kHost);
+  EXPECT_EQ(moved.actions[1].target, Target::kHost);
+  EXPECT_EQ(moved.summary.bytes_to_ssd, 0u);
+  EXPECT_EQ(moved.summary.bytes_to_host, 100u);
+  EXPECT_EQ(simulate(t, &moved, fast).ssd_bytes_written, 0u);
+  EXPECT_LE(moved.actions[0].deadline, ssd.actions[0].deadline);
+  EXPECT_GE(moved.actions[1].trigger, ssd.actions[1].trigger);
+  // Without room in host memory, prefer_host and the move still plan on the SSDs.
   fast.host_memory = 50;
   EXPECT_EQ(make_plan(t, fast, o).actions[0].target, Target::kSsd);
+  EXPECT_EQ(make_plan(t, fast, plain).actions[0].target, Target::kSsd);
 }
 
 TEST(Planner, BandwidthBucketsSetTheDeadlines) {
@@ -1751,17 +1765,21 @@ TEST(PlannerFuzz, TheSsdCapacityBoundsWhatIsAwayOnTheSsds) {
 // Llama3-8B cut to 4 blocks, batch 8 x 1024, on 20 GB with one SSD and 8 GB of host memory: the
 // states read back for the optimizer step come at the one SSD's rate. Staged through host memory
 // they come in over the rest of the link instead, and the iteration is shorter than the plan
-// without stages.
+// without stages. (Both without the move of SSD periods to host memory after the plan: with it
+// the plan without stages is the faster here, 4.49 s against 4.61 s, the host memory the stages
+// hold going to whole periods instead; on the Figure 9 sweep the staged plans stay ahead.)
 TEST(Planner, StagingThroughHostMemoryShortensAnIterationOnOneSsd) {
   Hardware hw = hardware_preset("h100-4ssd");
   hw.ssd_count = 1;
   hw.device_memory = 20'000'000'000;
   hw.host_memory = 8'000'000'000;
   const trace::Trace t = transformer_trace(preset_blocks("llama3-8b", 4), 8, 1024, hw);
-  const Plan staged = make_plan(t, hw);
+  detail::PlannerInternals in;
+  in.retarget_to_host = false;
+  const Plan staged = detail::make_plan_with(t, hw, PlannerOptions{}, in);
   PlannerOptions plain;
   plain.stage_via_host = false;
-  const Plan unstaged = make_plan(t, hw, plain);
+  const Plan unstaged = detail::make_plan_with(t, hw, plain, in);
   const auto stages = [](const Plan& p) {
     return std::count_if(p.actions.begin(), p.actions.end(),
                          [](const PlanAction& a) { return a.kind == ActionKind::kStage; });
@@ -1804,7 +1822,7 @@ TEST(PlannerFuzz, StagedPlansFitPairAndKeepHostMemory) {
         EXPECT_LE(sim.stall_seconds, p->summary.planned_stall_seconds * (1 + 1e-6) + slack)
             << "seed " << seed;
       });
-  expect_count_above("staged", staged, 30);
+  expect_count_above("staged", staged, 20);
 }
 
 TEST(PlannerFuzz, PlannedStallBoundsTheSimulatedStall) {
@@ -2072,6 +2090,8 @@ std::pair<int, int> expect_plans_as_well(std::uint64_t seed0,
                                          const detail::PlannerInternals& now_in) {
   int compared = 0;
   int differ = 0;
+  int faster = 0;
+  int slower = 0;
   double sum_new = 0;
   double sum_ref = 0;
   for_each_fuzz_case(
@@ -2100,21 +2120,38 @@ std::pair<int, int> expect_plans_as_well(std::uint64_t seed0,
             << "seed " << seed;
         if (!r.fits || !n.fits) return;
         ++compared;
-        if (std::abs(n.iteration_seconds - r.iteration_seconds) > slack) ++differ;
+        if (std::abs(n.iteration_seconds - r.iteration_seconds) > slack) {
+          ++differ;
+          ++(n.iteration_seconds < r.iteration_seconds ? faster : slower);
+        }
         sum_new += n.iteration_seconds;
         sum_ref += r.iteration_seconds;
       });
   EXPECT_LE(sum_new, sum_ref * 1.01);
+  std::cout << "[          ] " << differ << " of " << compared << " random cases differ (" << faster
+            << " faster, " << slower << " slower); iterations in all " << sum_new / sum_ref
+            << " of the reference's\n";
   return {compared, differ};
 }
 
 TEST(PlannerFuzz, BookedSpansPlanNoWorseThanTheReference) {
-  // Seed 57: 220 cases, 6 differ (3 faster, 3 slower; the largest change +5%, 90.2 -> 94.7 s),
-  // 0.2% more in all.
+  // Seed 57 (session 20, all of issue 27's internals against none of them): 220 cases, 114
+  // differ (101 faster, 13 slower), 7.8% less in all.
   const auto [compared, differ] =
       expect_plans_as_well(57, detail::reference_internals(), detail::PlannerInternals{});
   expect_count_above("compared", compared, 200);
   expect_count_above("differ", differ, 3);
+}
+
+// The move of SSD periods to host memory after the plan (PlannerInternals::retarget_to_host):
+// plans fit where those without it fit, their planned stall bounds the simulated one, and in
+// all they are no slower.
+TEST(PlannerFuzz, MovingPeriodsToHostMemoryPlansAsWell) {
+  detail::PlannerInternals off;
+  off.retarget_to_host = false;
+  const auto [compared, differ] = expect_plans_as_well(61, off, detail::PlannerInternals{});
+  expect_count_above("compared", compared, 200);
+  expect_count_above("differ", differ, 5);
 }
 
 // The greedy's skip of candidates whose upper bound is already under the next entry's key

@@ -92,6 +92,8 @@ struct Plan {
 /// tidal::InvalidArgument on a wrong version, a missing field or an unknown name.
 std::string plan_to_json(const Plan& plan);
 Plan plan_from_json(const std::string& text);
+/// JSON text of a plan's summary alone (the "summary" object of plan_to_json).
+std::string summary_to_json(const PlanSummary& summary);
 
 /// Files. Throw tidal::Error when the file cannot be written or read, InvalidArgument when its
 /// content is not a plan.
