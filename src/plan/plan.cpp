@@ -61,15 +61,15 @@ std::string plan_to_json(const Plan& plan) {
     const PlanAction& a = plan.actions[i];
     out += i == 0 ? "\n  {\"tensor\": " : ",\n  {\"tensor\": ";
     num(a.tensor);
-    out += ", \"action\": \"";
+    out += R"(, "action": ")";
     out += to_string(a.kind);
-    out += "\", \"trigger\": ";
+    out += R"(", "trigger": )";
     num(a.trigger);
     out += ", \"deadline\": ";
     num(a.deadline);
-    out += ", \"target\": \"";
+    out += R"(, "target": ")";
     out += to_string(a.target);
-    out += "\", \"bytes\": ";
+    out += R"(", "bytes": )";
     num(a.bytes);
     out += a.wraps ? ", \"wraps\": true}" : ", \"wraps\": false}";
   }
