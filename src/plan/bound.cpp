@@ -604,7 +604,16 @@ std::vector<OpIndex> cuts(const StallBound& b, OpIndex n) {
 
 StallBound stall_lower_bound(const trace::Trace& trace, const Hardware& hw,
                              const std::function<void(double)>& progress) {
-  StallBound b = detail::stall_lower_bound_by_windows(trace, hw, progress);
+  return detail::stall_lower_bound_and_windows(trace, hw, progress, nullptr);
+}
+
+namespace detail {
+
+StallBound stall_lower_bound_and_windows(const trace::Trace& trace, const Hardware& hw,
+                                         const std::function<void(double)>& progress,
+                                         StallBound* one_iteration) {
+  StallBound b = stall_lower_bound_by_windows(trace, hw, progress);
+  if (one_iteration != nullptr) *one_iteration = b;
   // Windows over the iteration's end: in a periodic schedule (each iteration plans and runs as
   // the one before; the simulator's iteration is its third) the ops from r to the end and those
   // up to r - 1 of the next iteration are one iteration too. The windows within ops r..r+n-1 of
@@ -650,8 +659,6 @@ StallBound stall_lower_bound(const trace::Trace& trace, const Hardware& hw,
   if (progress) progress(1.0);
   return b;
 }
-
-namespace detail {
 
 StallBound stall_lower_bound_by_windows(const trace::Trace& trace, const Hardware& hw,
                                         const std::function<void(double)>& progress) {

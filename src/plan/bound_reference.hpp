@@ -19,6 +19,12 @@ namespace tidal::plan::detail {
 StallBound stall_lower_bound_by_windows(const trace::Trace& trace, const Hardware& hw,
                                         const std::function<void(double)>& progress = {});
 
+/// stall_lower_bound(), and in *one_iteration (where not null) its windows' part of one
+/// iteration (stall_lower_bound_by_windows), which it computes first: the planner uses both.
+StallBound stall_lower_bound_and_windows(const trace::Trace& trace, const Hardware& hw,
+                                         const std::function<void(double)>& progress,
+                                         StallBound* one_iteration);
+
 /// The windows' part by growing every window (what it did before the sweep; it still runs
 /// where a channel has rate 0).
 StallBound stall_lower_bound_by_window_growth(const trace::Trace& trace, const Hardware& hw);

@@ -1810,7 +1810,8 @@ Plan make_plan_with(const trace::Trace& trace, const Hardware& hw, const Planner
     // the 0.6-1.3 s per order of Llama3-70B's one-SSD cells) is not made; the plan into the
     // bound's stalls takes its place, with the host-memory ways chosen there, and then up to
     // wait_rounds rounds of its simulated waits.
-    bound = stall_lower_bound(trace, hw);
+    StallBound one_iteration;  // the windows of one iteration, which the bound computes first
+    bound = stall_lower_bound_and_windows(trace, hw, {}, &one_iteration);
     if (bound_out != nullptr) *bound_out = bound;
     if (bound.stall_seconds <= 0) {
       WayPlan plain = plan_ways(trace, trace, hw, options, internals);
@@ -1832,7 +1833,7 @@ Plan make_plan_with(const trace::Trace& trace, const Hardware& hw, const Planner
     // bound, the faster kept.
     const bool wraps = std::any_of(bound.windows.begin(), bound.windows.end(),
                                    [](const StallWindow& w) { return w.last < w.first; });
-    const StallBound linear = wraps ? stall_lower_bound_by_windows(trace, hw) : StallBound{};
+    const StallBound linear = wraps ? std::move(one_iteration) : StallBound{};
     WayPlan into = into_waits(wraps && linear.stall_seconds > 0 ? linear : bound);
     if (wraps && linear.stall_seconds > 0 && internals.far_from_bound > 0 &&
         (!into.sim->fits ||
