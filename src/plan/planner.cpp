@@ -651,11 +651,8 @@ class Planner {
       if (!clean && (end < 0 || end > c.offload_end)) continue;
       release(bucket(Target::kSsd, Direction::kWrite), c, c.write_res, 0, c.len - 1);
       const bool was_staged = c.staged;
-      if (was_staged) {
+      if (was_staged) {  // (the promises of HostChoice::kDensest are read in the greedy only)
         release(bucket(Target::kSsd, Direction::kRead), c, c.stage_res, 0, c.len - 1);
-        if (promised_) {
-          span_add(*promised_, c, held_from, c.len - 1, -static_cast<std::int64_t>(c.bytes));
-        }
         mark_away(c, Target::kHost, -static_cast<std::int64_t>(c.bytes), held_from, c.len - 1);
         dead_actions_.push_back(c.stage_action);
         c.staged = false;
