@@ -695,6 +695,12 @@ class Planner {
     std::vector<char> dead(plan.actions.size(), 0);
     for (const std::size_t a : dead_actions_) dead[a] = 1;
     dead_actions_.clear();
+    remove_actions(plan, dead);
+  }
+
+  // Keeps the actions whose entry in `dead` is 0, in order. Candidates' action indices are stale
+  // afterwards: only the last steps of run() remove actions.
+  static void remove_actions(Plan& plan, const std::vector<char>& dead) {
     std::size_t out = 0;
     for (std::size_t i = 0; i < plan.actions.size(); ++i) {
       if (dead[i] == 0) plan.actions[out++] = plan.actions[i];
@@ -1376,11 +1382,7 @@ class Planner {
         if (g.host == host) drop_readers(plan, st, g);
       }
     }
-    std::size_t out = 0;
-    for (std::size_t i = 0; i < plan.actions.size(); ++i) {
-      if (st.dropped[i] == 0) plan.actions[out++] = plan.actions[i];
-    }
-    plan.actions.resize(out);
+    remove_actions(plan, st.dropped);
   }
 
   // M' per op (memory with every committed migration), and the prefix sums of the compute
