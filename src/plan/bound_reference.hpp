@@ -20,10 +20,13 @@ StallBound stall_lower_bound_by_windows(const trace::Trace& trace, const Hardwar
                                         const std::function<void(double)>& progress = {});
 
 /// stall_lower_bound(), and in *one_iteration (where not null) its windows' part of one
-/// iteration (stall_lower_bound_by_windows), which it computes first: the planner uses both.
+/// iteration (stall_lower_bound_by_windows), which it computes first, and in *windows (where
+/// not null) the bound without the peaks between a write and a read: the planner plans into
+/// those two.
 StallBound stall_lower_bound_and_windows(const trace::Trace& trace, const Hardware& hw,
                                          const std::function<void(double)>& progress,
-                                         StallBound* one_iteration);
+                                         StallBound* one_iteration,
+                                         StallBound* windows = nullptr);
 
 /// The windows' part by growing every window (what it did before the sweep; it still runs
 /// where a channel has rate 0).

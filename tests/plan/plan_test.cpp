@@ -1476,20 +1476,38 @@ void expect_plan_respects(const trace::Trace& t, const Hardware& hw, const Stall
   EXPECT_GE(sim.stall_seconds, b.stall_seconds - 1e-9);
 }
 
+// The bound without its halves (docs/simulator.md, "Peaks between a write and a read"): the
+// windows, those over the iteration's end and the whole iteration's reads.
+StallBound windows_part(const trace::Trace& t, const Hardware& hw) {
+  StallBound w;
+  detail::stall_lower_bound_and_windows(t, hw, {}, nullptr, &w);
+  return w;
+}
+
 TEST(StallBound, ReadWindowOfTwoAlternatingTensors) {
   // A (100 B) is used at op 1 and B (100 B) at op 5, both persistent; 100 B of device memory
   // and 10 B/s: between the start of op 1 and the end of op 5 B must come in (A is there for
   // op 1), 100 B at 10 B/s over 5 s of compute, so every plan stalls at least 5 s.
+  // The halves see more: A fills the memory at op 1, so B is read after op 1 ends and before op
+  // 5 starts, over ops 2-4: 3 s of compute, 7 s of stall (A's read back after op 5 crosses the
+  // iteration's end, which the halves do not; every plan stalls 14 s).
   const trace::Trace t = hand_trace(8, {{100, true, {1}}, {100, true, {5}}});
   const Hardware hw = simple_hw(100, 10);
-  const StallBound b = stall_lower_bound(t, hw);
+  const StallBound b = windows_part(t, hw);
   EXPECT_NEAR(b.stall_seconds, 5.0, 1e-9);
   EXPECT_NEAR(b.iteration_seconds, 13.0, 1e-9);
   ASSERT_EQ(b.windows.size(), 1u);
   EXPECT_EQ(b.windows[0].first, 1);
   EXPECT_EQ(b.windows[0].last, 5);
   EXPECT_NEAR(b.windows[0].read_bytes, 100.0, 1e-9);
-  expect_plan_respects(t, hw, b);
+  const StallBound full = stall_lower_bound(t, hw);
+  EXPECT_NEAR(full.stall_seconds, 7.0, 1e-9);
+  ASSERT_EQ(full.windows.size(), 1u);
+  EXPECT_EQ(full.windows[0].first, 1);  // the stall before ops 2-5
+  EXPECT_EQ(full.windows[0].last, 4);
+  EXPECT_NEAR(full.windows[0].compute_seconds, 3.0, 1e-9);
+  EXPECT_NEAR(full.windows[0].read_bytes, 100.0, 1e-9);
+  expect_plan_respects(t, hw, full);
 }
 
 TEST(StallBound, AWindowOverTheIterationsEnd) {
@@ -1507,7 +1525,13 @@ TEST(StallBound, AWindowOverTheIterationsEnd) {
   const Hardware hw = simple_hw(100, 10);
   const StallBound one = detail::stall_lower_bound_by_windows(t, hw);
   EXPECT_NEAR(one.stall_seconds, 5.0, 1e-9);
-  const StallBound b = stall_lower_bound(t, hw);
+  // With the halves: A and P never share the memory, so P is written after op 7 ends and before
+  // op 1 starts (op 0's second: 9 s of stall) and read after op 3 ends and before op 7 starts
+  // (ops 4-6: 7 s), 16 s in all.
+  const StallBound full = stall_lower_bound(t, hw);
+  EXPECT_NEAR(full.stall_seconds, 16.0, 1e-9);
+  expect_plan_respects(t, hw, full);
+  const StallBound b = windows_part(t, hw);
   EXPECT_NEAR(b.stall_seconds, 7.0, 1e-9);
   ASSERT_EQ(b.windows.size(), 1u);
   EXPECT_EQ(b.windows[0].first, 7);
@@ -1527,13 +1551,18 @@ TEST(StallBound, HostMemoryOnlyHoldsWhatItsSizeAllows) {
   Hardware hw = simple_hw(100, 10);
   hw.host_link_bw = 30;
   hw.host_memory = 40;
-  const StallBound small = stall_lower_bound(t, hw);
+  const StallBound small = windows_part(t, hw);
   EXPECT_NEAR(small.stall_seconds, 1.0, 1e-9);
   expect_plan_respects(t, hw, small);
+  // The halves: B is read after op 1 ends and before op 5 starts (3 s): 60 B from the SSD, 6 s,
+  // 3 s of stall; with H = 100 B, 100 B over the link in 3.33 s, 0.33 s.
+  EXPECT_NEAR(stall_lower_bound(t, hw).stall_seconds, 3.0, 1e-9);
+  expect_plan_respects(t, hw, stall_lower_bound(t, hw));
   hw.host_memory = 100;
-  const StallBound roomy = stall_lower_bound(t, hw);
+  const StallBound roomy = windows_part(t, hw);
   EXPECT_NEAR(roomy.stall_seconds, 0.0, 1e-9);
-  expect_plan_respects(t, hw, roomy);
+  EXPECT_NEAR(stall_lower_bound(t, hw).stall_seconds, 100.0 / 30 - 3, 1e-9);
+  expect_plan_respects(t, hw, stall_lower_bound(t, hw));
 }
 
 TEST(StallBound, WriteAndReadWindows) {
@@ -1543,7 +1572,22 @@ TEST(StallBound, WriteAndReadWindows) {
   // op 8 (against 5 s: 5 s). The two windows are disjoint, so every plan stalls 11 s at least.
   const trace::Trace t = hand_trace(9, {{100, false, {0, 8}}, {100, false, {3, 4}}});
   const Hardware hw = simple_hw(100, 10);
-  const StallBound b = stall_lower_bound(t, hw);
+  // The halves see that Y fills the memory at ops 3 and 4: X's write starts after op 0 ends and
+  // completes before op 3 starts (ops 1-2: 8 s of stall), and its read starts after op 4 ends
+  // and completes before op 8 starts (ops 5-7: 7 s), 15 s in all, what the plan below stalls.
+  const StallBound full = stall_lower_bound(t, hw);
+  EXPECT_NEAR(full.stall_seconds, 15.0, 1e-9);
+  ASSERT_EQ(full.windows.size(), 2u);
+  EXPECT_EQ(full.windows[0].first, 0);
+  EXPECT_EQ(full.windows[0].last, 2);
+  EXPECT_NEAR(full.windows[0].compute_seconds, 2.0, 1e-9);
+  EXPECT_NEAR(full.windows[0].write_bytes, 100.0, 1e-9);
+  EXPECT_EQ(full.windows[1].first, 4);
+  EXPECT_EQ(full.windows[1].last, 7);
+  EXPECT_NEAR(full.windows[1].compute_seconds, 3.0, 1e-9);
+  EXPECT_NEAR(full.windows[1].read_bytes, 100.0, 1e-9);
+  expect_plan_respects(t, hw, full);
+  const StallBound b = windows_part(t, hw);
   EXPECT_NEAR(b.stall_seconds, 11.0, 1e-9);
   ASSERT_EQ(b.windows.size(), 2u);
   EXPECT_EQ(b.windows[0].first, 0);
@@ -1567,7 +1611,15 @@ TEST(StallBound, ReadsOfTheWholeIterationChainTheWindows) {
       hand_trace(24, {{100, true, {0, 12}}, {100, true, {4, 16}}, {100, true, {8, 20}}});
   const Hardware hw = simple_hw(100, 10);
   EXPECT_NEAR(detail::stall_lower_bound_by_windows(t, hw).stall_seconds, 22.0, 1e-9);
-  const StallBound b = stall_lower_bound(t, hw);
+  // The halves: each of the five uses after op 0 reads its tensor after the use before it ends,
+  // over 3 s of compute: 7 s of stall each where their spans are disjoint (every plan stalls
+  // 42 s: six such reads, the first after the iteration's end). The bound takes at least the
+  // whole iteration's 26 s.
+  const StallBound full = stall_lower_bound(t, hw);
+  EXPECT_GE(full.stall_seconds, 26.0 + 7.0 - 1e-9);
+  EXPECT_LE(full.stall_seconds, 42.0 + 1e-9);
+  expect_plan_respects(t, hw, full);
+  const StallBound b = windows_part(t, hw);
   EXPECT_NEAR(b.stall_seconds, 26.0, 1e-9);
   ASSERT_EQ(b.windows.size(), 1u);
   EXPECT_EQ(b.windows[0].first, 0);
@@ -1899,6 +1951,7 @@ TEST(PlannerFuzz, NoPlanThatFitsBeatsTheStallBound) {
   int checked = 0;
   int positive = 0;
   int by_reads = 0;
+  int by_halves = 0;
   int wrapping = 0;
   const auto link = [](std::uint64_t seed) {
     return seed % 4 < 2 ? FuzzLink::kPerSsd : FuzzLink::kPerArray;
@@ -1937,7 +1990,15 @@ TEST(PlannerFuzz, NoPlanThatFitsBeatsTheStallBound) {
     // windows of one iteration, and each is the bound in some.
     const double windows = detail::stall_lower_bound_by_windows(t, hw).stall_seconds;
     EXPECT_GE(b.stall_seconds, windows - slack) << "seed " << seed;
-    if (b.stall_seconds > windows + slack && over_end == 0) ++by_reads;
+    // The halves (peaks between a write and a read) only ever add.
+    const StallBound without_halves = windows_part(t, hw);
+    EXPECT_GE(b.stall_seconds, without_halves.stall_seconds - slack) << "seed " << seed;
+    if (b.stall_seconds > without_halves.stall_seconds + slack) ++by_halves;
+    if (without_halves.stall_seconds > windows + slack &&
+        std::none_of(without_halves.windows.begin(), without_halves.windows.end(),
+                     [](const StallWindow& w) { return w.last < w.first; })) {
+      ++by_reads;
+    }
 
     std::vector<Plan> plans;
     for (bool prune : {true, false}) {
@@ -1959,6 +2020,7 @@ TEST(PlannerFuzz, NoPlanThatFitsBeatsTheStallBound) {
   expect_count_above("checked", checked, 300);
   expect_count_above("positive", positive, 40);
   expect_count_above("by_reads", by_reads, 20);
+  expect_count_above("by_halves", by_halves, 20);
   expect_count_above("wrapping", wrapping, 20);
 }
 
