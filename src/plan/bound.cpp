@@ -600,7 +600,6 @@ std::vector<OpIndex> cuts(const StallBound& b, OpIndex n) {
   return out;
 }
 
-
 // A peak between a write and a read (docs/simulator.md, "Peaks between a write and a read"). At
 // op p the simulator counts every tensor that exists and is resident, being written or being
 // read; one that is not counted there finished its write before op p started and has its read
@@ -632,8 +631,8 @@ struct OpRange {
   OpIndex hi;
 };
 
-std::vector<Half> halves(const trace::Trace& trace, const Hardware& hw,
-                         const std::vector<OpRange>& ranges) {
+std::vector<Half> halves(const trace::Trace& trace, const trace::LifetimeAnalysis& la,
+                         const Hardware& hw, const std::vector<OpRange>& ranges) {
   std::vector<Half> out;
   const auto n = static_cast<OpIndex>(trace.ops.size());
   if (n < 3) return out;
@@ -646,7 +645,6 @@ std::vector<Half> halves(const trace::Trace& trace, const Hardware& hw,
   const double host =
       read > ssd_read || write > ssd_write ? static_cast<double>(hw.host_memory) : 0;
   const auto cap = static_cast<double>(hw.device_memory);
-  const trace::LifetimeAnalysis la = trace::analyze_lifetimes(trace);
   std::vector<double> pre(static_cast<std::size_t>(n) + 1, 0);
   for (OpIndex k = 0; k < n; ++k) {
     at(pre, k + 1) = at(pre, k) + trace.op_seconds(static_cast<std::size_t>(k));
@@ -690,8 +688,8 @@ std::vector<Half> halves(const trace::Trace& trace, const Hardware& hw,
       const auto& life = la.tensors[x];
       if (ten.bytes == 0 || life.uses.empty()) continue;
       const bool live = ten.persistent ? ten.live_at(p)
-                                       : life.live_begin != trace::kNoOp &&
-                                             life.live_begin <= p && p <= life.live_end;
+                                       : life.live_begin != trace::kNoOp && life.live_begin <= p &&
+                                             p <= life.live_end;
       if (!live || std::binary_search(life.uses.begin(), life.uses.end(), p)) continue;
       const auto u = std::upper_bound(life.uses.begin(), life.uses.end(), p);
       const auto& w = at(writes, static_cast<TensorId>(x));
@@ -762,7 +760,8 @@ std::vector<Half> halves(const trace::Trace& trace, const Hardware& hw,
 // The windows of `b` and the halves: the set with the largest stall whose stall spans are
 // disjoint. Spans are of stall positions (l, r] on the cycle of one iteration's ops; one that
 // runs over the iteration's end has r <= l.
-StallBound with_halves(const trace::Trace& trace, const Hardware& hw, const StallBound& b) {
+StallBound with_halves(const trace::Trace& trace, const trace::LifetimeAnalysis& la,
+                       const Hardware& hw, const StallBound& b) {
   const auto n = static_cast<OpIndex>(trace.ops.size());
   struct Span {
     OpIndex l;
@@ -781,13 +780,13 @@ StallBound with_halves(const trace::Trace& trace, const Hardware& hw, const Stal
   std::vector<OpRange> ranges = {{-n + 1, n - 1}};
   const std::size_t nw = b.windows.size();
   for (std::size_t w = 0; w < nw; ++w) {
-    const OpIndex lo = (b.windows[w].last + 1) % n;        // the span's end
-    const OpIndex hi = b.windows[(w + 1) % nw].first;      // the next span's start
+    const OpIndex lo = (b.windows[w].last + 1) % n;    // the span's end
+    const OpIndex hi = b.windows[(w + 1) % nw].first;  // the next span's start
     const OpIndex len = ((hi - lo) % n + n) % n;
     if (len == 0) continue;
     ranges.push_back(lo + len < n ? OpRange{lo, lo + len} : OpRange{lo - n, lo + len - n});
   }
-  const std::vector<Half> hs = halves(trace, hw, ranges);
+  const std::vector<Half> hs = halves(trace, la, hw, ranges);
   if (hs.empty()) return b;
   for (std::size_t q = 0; q < hs.size(); ++q) {
     const Half& h = hs[q];
@@ -898,11 +897,11 @@ StallBound stall_lower_bound_and_windows(const trace::Trace& trace, const Hardwa
   }
   // The whole iteration as one window, with the reads no plan avoids (the packing term): where
   // it is longer than the windows' sum, it is the bound.
+  const trace::LifetimeAnalysis la = trace::analyze_lifetimes(trace);
   if (n > 0) {
     const ChannelRates ch = hw.channels();
     const bool host = hw.host_memory > 0 && ch[Channel::kHostRead] > 0;
-    const ReadFloor f = read_floor(trace, trace::analyze_lifetimes(trace), hw.device_memory,
-                                   host ? hw.host_memory : 0);
+    const ReadFloor f = read_floor(trace, la, hw.device_memory, host ? hw.host_memory : 0);
     const double ssd_rate = ch[Channel::kSsdRead];
     const double rate = ssd_rate + (host ? ch[Channel::kHostRead] : 0.0);
     const double compute = trace.compute_seconds();
@@ -916,7 +915,7 @@ StallBound stall_lower_bound_and_windows(const trace::Trace& trace, const Hardwa
   if (windows != nullptr) *windows = b;
   // Peaks between a write and a read: where their windows with the others stall more, they are
   // the bound.
-  if (n > 0) b = with_halves(trace, hw, b);
+  if (n > 0) b = with_halves(trace, la, hw, b);
   if (progress) progress(1.0);
   return b;
 }

@@ -25,8 +25,7 @@ StallBound stall_lower_bound_by_windows(const trace::Trace& trace, const Hardwar
 /// those two.
 StallBound stall_lower_bound_and_windows(const trace::Trace& trace, const Hardware& hw,
                                          const std::function<void(double)>& progress,
-                                         StallBound* one_iteration,
-                                         StallBound* windows = nullptr);
+                                         StallBound* one_iteration, StallBound* windows = nullptr);
 
 /// The windows' part by growing every window (what it did before the sweep; it still runs
 /// where a channel has rate 0).
