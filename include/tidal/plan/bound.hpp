@@ -45,8 +45,14 @@ struct StallBound {
 /// iteration repeats, so the ops from a cut r to the end and those before r in the next
 /// iteration are one period, and the windows within it are found on two iterations one after
 /// the other, for the cuts at the ends of the windows of one iteration (docs/simulator.md,
-/// "Windows over the iteration's end"). The bound holds for periodic plans, as the simulator's
-/// (its third iteration) are.
+/// "Windows over the iteration's end"). Then the halves: a tensor that exists at a pivot op p, is
+/// not used by it and is not in device memory there was written after the op that made it and
+/// before op p, and is read after op p and before its next use; with active(p) the bytes op p
+/// uses, at least (bytes of such tensors) + active(p) - C of them are away, so the ops before p
+/// and those after it each last at least that many bytes' transfer time, one after the other
+/// (docs/simulator.md, "Peaks between a write and a read"); windows and halves whose stalls lie
+/// before disjoint ops add up. The bound holds for periodic plans, as the simulator's (its third
+/// iteration) are.
 /// `progress`, when set, is called now and then with the share of ops swept (0..1), on the
 /// calling thread.
 StallBound stall_lower_bound(const trace::Trace& trace, const Hardware& hw,
