@@ -806,8 +806,11 @@ StallBound with_halves(const trace::Trace& trace, const trace::LifetimeAnalysis&
       best[q + 1] = best[q];
       const Span& c = lin[q];
       if (c.l < lo || c.r > hi) continue;
-      std::size_t k = q;  // the first k spans end at or before c's start
-      while (k > 0 && lin[k - 1].r > c.l) --k;
+      // The first k spans end at or before c's start (lin is sorted by end).
+      const auto k = static_cast<std::size_t>(
+          std::upper_bound(lin.begin(), lin.begin() + static_cast<std::ptrdiff_t>(q), c.l,
+                           [](OpIndex l, const Span& x) { return l < x.r; }) -
+          lin.begin());
       if (best[k] + c.stall > best[q + 1]) {
         best[q + 1] = best[k] + c.stall;
         take[q + 1] = static_cast<int>(q);
