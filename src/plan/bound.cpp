@@ -26,6 +26,28 @@ double transfer_seconds(double bytes, double rate) {
   return bytes / rate;
 }
 
+// The bound's four channels, from Hardware::channels(): reads and writes over the SSDs and host
+// memory together and over the SSDs alone, and the host memory that can hold offloaded tensors
+// (0 where no host channel moves bytes).
+struct Rates {
+  double read;
+  double write;
+  double ssd_read;
+  double ssd_write;
+  double host;
+};
+
+Rates rates_of(const Hardware& hw) {
+  const ChannelRates ch = hw.channels();
+  Rates r{};
+  r.ssd_read = ch[Channel::kSsdRead];
+  r.ssd_write = ch[Channel::kSsdWrite];
+  r.read = r.ssd_read + ch[Channel::kHostRead];
+  r.write = r.ssd_write + ch[Channel::kHostWrite];
+  r.host = r.read > r.ssd_read || r.write > r.ssd_write ? static_cast<double>(hw.host_memory) : 0;
+  return r;
+}
+
 // When each tensor comes to exist (as the simulator counts it: persistent ones before the
 // iteration, the others at their producer or first use), its last use, and the tensors whose
 // last use is op k.
@@ -160,14 +182,12 @@ class WindowSearch {
         window_at_(static_cast<std::size_t>(n_) + 1),
         seen_read_(trace.tensors.size(), -1),
         seen_write_(trace.tensors.size(), -1) {
-    const ChannelRates ch = hw.channels();
-    ssd_read_rate_ = ch[Channel::kSsdRead];
-    ssd_write_rate_ = ch[Channel::kSsdWrite];
-    read_rate_ = ssd_read_rate_ + ch[Channel::kHostRead];
-    write_rate_ = ssd_write_rate_ + ch[Channel::kHostWrite];
-    host_ = read_rate_ > ssd_read_rate_ || write_rate_ > ssd_write_rate_
-                ? static_cast<double>(hw.host_memory)
-                : 0;
+    const Rates r = rates_of(hw);
+    ssd_read_rate_ = r.ssd_read;
+    ssd_write_rate_ = r.ssd_write;
+    read_rate_ = r.read;
+    write_rate_ = r.write;
+    host_ = r.host;
     // E(i, j) counts tensors live at op i and W(i, j) tensors live at op j, so neither exceeds
     // the peak of live bytes: once a window's compute covers moving the peak's share, no longer
     // window from the same start can stall, and it stops growing.
@@ -401,16 +421,10 @@ class WindowSweep {
         la_(trace::analyze_lifetimes(trace)),
         spans_(lifespans(trace, la_)),
         n_(static_cast<OpIndex>(trace.ops.size())) {
-    const ChannelRates ch = hw.channels();
-    const double ssd_read = ch[Channel::kSsdRead];
-    const double ssd_write = ch[Channel::kSsdWrite];
-    const double read = ssd_read + ch[Channel::kHostRead];
-    const double write = ssd_write + ch[Channel::kHostWrite];
+    const Rates r = rates_of(hw);
     const auto cap = static_cast<double>(hw.device_memory);
-    const double host =
-        read > ssd_read || write > ssd_write ? static_cast<double>(hw.host_memory) : 0;
-    rate_ = {read, ssd_read, write, ssd_write};
-    threshold_ = {cap, cap + host, cap, cap + host};
+    rate_ = {r.read, r.ssd_read, r.write, r.ssd_write};
+    threshold_ = {cap, cap + r.host, cap, cap + r.host};
     cap_ = cap;
   }
 
@@ -617,7 +631,6 @@ std::vector<OpIndex> cuts(const StallBound& b, OpIndex n) {
 struct Half {
   OpIndex from = 0;  // the stall lies before ops from+1..to (from < 0: op from + n of the
   OpIndex to = 0;    // iteration before)
-  OpIndex pivot = 0;
   bool write = false;
   double bytes = 0;
   double compute = 0;
@@ -636,14 +649,8 @@ std::vector<Half> halves(const trace::Trace& trace, const trace::LifetimeAnalysi
   std::vector<Half> out;
   const auto n = static_cast<OpIndex>(trace.ops.size());
   if (n < 3) return out;
-  const ChannelRates ch = hw.channels();
-  const double ssd_read = ch[Channel::kSsdRead];
-  const double ssd_write = ch[Channel::kSsdWrite];
-  const double read = ssd_read + ch[Channel::kHostRead];
-  const double write = ssd_write + ch[Channel::kHostWrite];
-  if (read <= 0 || write <= 0) return out;
-  const double host =
-      read > ssd_read || write > ssd_write ? static_cast<double>(hw.host_memory) : 0;
+  const Rates rates = rates_of(hw);
+  if (rates.read <= 0 || rates.write <= 0) return out;
   const auto cap = static_cast<double>(hw.device_memory);
   std::vector<double> pre(static_cast<std::size_t>(n) + 1, 0);
   for (OpIndex k = 0; k < n; ++k) {
@@ -679,7 +686,7 @@ std::vector<Half> halves(const trace::Trace& trace, const trace::LifetimeAnalysi
     double bytes;
   };
   const auto seconds = [&](double bytes, double all, double ssd) {
-    return std::max(transfer_seconds(bytes, all), transfer_seconds(bytes - host, ssd));
+    return std::max(transfer_seconds(bytes, all), transfer_seconds(bytes - rates.host, ssd));
   };
   for (const OpIndex p : pivots) {
     std::vector<Item> items;
@@ -710,7 +717,7 @@ std::vector<Half> halves(const trace::Trace& trace, const trace::LifetimeAnalysi
               [](const Item& x, const Item& y) { return x.next < y.next; });
     // The write half (i, p] with the most stall, i >= lo.
     const auto best_write = [&](OpIndex lo) {
-      Half best{0, 0, p, true, 0, 0, 0};
+      Half best{0, 0, true, 0, 0, 0};
       double a = base;
       for (std::size_t q = 0; q < by_born.size(); ++q) {
         const OpIndex i = by_born[q].born;
@@ -718,14 +725,14 @@ std::vector<Half> halves(const trace::Trace& trace, const trace::LifetimeAnalysi
         a += by_born[q].bytes;
         if (q + 1 < by_born.size() && by_born[q + 1].born == i) continue;
         const double c = compute(i + 1, p);
-        const double stall = seconds(a, write, ssd_write) - c;
-        if (stall > best.stall) best = {i, p, p, true, a, c, stall};
+        const double stall = seconds(a, rates.write, rates.ssd_write) - c;
+        if (stall > best.stall) best = {i, p, true, a, c, stall};
       }
       return best;
     };
     // The read half (p, j] with the most stall, j <= hi.
     const auto best_read = [&](OpIndex hi) {
-      Half best{p, p, p, false, 0, 0, 0};
+      Half best{p, p, false, 0, 0, 0};
       double r = base;
       for (std::size_t q = 0; q < items.size(); ++q) {
         const OpIndex j = items[q].next;
@@ -733,8 +740,8 @@ std::vector<Half> halves(const trace::Trace& trace, const trace::LifetimeAnalysi
         r += items[q].bytes;
         if (q + 1 < items.size() && items[q + 1].next == j) continue;
         const double c = compute(p + 1, j);
-        const double stall = seconds(r, read, ssd_read) - c;
-        if (stall > best.stall) best = {p, j, p, false, r, c, stall};
+        const double stall = seconds(r, rates.read, rates.ssd_read) - c;
+        if (stall > best.stall) best = {p, j, false, r, c, stall};
       }
       return best;
     };
