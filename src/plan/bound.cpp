@@ -637,15 +637,8 @@ struct Half {
   double stall = 0;
 };
 
-// Ranges of stall positions the halves must lie in: (lo, hi] (lo < 0: from op lo + n of the
-// iteration before).
-struct OpRange {
-  OpIndex lo;
-  OpIndex hi;
-};
-
 std::vector<Half> halves(const trace::Trace& trace, const trace::LifetimeAnalysis& la,
-                         const Hardware& hw, const std::vector<OpRange>& ranges) {
+                         const Hardware& hw, const std::vector<OpIndex>& stops) {
   std::vector<Half> out;
   const auto n = static_cast<OpIndex>(trace.ops.size());
   if (n < 3) return out;
@@ -679,6 +672,12 @@ std::vector<Half> halves(const trace::Trace& trace, const trace::LifetimeAnalysi
     }
     if (top >= 0 && static_cast<double>(at(la.live_bytes, top)) > cap) pivots.push_back(top);
   }
+  // Where a half may be made to end so that it fits beside the other spans: the given stops
+  // and the pivots.
+  std::vector<OpIndex> ends = stops;
+  ends.insert(ends.end(), pivots.begin(), pivots.end());
+  std::sort(ends.begin(), ends.end());
+  ends.erase(std::unique(ends.begin(), ends.end()), ends.end());
   constexpr OpIndex kNever = std::numeric_limits<OpIndex>::min();
   struct Item {
     OpIndex born;  // the op that made its version at p (< 0: in the iteration before; kNever)
@@ -715,50 +714,76 @@ std::vector<Half> halves(const trace::Trace& trace, const trace::LifetimeAnalysi
               [](const Item& x, const Item& y) { return x.born > y.born; });
     std::sort(items.begin(), items.end(),
               [](const Item& x, const Item& y) { return x.next < y.next; });
-    // The write half (i, p] with the most stall, i >= lo.
-    const auto best_write = [&](OpIndex lo) {
+    // The write halves (i, p] in the order of i, latest first, each with the best of those up
+    // to it: best_write(lo) is the write half with the most stall and i >= lo.
+    std::vector<OpIndex> w_at;
+    std::vector<Half> w_best;
+    {
       Half best{0, 0, true, 0, 0, 0};
       double a = base;
       for (std::size_t q = 0; q < by_born.size(); ++q) {
         const OpIndex i = by_born[q].born;
-        if (i == kNever || i < lo) break;
+        if (i == kNever || i <= -n) break;
         a += by_born[q].bytes;
         if (q + 1 < by_born.size() && by_born[q + 1].born == i) continue;
         const double c = compute(i + 1, p);
         const double stall = seconds(a, rates.write, rates.ssd_write) - c;
         if (stall > best.stall) best = {i, p, true, a, c, stall};
+        w_at.push_back(i);
+        w_best.push_back(best);
       }
-      return best;
+    }
+    const auto best_write = [&](OpIndex lo) {
+      const auto k =
+          std::partition_point(w_at.begin(), w_at.end(), [&](OpIndex i) { return i >= lo; }) -
+          w_at.begin();
+      return k == 0 ? Half{} : w_best[static_cast<std::size_t>(k - 1)];
     };
-    // The read half (p, j] with the most stall, j <= hi.
-    const auto best_read = [&](OpIndex hi) {
+    // The read halves (p, j] likewise, in the order of j: best_read(hi) has j <= hi.
+    std::vector<OpIndex> r_at;
+    std::vector<Half> r_best;
+    {
       Half best{p, p, false, 0, 0, 0};
       double r = base;
       for (std::size_t q = 0; q < items.size(); ++q) {
         const OpIndex j = items[q].next;
-        if (j > hi) break;
+        if (j >= n) break;
         r += items[q].bytes;
         if (q + 1 < items.size() && items[q + 1].next == j) continue;
         const double c = compute(p + 1, j);
         const double stall = seconds(r, rates.read, rates.ssd_read) - c;
         if (stall > best.stall) best = {p, j, false, r, c, stall};
+        r_at.push_back(j);
+        r_best.push_back(best);
       }
-      return best;
+    }
+    const auto best_read = [&](OpIndex hi) {
+      const auto k =
+          std::partition_point(r_at.begin(), r_at.end(), [&](OpIndex j) { return j <= hi; }) -
+          r_at.begin();
+      return k == 0 ? Half{} : r_best[static_cast<std::size_t>(k - 1)];
     };
     const auto put = [&](const Half& h) {
-      if (h.stall > 0) out.push_back(h);
-    };
-    for (const OpRange& g : ranges) {
-      if (p <= g.lo || p > g.hi) continue;
-      const Half w = best_write(g.lo);
-      const Half r = best_read(g.hi);
-      put(w);
-      put(r);
-      // Where the two meet over the iteration's end, each also as far as the other allows.
-      if (w.stall > 0 && r.stall > 0 && w.from < 0 && r.to > w.from + n) {
-        put(best_write(std::max(g.lo, r.to - n)));
-        put(best_read(std::min(g.hi, w.from + n)));
+      if (h.stall <= 0) return;
+      for (const Half& o : out) {
+        if (o.write == h.write && o.from == h.from && o.to == h.to) return;
       }
+      out.push_back(h);
+    };
+    const Half w = best_write(-n + 1);
+    const Half r = best_read(n - 1);
+    put(w);
+    put(r);
+    // Each also as far as the other allows where the two meet over the iteration's end, and as
+    // far as each stop allows (a stop s after p limits a write half's start to s of the
+    // iteration before).
+    if (w.stall > 0 && r.stall > 0 && w.from < 0 && r.to > w.from + n) {
+      put(best_write(r.to - n));
+      put(best_read(w.from + n));
+    }
+    for (const OpIndex s : ends) {
+      if (s != p) put(best_write(s < p ? s : s - n));
+      if (s > p) put(best_read(s));
     }
   }
   return out;
@@ -783,17 +808,13 @@ StallBound with_halves(const trace::Trace& trace, const trace::LifetimeAnalysis&
     // stall before the next).
     spans.push_back({x.first, x.last + 1, x.stall_seconds, static_cast<int>(w)});
   }
-  // The halves anywhere, and in the gaps between b's windows.
-  std::vector<OpRange> ranges = {{-n + 1, n - 1}};
-  const std::size_t nw = b.windows.size();
-  for (std::size_t w = 0; w < nw; ++w) {
-    const OpIndex lo = (b.windows[w].last + 1) % n;    // the span's end
-    const OpIndex hi = b.windows[(w + 1) % nw].first;  // the next span's start
-    const OpIndex len = ((hi - lo) % n + n) % n;
-    if (len == 0) continue;
-    ranges.push_back(lo + len < n ? OpRange{lo, lo + len} : OpRange{lo - n, lo + len - n});
+  // The halves anywhere, and each as far as an edge of b's windows allows.
+  std::vector<OpIndex> stops;
+  for (const StallWindow& x : b.windows) {
+    stops.push_back(x.first);
+    stops.push_back((x.last + 1) % n);
   }
-  const std::vector<Half> hs = halves(trace, la, hw, ranges);
+  const std::vector<Half> hs = halves(trace, la, hw, stops);
   if (hs.empty()) return b;
   for (std::size_t q = 0; q < hs.size(); ++q) {
     const Half& h = hs[q];

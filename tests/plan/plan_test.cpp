@@ -1599,6 +1599,36 @@ TEST(StallBound, WriteAndReadWindows) {
   expect_window(b.windows[1], 4, 8, 100.0, 0.0);
 }
 
+TEST(StallBound, AHalfEndsWhereAnotherBegins) {
+  // D (30 B) is made at op 0 and used at op 8; B, C and E (30, 40 and 30 B) are made at op 2,
+  // B used at ops 3 and 6, C at 8 and 9, E at 3 and 8; A (50 B) is made at op 5 and used at op
+  // 6. With 100 B of memory and 10 B/s:
+  // - op 2 makes B, C and E, which fill the memory: D is written after op 0 ends and before op 2
+  //   starts (30 B against op 1: 2 s of stall);
+  // - op 5 makes A, and B, C, D and E (130 B) exist: 80 B are away at op 5. Of those made at op 2
+  //   or later (B, C, E: 100 B) at least 50 B are written after op 2 ends and before op 5 starts
+  //   (5 s against ops 3-4: 3 s). From op 0 on it is 80 B against ops 1-4, 4 s, but that half
+  //   overlaps the first; the two that meet at op 2 give 5 s;
+  // - op 6 uses A and B (80 B): of C, D and E (100 B, next used at op 8) 80 B are read after op
+  //   6 ends and before op 8 starts (8 s against op 7: 7 s).
+  // 12 s in all. The windows alone give 7 s (the read), and the half from op 0 on with them 11 s,
+  // what the bound took while it tried each half only anywhere and in the gaps between windows.
+  const trace::Trace t = hand_trace(11, {{50, false, {5, 6}},
+                                         {30, false, {2, 3, 6}},
+                                         {40, false, {2, 8, 9}},
+                                         {30, false, {0, 8}},
+                                         {30, false, {2, 3, 8}}});
+  const Hardware hw = simple_hw(100, 10);
+  const StallBound full = stall_lower_bound(t, hw);
+  EXPECT_NEAR(full.stall_seconds, 12.0, 1e-9);
+  ASSERT_EQ(full.windows.size(), 3u);
+  expect_window(full.windows[0], 0, 1, 0.0, 30.0);
+  expect_window(full.windows[1], 2, 4, 0.0, 50.0);
+  expect_window(full.windows[2], 6, 7, 80.0, 0.0);
+  expect_plan_respects(t, hw, full);
+  EXPECT_NEAR(windows_part(t, hw).stall_seconds, 7.0, 1e-9);
+}
+
 TEST(StallBound, ReadsOfTheWholeIterationChainTheWindows) {
   // Three persistent tensors of 100 B used in turn every fourth op, A B C A B C over 24 ops, with
   // 100 B of device memory and 10 B/s: an op's own tensor fills the memory, so none stays
