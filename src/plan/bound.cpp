@@ -714,58 +714,54 @@ std::vector<Half> halves(const trace::Trace& trace, const trace::LifetimeAnalysi
               [](const Item& x, const Item& y) { return x.born > y.born; });
     std::sort(items.begin(), items.end(),
               [](const Item& x, const Item& y) { return x.next < y.next; });
-    // The write halves (i, p] in the order of i, latest first, each with the best of those up
-    // to it: best_write(lo) is the write half with the most stall and i >= lo.
-    std::vector<OpIndex> w_at;
-    std::vector<Half> w_best;
-    {
-      Half best{0, 0, true, 0, 0, 0};
-      double a = base;
-      for (std::size_t q = 0; q < by_born.size(); ++q) {
-        const OpIndex i = by_born[q].born;
-        if (i == kNever || i <= -n) break;
-        a += by_born[q].bytes;
-        if (q + 1 < by_born.size() && by_born[q + 1].born == i) continue;
-        const double c = compute(i + 1, p);
-        const double stall = seconds(a, rates.write, rates.ssd_write) - c;
-        if (stall > best.stall) best = {i, p, true, a, c, stall};
-        w_at.push_back(i);
-        w_best.push_back(best);
+    // The halves of one kind at p in the order of their far op (a write half (i, p]: i, latest
+    // first; a read half (p, j]: j, earliest first), each with the best of those up to it, so
+    // that the best within a limit is one binary search.
+    struct BestSoFar {
+      std::vector<OpIndex> far;
+      std::vector<Half> best;
+    };
+    const auto sweep = [&](const std::vector<Item>& sorted, bool write) {
+      const auto far_of = [&](const Item& x) { return write ? x.born : x.next; };
+      BestSoFar s;
+      Half best{write ? 0 : p, write ? 0 : p, write, 0, 0, 0};
+      double bytes = base;
+      for (std::size_t q = 0; q < sorted.size(); ++q) {
+        const OpIndex e = far_of(sorted[q]);
+        if (write ? e <= -n : e >= n) break;  // made before the iteration before (kNever too)
+        bytes += sorted[q].bytes;
+        if (q + 1 < sorted.size() && far_of(sorted[q + 1]) == e) continue;
+        const double c = write ? compute(e + 1, p) : compute(p + 1, e);
+        const double stall = write ? seconds(bytes, rates.write, rates.ssd_write) - c
+                                   : seconds(bytes, rates.read, rates.ssd_read) - c;
+        if (stall > best.stall) {
+          best = write ? Half{e, p, true, bytes, c, stall} : Half{p, e, false, bytes, c, stall};
+        }
+        s.far.push_back(e);
+        s.best.push_back(best);
       }
-    }
+      return s;
+    };
+    const BestSoFar writes_at = sweep(by_born, true);
+    const BestSoFar reads_at = sweep(items, false);
+    // The best of the first halves of s whose far op passes `within`.
+    const auto best_of = [](const BestSoFar& s, const auto& within) {
+      const auto k = std::partition_point(s.far.begin(), s.far.end(), within) - s.far.begin();
+      return k == 0 ? Half{} : s.best[static_cast<std::size_t>(k - 1)];
+    };
+    // The write half with the most stall and i >= lo; the read half with the most and j <= hi.
     const auto best_write = [&](OpIndex lo) {
-      const auto k =
-          std::partition_point(w_at.begin(), w_at.end(), [&](OpIndex i) { return i >= lo; }) -
-          w_at.begin();
-      return k == 0 ? Half{} : w_best[static_cast<std::size_t>(k - 1)];
+      return best_of(writes_at, [&](OpIndex i) { return i >= lo; });
     };
-    // The read halves (p, j] likewise, in the order of j: best_read(hi) has j <= hi.
-    std::vector<OpIndex> r_at;
-    std::vector<Half> r_best;
-    {
-      Half best{p, p, false, 0, 0, 0};
-      double r = base;
-      for (std::size_t q = 0; q < items.size(); ++q) {
-        const OpIndex j = items[q].next;
-        if (j >= n) break;
-        r += items[q].bytes;
-        if (q + 1 < items.size() && items[q + 1].next == j) continue;
-        const double c = compute(p + 1, j);
-        const double stall = seconds(r, rates.read, rates.ssd_read) - c;
-        if (stall > best.stall) best = {p, j, false, r, c, stall};
-        r_at.push_back(j);
-        r_best.push_back(best);
-      }
-    }
     const auto best_read = [&](OpIndex hi) {
-      const auto k =
-          std::partition_point(r_at.begin(), r_at.end(), [&](OpIndex j) { return j <= hi; }) -
-          r_at.begin();
-      return k == 0 ? Half{} : r_best[static_cast<std::size_t>(k - 1)];
+      return best_of(reads_at, [&](OpIndex j) { return j <= hi; });
     };
+    // A write half ends at p and a read half starts there: only this pivot's can be the same.
+    const std::size_t mine = out.size();
     const auto put = [&](const Half& h) {
       if (h.stall <= 0) return;
-      for (const Half& o : out) {
+      for (std::size_t q = mine; q < out.size(); ++q) {
+        const Half& o = out[q];
         if (o.write == h.write && o.from == h.from && o.to == h.to) return;
       }
       out.push_back(h);
