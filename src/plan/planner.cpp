@@ -226,7 +226,11 @@ class Planner {
       rates_[Channel::kHostWrite] = rates_[Channel::kHostRead] = 0;
     }
     op_seconds_.resize(ops());
-    for (int k = 0; k < n_; ++k) at(op_seconds_, k) = tr_.op_seconds(static_cast<std::size_t>(k));
+    seconds_before_.assign(ops() + 1, 0.0);
+    for (int k = 0; k < n_; ++k) {
+      at(op_seconds_, k) = tr_.op_seconds(static_cast<std::size_t>(k));
+      at(seconds_before_, k + 1) = at(seconds_before_, k) + at(op_seconds_, k);
+    }
     for (Channel c : kChannels) {  // buckets_ in Channel order
       std::vector<double> cap(ops());
       for (int k = 0; k < n_; ++k) at(cap, k) = rates_[c] * at(op_seconds_, k);
@@ -262,16 +266,12 @@ class Planner {
   // shortest (in compute time) first, while the promises fit in 1.25x host memory at every op.
   void promise_host() {
     if (!rates_.usable(Target::kHost)) return;
-    std::vector<double> prefix(ops() + 1, 0.0);
-    for (int k = 0; k < n_; ++k) at(prefix, k + 1) = at(prefix, k) + at(op_seconds_, k);
     std::vector<std::pair<double, int>> order;
     for (std::size_t i = 0; i < candidates_.size(); ++i) {
       Candidate& c = candidates_[i];
       c.host_ok = false;
       if (over_time(c, 0, c.len - 1) <= 0) continue;
-      double seconds = 0;
-      for_each_segment(c, 0, c.len - 1,
-                       [&](const Segment& g) { seconds += at(prefix, g.r + 1) - at(prefix, g.l); });
+      double seconds = period_seconds(c);
       // A later period of an unchanged tensor saves only a read on the SSDs, whose copy of the
       // version stays (clean copies): half the SSD traffic per byte-second of host memory.
       if (clean_copies() && !is_first_of_version(c)) seconds *= 2;
@@ -305,8 +305,6 @@ class Planner {
   void admit_ssd(const trace::LifetimeAnalysis& la) {
     if (!rates_.usable(Target::kHost)) return;
     constexpr double kSsdCover = 3.0;
-    std::vector<double> prefix(ops() + 1, 0.0);
-    for (int k = 0; k < n_; ++k) at(prefix, k + 1) = at(prefix, k) + at(op_seconds_, k);
     std::vector<std::int64_t> need(ops());
     for (int k = 0; k < n_; ++k) {
       const auto v = static_cast<std::int64_t>(at(la.live_bytes, k)) - target_ -
@@ -318,9 +316,7 @@ class Planner {
     for (std::size_t i = 0; i < candidates_.size(); ++i) {
       Candidate& c = candidates_[i];
       c.ssd_ok = false;
-      double seconds = 0;
-      for_each_segment(c, 0, c.len - 1,
-                       [&](const Segment& g) { seconds += at(prefix, g.r + 1) - at(prefix, g.l); });
+      const double seconds = period_seconds(c);
       order.emplace_back(-seconds, static_cast<int>(i));
     }
     std::sort(order.begin(), order.end());
@@ -438,6 +434,15 @@ class Planner {
     Segment s[2];
     const int ns = segments(c, p0, p1, s);
     for (int i = 0; i < ns; ++i) fn(s[i]);
+  }
+
+  // The compute time of c's inactive period.
+  [[nodiscard]] double period_seconds(const Candidate& c) const {
+    double seconds = 0;
+    for_each_segment(c, 0, c.len - 1, [&](const Segment& g) {
+      seconds += at(seconds_before_, g.r + 1) - at(seconds_before_, g.l);
+    });
+    return seconds;
   }
 
   [[nodiscard]] double bucket_sum(const BucketTree& t, const Candidate& c, int p0, int p1) const {
@@ -569,7 +574,9 @@ class Planner {
 
   // ---- choosing and committing migrations ----------------------------------------------------
 
-  Choice evaluate_target(const Candidate& c, Target target) {
+  // With `ahead` false, c's own transfers only (a period that writes ahead for another writes
+  // for itself).
+  Choice evaluate_target(const Candidate& c, Target target, bool ahead = true) {
     Choice ch;
     if (!rates_.usable(target)) return ch;
     if (target == Target::kHost && !c.host_ok) return ch;
@@ -590,19 +597,37 @@ class Planner {
       ch.score = over_time(c, end + 1, start - 1);
       ch.clean = clean;
     }
-    if (!clean && clean_copies() && in_.write_ahead) write_ahead(c, target, start, ch);
+    if (ahead && !clean && clean_copies() && in_.write_ahead) write_ahead(c, target, start, ch);
     return ch;
   }
 
-  // The write of c moved ahead (PlannerInternals::write_ahead): the first period of c's version,
-  // not planned, is planned too (its transfers in its own buckets), and c then leaves with no
-  // write from its first op. Taken where that frees more of c's period over the target.
+  // The write of c moved ahead (PlannerInternals::write_ahead): where no earlier period of c's
+  // version is planned, the longest of them in compute time whose transfers fit in its own
+  // buckets is planned too, and c then leaves with no write from its first op. Taken where that
+  // frees more of c's period over the target. Before session 23 only the version's first period
+  // was tried: a parameter that fits in device memory through micro-batch 0 was then written in
+  // micro-batch 1's forward pass beside its activations where the optimizer step had no room
+  // for its write (Llama3-8B b32 fp32, one SSD, no host memory: 4.9 of the 31 GiB that forward
+  // pass wrote); now it is written in a period of micro-batch 0 (docs/simulator.md, step 9).
   void write_ahead(const Candidate& c, Target target, int start, Choice& ch) {
-    const int e = first_period(c);
-    if (e < 0) return;
     const double score = over_time(c, 0, start - 1);
     if (ch.ok && score < ch.score) return;
-    if (!evaluate_target(at(candidates_, e), target).ok) return;
+    int e = -1;
+    double longest = -1;
+    bool planned = false;
+    for_each_earlier(c, [&](int j) { planned = planned || at(candidates_, j).done; });
+    if (planned) return;
+    for_each_earlier(c, [&](int j) {
+      const double seconds = period_seconds(at(candidates_, j));
+      const bool longer =
+          seconds > longest ||
+          (seconds == longest && e >= 0 && at(candidates_, j).after > at(candidates_, e).after);
+      if (longer && evaluate_target(at(candidates_, j), target, false).ok) {
+        e = j;
+        longest = seconds;
+      }
+    });
+    if (e < 0) return;
     ch.ok = true;
     ch.target = target;
     ch.offload_end = -1;
@@ -828,18 +853,6 @@ class Planner {
     return first;
   }
 
-  // The earliest period of c's version before c, if none of the version's periods before c is
-  // planned (-1: none).
-  [[nodiscard]] int first_period(const Candidate& c) const {
-    int first = -1;
-    bool planned = false;
-    for_each_earlier(c, [&](int j) {
-      planned = planned || at(candidates_, j).done;
-      if (first < 0 || at(candidates_, j).after < at(candidates_, first).after) first = j;
-    });
-    return planned ? -1 : first;
-  }
-
   // The target whose channels free more over-target time for this period; on a tie the SSDs
   // (host memory is the scarcer resource), or host memory with options.prefer_host (fewer SSD
   // writes); SSD alone when host memory is off or full. Taking SSD
@@ -948,7 +961,7 @@ class Planner {
   void commit(Plan& plan, Candidate& c, const Choice& ch) {
     if (ch.via >= 0) {  // the period that writes the version first
       Candidate& e = at(candidates_, ch.via);
-      const Choice first = evaluate_target(e, ch.target);
+      const Choice first = evaluate_target(e, ch.target, false);
       TIDAL_EXPECT(first.ok && !first.clean && first.via < 0,
                    "planner: the period that writes ahead no longer fits; this is a bug");
       commit(plan, e, first);
@@ -1557,7 +1570,8 @@ class Planner {
   std::int64_t target_ = 0;  // bytes of device memory the plan may use
   ChannelRates rates_;
   std::vector<double> op_seconds_;
-  std::vector<BucketTree> buckets_;  // remaining capacity per op, one per Channel (index_of)
+  std::vector<double> seconds_before_;  // compute time of ops 0..k-1
+  std::vector<BucketTree> buckets_;     // remaining capacity per op, one per Channel (index_of)
   std::vector<Candidate> candidates_;
   std::vector<std::vector<OpIndex>> writes_;  // per tensor, the ops that modify it, in order
   std::vector<std::vector<int>> periods_of_;  // per tensor, its candidates

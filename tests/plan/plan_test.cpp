@@ -743,6 +743,37 @@ TEST(Planner, WritesAheadWhereAWriteWouldKeepATensorOverTheTarget) {
   EXPECT_GT(simulate(t, &q, hw).stall_seconds, 0.5);
 }
 
+TEST(Planner, WritesAheadInALaterPeriodWhereTheFirstHasNoTimeForIt) {
+  // P (100 B) is modified at op 0 and used at ops 4, 9 and 15; X (100 B, ops 11..13) leaves
+  // room for one of them with 150 B. Written after op 9 at 50 B/s, P would stay over op 11. Its
+  // first period (ops 1..3, 0.1 s each) can write 15 B, too little to write it ahead; its second
+  // (ops 5..8) writes it in ops 5..6 and reads it in op 8 at 200 B/s, and P leaves after op 9
+  // with no write: no stall (a parameter written in micro-batch 0 where the optimizer step has
+  // no room for its write).
+  trace::Trace t = hand_trace(16, {{100, true, {0, 4, 9, 15}}, {100, false, {11, 13}}});
+  t.ops[0].outputs.push_back(0);
+  double clock = 0;
+  for (trace::Op& op : t.ops) {
+    const double len = op.index >= 1 && op.index <= 3 ? 0.1 : 1.0;
+    op.start_s = clock;
+    op.end_s = clock += len;
+  }
+  trace::validate(t);
+  const Hardware hw = write_scarce_hw();
+  const Plan p = expect_one_write_two_reads(t, hw);
+  // P leaves after its uses at ops 4 and 9, and not after op 0.
+  std::vector<OpIndex> offloads;
+  for (const PlanAction& a : p.actions) {
+    if (a.tensor == 0 && a.kind == ActionKind::kOffload) offloads.push_back(a.trigger);
+  }
+  std::sort(offloads.begin(), offloads.end());
+  EXPECT_EQ(offloads, (std::vector<OpIndex>{4, 9}));
+  detail::PlannerInternals no_ahead;
+  no_ahead.write_ahead = false;
+  const Plan q = detail::make_plan_with(t, hw, PlannerOptions{}, no_ahead);
+  EXPECT_GT(simulate(t, &q, hw).stall_seconds, 0.5);
+}
+
 TEST(Simulator, EachTierKeepsItsCopyUntilTheTensorChanges) {
   // P goes to the SSDs over ops 1..7, to host memory over ops 9..11 and to the SSDs again over
   // the wrap (ops 13..); op 0 changes it. Only the first two offloads write: the host copy does
