@@ -603,11 +603,11 @@ class Planner {
 
   // The write of c moved ahead (PlannerInternals::write_ahead): where no earlier period of c's
   // version is planned, the longest of them in compute time whose transfers fit in its own
-  // buckets is planned too, and c then leaves with no write from its first op. Taken where that
-  // frees more of c's period over the target. Before session 23 only the version's first period
-  // was tried: a parameter that fits in device memory through micro-batch 0 was then written in
-  // micro-batch 1's forward pass beside its activations where the optimizer step had no room
-  // for its write (Llama3-8B b32 fp32, one SSD, no host memory: 4.9 of the 31 GiB that forward
+  // buckets (the later on a tie) is planned too, and c then leaves with no write from its first op.
+  // Taken where that frees more of c's period over the target. Before session 23 only the version's
+  // first period was tried: a parameter that fits in device memory through micro-batch 0 was then
+  // written in micro-batch 1's forward pass beside its activations where the optimizer step had no
+  // room for its write (Llama3-8B b32 fp32, one SSD, no host memory: 4.9 of the 31 GiB that forward
   // pass wrote); now it is written in a period of micro-batch 0 (docs/simulator.md, step 9).
   void write_ahead(const Candidate& c, Target target, int start, Choice& ch) {
     const double score = over_time(c, 0, start - 1);

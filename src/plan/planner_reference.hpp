@@ -59,7 +59,8 @@ struct PlannerInternals {
   /// false: every offload books its write, as before session 16.
   bool clean_copies = true;
   /// With clean_copies: where a period's write would keep it in device memory over ops above
-  /// the target, the version's first period (not planned) is planned too, so that the write
+  /// the target, an earlier period of the version (none of them planned; the longest in compute
+  /// time whose transfers fit, before session 23 the first) is planned too, so that the write
   /// runs there and the period leaves at once with no write.
   bool write_ahead = true;
   /// Where the machine makes the second and third host-memory ways possible, they start beside
