@@ -84,13 +84,17 @@ with open(out, "w") as f:
             j = json.loads(p.stdout.strip().splitlines()[-1])
             t = j["policies"]["tidal"]
             lb = j["lower_bound"]
+            # No bound (null) where an op needs more than device memory by itself: no plan fits.
+            bound = lb["fraction_of_ideal"]
             row.update(ideal_seconds=j["compute_seconds"], tidal=t["fraction_of_ideal"],
-                       fits=t["fits"], bound=lb["fraction_of_ideal"],
-                       of_bound=t["fraction_of_ideal"] / lb["fraction_of_ideal"],
+                       fits=t["fits"], bound=bound,
+                       of_bound=t["fraction_of_ideal"] / bound if bound is not None else None,
                        planning_seconds=t.get("planning_seconds", 0.0),
                        order=j.get("micro_batch_order", "sequential"))
-            # No plan that fits may beat the bound (1e-6 of slack for the sums' order).
-            if t["fits"] and t["iteration_seconds"] < lb["iteration_seconds"] * (1 - 1e-6):
+            # No plan that fits may beat the bound (1e-6 of slack for the sums' order), nor fit
+            # where the bound says none does.
+            if t["fits"] and (bound is None or
+                              t["iteration_seconds"] < lb["iteration_seconds"] * (1 - 1e-6)):
                 bad.append(row)
             if lp_py and t["fits"] and row["of_bound"] < 0.95:
                 p = subprocess.run([lp_py, lp_script, "--segments", lp_segments, "--simulate"] + cmd,
@@ -107,16 +111,22 @@ with open(out, "w") as f:
                         bad.append(row)
         rows.append(row)
         f.write(json.dumps(row) + "\n")
-        print(f"shape {i}: " + (row.get("error") or
-              f"tidal {100 * row['tidal']:.1f}%, bound {100 * row['bound']:.1f}%, "
-              f"{row['of_bound']:.3f} of the bound{'' if row['fits'] else ' (no fit)'}"),
-              file=sys.stderr)
+        if row.get("error"):
+            said = row["error"]
+        elif row["bound"] is None:
+            said = f"no plan fits (op {lb['no_fit_op']} needs more than device memory by itself)"
+        else:
+            said = (f"tidal {100 * row['tidal']:.1f}%, bound {100 * row['bound']:.1f}%, "
+                    f"{row['of_bound']:.3f} of the bound{'' if row['fits'] else ' (no fit)'}")
+        print(f"shape {i}: {said}", file=sys.stderr)
 
 ok = [r for r in rows if "error" not in r and r["fits"]]
 errors = [r for r in rows if "error" in r]
+no_fit = [r for r in rows if "error" not in r and r["bound"] is None]
 print(f"{len(rows)} shapes (seed {seed}, micro-batch order {order}): {len(ok)} planned and fit, "
-      f"{len(rows) - len(ok) - len(errors)} planned but do not fit, {len(errors)} refused "
-      "(the active tensors of an op exceed device memory, or another error)")
+      f"{len(no_fit)} that no plan fits (an op needs more than device memory by itself), "
+      f"{len(rows) - len(ok) - len(errors) - len(no_fit)} planned but do not fit, "
+      f"{len(errors)} refused (an error)")
 if ok:
     if lp_py:
         tight = [r for r in ok if "lp_bound" in r]

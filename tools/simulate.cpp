@@ -24,6 +24,7 @@
 #include "tidal/plan/profiling_phase.hpp"
 #include "tidal/plan/simulator.hpp"
 #include "tidal/trace/io.hpp"
+#include "tidal/trace/lifetime.hpp"
 #include "trace_source.hpp"
 
 namespace tidal::plan {
@@ -62,6 +63,20 @@ std::string pct(double x) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%.1f%%", 100 * x);
   return buf;
+}
+
+// The bound as JSON: its iteration, stall and fraction of `compute`; where no plan fits, those
+// are null and "no_fit_op" names the op that needs more than device memory by itself.
+nlohmann::json bound_json(const plan::StallBound& b, double compute) {
+  if (b.no_fit_op >= 0) {
+    return {{"iteration_seconds", nullptr},
+            {"stall_seconds", nullptr},
+            {"fraction_of_ideal", nullptr},
+            {"no_fit_op", b.no_fit_op}};
+  }
+  return {{"iteration_seconds", b.iteration_seconds},
+          {"stall_seconds", b.stall_seconds},
+          {"fraction_of_ideal", compute / b.iteration_seconds}};
 }
 
 // --per-op: tidal's plan op by op, replayed once more with the residency recorded: each op's
@@ -274,11 +289,12 @@ void run_simulate(const SimulateArgs& a) {
     std::printf("micro-batch order: auto chose %s for tidal (", choice->best().order.c_str());
     for (std::size_t i = 0; i < choice->candidates.size(); ++i) {
       const plan::OrderCandidate& c = choice->candidates[i];
-      std::printf("%s%s %s, %s of ideal, bound %s%s", i > 0 ? "; " : "", c.order.c_str(),
-                  format_seconds(c.tidal.sim.iteration_seconds).c_str(),
-                  pct(c.tidal.fraction_of_ideal).c_str(),
-                  format_seconds(c.bound.iteration_seconds).c_str(),
-                  c.tidal.fits ? "" : ", does not fit");
+      std::printf(
+          "%s%s %s, %s of ideal, bound %s%s", i > 0 ? "; " : "", c.order.c_str(),
+          format_seconds(c.tidal.sim.iteration_seconds).c_str(),
+          pct(c.tidal.fraction_of_ideal).c_str(),
+          c.bound.no_fit_op >= 0 ? "none" : format_seconds(c.bound.iteration_seconds).c_str(),
+          c.tidal.fits ? "" : ", does not fit");
     }
     std::printf("); the other policies on the sequential order\n");
   } else if (const auto it = tr.meta.find("micro_batch_order"); it != tr.meta.end()) {
@@ -305,12 +321,24 @@ void run_simulate(const SimulateArgs& a) {
                                    ? "either micro-batch order (the " +
                                          choice->candidates[choice->bound_from].order + " order's)"
                                    : "this trace";
-  std::printf(
-      "\nlower bound for any plan on %s: %s iteration (%s of ideal at best), stall >= "
-      "%s\n",
-      bound_of.c_str(), format_seconds(bound.iteration_seconds).c_str(),
-      pct(ideal_seconds / bound.iteration_seconds).c_str(),
-      format_seconds(bound.stall_seconds).c_str());
+  if (bound.no_fit_op >= 0) {
+    const trace::Op& op = bound_trace.ops[static_cast<std::size_t>(bound.no_fit_op)];
+    const trace::LifetimeAnalysis la = trace::analyze_lifetimes(bound_trace);
+    std::printf(
+        "\nno lower bound: no plan fits this trace, as op %d '%s' (%s) uses %s by itself, more "
+        "than device memory (%s)\n",
+        op.index, op.name.c_str(), trace::to_string(op.phase),
+        format_bytes(static_cast<double>(la.active_bytes[static_cast<std::size_t>(op.index)]))
+            .c_str(),
+        format_bytes(static_cast<double>(hw.device_memory)).c_str());
+  } else {
+    std::printf(
+        "\nlower bound for any plan on %s: %s iteration (%s of ideal at best), stall >= "
+        "%s\n",
+        bound_of.c_str(), format_seconds(bound.iteration_seconds).c_str(),
+        pct(ideal_seconds / bound.iteration_seconds).c_str(),
+        format_seconds(bound.stall_seconds).c_str());
+  }
   for (const auto& w : bound.windows) {
     const auto& first = bound_trace.ops[static_cast<std::size_t>(w.first)];
     const auto& last = bound_trace.ops[static_cast<std::size_t>(w.last)];
@@ -397,17 +425,13 @@ void run_simulate(const SimulateArgs& a) {
       // Both orders' tidal plans and bounds; "lower_bound" below is the lower of the two.
       nlohmann::json orders = nlohmann::json::object();
       for (const auto& c : choice->candidates) {
-        orders[c.order] = {
-            {"iteration_seconds", c.tidal.sim.iteration_seconds},
-            {"fraction_of_ideal", c.tidal.fraction_of_ideal},
-            {"fits", c.tidal.fits},
-            {"planning_seconds", c.tidal.planning_seconds},
-            {"ssd_bytes_written", c.tidal.sim.ssd_bytes_written},
-            {"ssd_bytes_read", c.tidal.sim.ssd_bytes_read},
-            {"lower_bound",
-             {{"iteration_seconds", c.bound.iteration_seconds},
-              {"stall_seconds", c.bound.stall_seconds},
-              {"fraction_of_ideal", c.tidal.sim.compute_seconds / c.bound.iteration_seconds}}}};
+        orders[c.order] = {{"iteration_seconds", c.tidal.sim.iteration_seconds},
+                           {"fraction_of_ideal", c.tidal.fraction_of_ideal},
+                           {"fits", c.tidal.fits},
+                           {"planning_seconds", c.tidal.planning_seconds},
+                           {"ssd_bytes_written", c.tidal.sim.ssd_bytes_written},
+                           {"ssd_bytes_read", c.tidal.sim.ssd_bytes_read},
+                           {"lower_bound", bound_json(c.bound, c.tidal.sim.compute_seconds)}};
       }
       j["micro_batch_order_requested"] = "auto";
       j["micro_batch_orders"] = orders;
@@ -419,9 +443,7 @@ void run_simulate(const SimulateArgs& a) {
     j["capacity_bytes"] = hw.device_memory;
     j["trace_peak_bytes"] = trace_peak;
     j["compute_seconds"] = tr.compute_seconds();
-    j["lower_bound"] = {{"iteration_seconds", bound.iteration_seconds},
-                        {"stall_seconds", bound.stall_seconds},
-                        {"fraction_of_ideal", ideal_seconds / bound.iteration_seconds}};
+    j["lower_bound"] = bound_json(bound, ideal_seconds);
     if (choice)
       j["lower_bound"]["micro_batch_order"] = choice->candidates[choice->bound_from].order;
     // Wall time of this command's stages on this machine: the policies (planning and

@@ -895,6 +895,18 @@ namespace detail {
 StallBound stall_lower_bound_and_windows(const trace::Trace& trace, const Hardware& hw,
                                          const std::function<void(double)>& progress,
                                          StallBound* one_iteration, StallBound* windows) {
+  const trace::LifetimeAnalysis la = trace::analyze_lifetimes(trace);
+  // An op that needs more than device memory by itself: no plan fits, and nothing bounds it.
+  const auto most = std::max_element(la.active_bytes.begin(), la.active_bytes.end());
+  if (most != la.active_bytes.end() && *most > hw.device_memory) {
+    StallBound none;
+    none.no_fit_op = static_cast<OpIndex>(most - la.active_bytes.begin());
+    none.iteration_seconds = trace.compute_seconds();
+    if (one_iteration != nullptr) *one_iteration = none;
+    if (windows != nullptr) *windows = none;
+    if (progress) progress(1.0);
+    return none;
+  }
   StallBound b = stall_lower_bound_by_windows(trace, hw, progress);
   if (one_iteration != nullptr) *one_iteration = b;
   // Windows over the iteration's end: in a periodic schedule (each iteration plans and runs as
@@ -924,7 +936,6 @@ StallBound stall_lower_bound_and_windows(const trace::Trace& trace, const Hardwa
   }
   // The whole iteration as one window, with the reads no plan avoids (the packing term): where
   // it is longer than the windows' sum, it is the bound.
-  const trace::LifetimeAnalysis la = trace::analyze_lifetimes(trace);
   if (n > 0) {
     const ChannelRates ch = hw.channels();
     const bool host = hw.host_memory > 0 && ch[Channel::kHostRead] > 0;

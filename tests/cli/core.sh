@@ -93,6 +93,33 @@ else
   fail "simulate --micro-batch-order auto's JSON" "$(cat "$tmp/auto.err") $out"
 fi
 
+# A trace no plan fits (gpt2-small's logits, 8x512x50257 fp32, need more than 200 MB by
+# themselves): no bound is given, in the text and as nulls in --json.
+nofit=(simulate --model gpt2-small --layers 2 --batch 8 --seq 512 --gpu-mem 200MB --policy ideal,tidal
+  --profile-steps 0)
+out=$("$tidal" "${nofit[@]}" 2>&1)
+if grep -q "no lower bound: no plan fits this trace, as op" <<<"$out" &&
+  ! grep -q "lower bound for any plan" <<<"$out"; then
+  echo "ok   simulate where no plan fits: no lower bound"
+else
+  fail "simulate where no plan fits: the bound" "$out"
+fi
+out=$("$tidal" "${nofit[@]}" --json 2>&1 | tail -n 1)
+if ! command -v python3 >/dev/null; then
+  echo "skip the no-fit JSON: no python3 here"
+elif python3 -c '
+import json, sys
+j = json.loads(sys.argv[1])
+lb = j["lower_bound"]
+assert lb["iteration_seconds"] is None and lb["fraction_of_ideal"] is None, lb
+assert isinstance(lb["no_fit_op"], int) and lb["no_fit_op"] >= 0, lb
+assert not j["policies"]["tidal"]["fits"]
+' "$out" 2>"$tmp/nofit.err"; then
+  echo "ok   simulate --json where no plan fits: the bound is null, with the op"
+else
+  fail "simulate --json where no plan fits" "$(cat "$tmp/nofit.err") $out"
+fi
+
 # --save-trace and --per-op: the saved trace replays to the same plan and iteration, and the
 # per-op table has a row per op whose stalls add up to the iteration's and whose memory stays
 # within the device memory; --per-op without tidal's plan says so.

@@ -1549,6 +1549,21 @@ TEST(StallBound, ReadWindowOfTwoAlternatingTensors) {
   expect_plan_respects(t, hw, full);
 }
 
+TEST(StallBound, NoneWhereAnOpNeedsMoreThanDeviceMemory) {
+  // Op 3 uses A (100 B) and B (80 B): 180 B by itself, over 150 B of device memory, so no plan
+  // fits and nothing bounds its stall; the planner refuses it. With 180 B there is a bound.
+  const trace::Trace t = hand_trace(6, {{100, true, {1, 3}}, {80, false, {3, 4}}});
+  const StallBound b = stall_lower_bound(t, simple_hw(150, 10));
+  EXPECT_EQ(b.no_fit_op, 3);
+  EXPECT_EQ(b.stall_seconds, 0);
+  EXPECT_NEAR(b.iteration_seconds, t.compute_seconds(), 1e-12);
+  EXPECT_TRUE(b.windows.empty());
+  EXPECT_THROW(make_plan(t, simple_hw(150, 10)), InvalidArgument);
+  const Hardware fits = simple_hw(180, 10);
+  EXPECT_EQ(stall_lower_bound(t, fits).no_fit_op, -1);
+  EXPECT_NO_THROW(make_plan(t, fits));
+}
+
 TEST(StallBound, AWindowOverTheIterationsEnd) {
   // P (100 B, persistent, like an optimizer state) is changed by op 7, the iteration's last;
   // A (100 B) is made by op 1 and used by op 3. 100 B of device memory and 10 B/s: A needs all
@@ -2013,6 +2028,7 @@ TEST(PlannerFuzz, NoPlanThatFitsBeatsTheStallBound) {
   int by_reads = 0;
   int by_halves = 0;
   int wrapping = 0;
+  int no_fit = 0;
   const auto link = [](std::uint64_t seed) {
     return seed % 4 < 2 ? FuzzLink::kPerSsd : FuzzLink::kPerArray;
   };
@@ -2020,6 +2036,15 @@ TEST(PlannerFuzz, NoPlanThatFitsBeatsTheStallBound) {
     const trace::Trace& t = fc.trace;
     const Hardware& hw = fc.hw;
     const StallBound b = stall_lower_bound(t, hw);
+    if (b.no_fit_op >= 0) {
+      // An op needs more than device memory by itself: no plan fits, and there is no bound.
+      EXPECT_GT(fc.lifetimes.active_bytes[static_cast<std::size_t>(b.no_fit_op)], hw.device_memory)
+          << "seed " << seed;
+      EXPECT_THROW(make_plan(t, hw), InvalidArgument) << "seed " << seed;
+      EXPECT_TRUE(b.windows.empty()) << "seed " << seed;
+      ++no_fit;
+      return;
+    }
     const double slack = 1e-6 * t.compute_seconds() + 1e-9;
     EXPECT_GE(b.stall_seconds, 0.0);
     EXPECT_NEAR(b.iteration_seconds, t.compute_seconds() + b.stall_seconds, slack);
@@ -2082,6 +2107,7 @@ TEST(PlannerFuzz, NoPlanThatFitsBeatsTheStallBound) {
   expect_count_above("by_reads", by_reads, 20);
   expect_count_above("by_halves", by_halves, 20);
   expect_count_above("wrapping", wrapping, 20);
+  expect_count_above("no_fit", no_fit, 20);
 }
 
 // The same on the deferred schedule's random traces, whose gradients live across the iteration

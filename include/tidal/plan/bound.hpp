@@ -29,6 +29,10 @@ struct StallBound {
   /// Disjoint windows whose stalls add up to stall_seconds, in op order from a cut of the
   /// iteration (at most one runs over its end).
   std::vector<StallWindow> windows;
+  /// The op whose own inputs and outputs exceed the device's capacity most (-1: none). Then no
+  /// plan fits and there is no bound: stall_seconds is 0, iteration_seconds the compute and
+  /// windows empty, and a report says so instead of giving them.
+  trace::OpIndex no_fit_op = -1;
 };
 
 /// The bound (docs/simulator.md, "Lower bound"). For a window of ops i..j with compute time T:
