@@ -47,7 +47,8 @@ for c in $cases; do
       j=$("$bin" "${args[@]}" | tail -n 1)
       lp="{}"
       if [ -n "$lp_py" ] && python3 -c 'import json, sys; r = json.loads(sys.argv[1])
-sys.exit(0 if r["policies"]["tidal"]["fraction_of_ideal"] < 0.95 * r["lower_bound"]["fraction_of_ideal"] else 1)' "$j"; then
+b = r["lower_bound"]["fraction_of_ideal"]
+sys.exit(0 if b is not None and r["policies"]["tidal"]["fraction_of_ideal"] < 0.95 * b else 1)' "$j"; then
         lp=$("$lp_py" "$(dirname "$0")/lp_bound.py" --segments "${TIDAL_LP_SEGMENTS:-48}" \
           --simulate "$bin" "${args[@]}")
       fi
@@ -90,15 +91,20 @@ for key in dict.fromkeys((r["model"], r["batch"], r["seq"]) for r in rows):
             r = next(x for x in mine if x["ssds"] == n and x["host"] == h)
             fit = "" if r["fits"] else " no fit"
             lm = " LM" if auto and r["order"] == "layer-major" else ""
+            if r["bound"] is None:  # an op needs more than device memory by itself
+                cells.append("no plan fits")
+                continue
             cells.append(f"{100 * r['tidal']:.1f}% ({100 * r['bound']:.1f}%){lm}{fit}")
         print(f"| {n} | " + " | ".join(cells) + " |")
-worst = min(r["tidal"] / r["bound"] for r in rows)
-at95 = sum(r["tidal"] / r["bound"] >= 0.95 for r in rows)
+bounded = [r for r in rows if r["bound"] is not None]
+worst = min((r["tidal"] / r["bound"] for r in bounded), default=float("nan"))
+at95 = sum(r["tidal"] / r["bound"] >= 0.95 for r in bounded)
 tight = [r for r in rows if "lp_bound" in r]
 if tight:
     print(f"\nthe LP bound ran on the {len(tight)} cells under 0.95 of the window bound "
           f"({sum(r['lp_bound'] < r['window_bound'] for r in tight)} of them tighter); the "
           "bracketed bound is the tighter of the two")
-print(f"\nlowest tidal / lower bound: {worst:.3f}; {at95} of {len(rows)} cells at or above 0.95; "
-      f"JSON lines in {sys.argv[1]}")
+print(f"\nlowest tidal / lower bound: {worst:.3f}; {at95} of {len(rows)} cells at or above 0.95"
+      + (f" ({len(rows) - len(bounded)} that no plan fits)" if len(bounded) < len(rows) else "")
+      + f"; JSON lines in {sys.argv[1]}")
 EOF
