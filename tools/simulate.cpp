@@ -24,7 +24,6 @@
 #include "tidal/plan/profiling_phase.hpp"
 #include "tidal/plan/simulator.hpp"
 #include "tidal/trace/io.hpp"
-#include "tidal/trace/lifetime.hpp"
 #include "trace_source.hpp"
 
 namespace tidal::plan {
@@ -323,13 +322,11 @@ void run_simulate(const SimulateArgs& a) {
                                    : "this trace";
   if (bound.no_fit_op >= 0) {
     const trace::Op& op = bound_trace.ops[static_cast<std::size_t>(bound.no_fit_op)];
-    const trace::LifetimeAnalysis la = trace::analyze_lifetimes(bound_trace);
     std::printf(
         "\nno lower bound: no plan fits this trace, as op %d '%s' (%s) uses %s by itself, more "
         "than device memory (%s)\n",
         op.index, op.name.c_str(), trace::to_string(op.phase),
-        format_bytes(static_cast<double>(la.active_bytes[static_cast<std::size_t>(op.index)]))
-            .c_str(),
+        format_bytes(static_cast<double>(bound.no_fit_bytes)).c_str(),
         format_bytes(static_cast<double>(hw.device_memory)).c_str());
   } else {
     std::printf(

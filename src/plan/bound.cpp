@@ -901,6 +901,7 @@ StallBound stall_lower_bound_and_windows(const trace::Trace& trace, const Hardwa
   if (most != la.active_bytes.end() && *most > hw.device_memory) {
     StallBound none;
     none.no_fit_op = static_cast<OpIndex>(most - la.active_bytes.begin());
+    none.no_fit_bytes = *most;
     none.iteration_seconds = trace.compute_seconds();
     if (one_iteration != nullptr) *one_iteration = none;
     if (windows != nullptr) *windows = none;

@@ -1555,6 +1555,7 @@ TEST(StallBound, NoneWhereAnOpNeedsMoreThanDeviceMemory) {
   const trace::Trace t = hand_trace(6, {{100, true, {1, 3}}, {80, false, {3, 4}}});
   const StallBound b = stall_lower_bound(t, simple_hw(150, 10));
   EXPECT_EQ(b.no_fit_op, 3);
+  EXPECT_EQ(b.no_fit_bytes, 180u);
   EXPECT_EQ(b.stall_seconds, 0);
   EXPECT_NEAR(b.iteration_seconds, t.compute_seconds(), 1e-12);
   EXPECT_TRUE(b.windows.empty());

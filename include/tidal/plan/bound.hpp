@@ -2,6 +2,7 @@
 // planner can beat, so that "x% of ideal" can be read against what is possible. Torch-free.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <vector>
 
@@ -33,6 +34,7 @@ struct StallBound {
   /// plan fits and there is no bound: stall_seconds is 0, iteration_seconds the compute and
   /// windows empty, and a report says so instead of giving them.
   trace::OpIndex no_fit_op = -1;
+  std::uint64_t no_fit_bytes = 0;  ///< what that op uses by itself
 };
 
 /// The bound (docs/simulator.md, "Lower bound"). For a window of ops i..j with compute time T:
