@@ -4,7 +4,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -941,16 +940,10 @@ std::string Timeline::svg() const {
 void Timeline::write(const std::string& path) const {
   const bool svg_file = path.size() >= 4 && path.compare(path.size() - 4, 4, ".svg") == 0;
   const std::string text = svg_file ? svg() : chrome_json();
-  AtomicFile f(path);
+  // A picture or trace to share, not a secret: 0644 (AtomicFile sets it on the descriptor).
+  AtomicFile f(path, 0644);
   f.write(text.data(), text.size());
   f.commit();
-  // A picture or trace to share, not a secret (AtomicFile makes its files 0600).
-  std::error_code ignored;
-  std::filesystem::permissions(
-      path,
-      std::filesystem::perms::owner_read | std::filesystem::perms::owner_write |
-          std::filesystem::perms::group_read | std::filesystem::perms::others_read,
-      ignored);
 }
 
 }  // namespace tidal::plan

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/mount.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -130,8 +131,20 @@ TEST(AtomicFile, AFileSizeLimitRaisesIoErrorAndKeepsTheOldFile) {
   ::signal(SIGXFSZ, old_handler);
 }
 
-// A writer killed mid-write leaves <path>.tmp.<pid>; the next AtomicFile of the path removes it
-// once that pid is gone, and leaves the files of live processes and other names alone.
+// The temporary files in dir whose name starts `<name>.tmp.<pid>.`.
+std::vector<std::string> temps_of(const std::string& dir, const std::string& name, pid_t pid) {
+  const std::string prefix = name + ".tmp." + std::to_string(pid) + ".";
+  std::vector<std::string> found;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    if (e.path().filename().string().rfind(prefix, 0) == 0) found.push_back(e.path().string());
+  }
+  return found;
+}
+
+// A writer killed mid-write leaves <path>.tmp.<pid>.<random>; the next AtomicFile of the path
+// removes it once that pid is gone, and leaves the files of live processes, other users' kinds
+// of files (links) and other names alone. The name before the random part, <path>.tmp.<pid>,
+// is cleared too.
 TEST(AtomicFile, ANewWriterRemovesTemporaryFilesOfDeadWriters) {
   TestDir t;
   const std::string path = t.path() + "/ck.bin";
@@ -147,19 +160,92 @@ TEST(AtomicFile, ANewWriterRemovesTemporaryFilesOfDeadWriters) {
     }
     int status = 0;
     ASSERT_EQ(::waitpid(child, &status, 0), child);  // reaped: the pid no longer exists
-    dead.push_back(path + ".tmp." + std::to_string(child));
-    ASSERT_TRUE(std::filesystem::exists(dead.back()));
+    const auto left = temps_of(t.path(), "ck.bin", child);
+    ASSERT_EQ(left.size(), 1u);
+    dead.push_back(left.front());
+    if (i == 0) {  // the older name of a dead writer
+      dead.push_back(path + ".tmp." + std::to_string(child));
+      std::ofstream(dead.back()) << "half";
+    }
   }
-  // A writer alive now (pid 1 always is) and names that only look alike are not touched.
-  const std::vector<std::string> kept{path + ".tmp.1", path + ".tmp.x12", t.path() + "/other.tmp.7",
-                                      path + ".tmp."};
+  // A writer alive now (pid 1 always is), a link named like a dead writer's file, and names
+  // that only look alike are not touched.
+  const std::vector<std::string> kept{path + ".tmp.1",          path + ".tmp.1.aB3xZ9",
+                                      path + ".tmp.x12",        t.path() + "/other.tmp.7",
+                                      path + ".tmp.",           path + ".tmp.99999999.abc",
+                                      path + ".tmp.12.abcdef.x"};
   for (const auto& k : kept) std::ofstream(k) << "keep";
+  const std::string dead_link = path + ".tmp.2147483646.abcdef";  // no such pid
+  std::filesystem::create_symlink(path, dead_link);
   {
     AtomicFile f(path);
     for (const auto& d : dead) EXPECT_FALSE(std::filesystem::exists(d)) << d;
     for (const auto& k : kept) EXPECT_TRUE(std::filesystem::exists(k)) << k;
+    EXPECT_TRUE(std::filesystem::is_symlink(dead_link));
   }
   EXPECT_EQ(read_file(path), "previous checkpoint");
+}
+
+// Another user of a shared directory plants a symlink where the temporary file would be (the
+// old name, <path>.tmp.<pid>, was easy to guess) or at the final path: the write follows
+// neither. The victim keeps its bytes and its mode; the final path becomes our regular file
+// with the mode asked for, and a dangling link's target is never created.
+TEST(AtomicFile, APlantedSymlinkIsNeverFollowed) {
+  TestDir t;
+  const std::string victim = t.path() + "/victim";
+  std::ofstream(victim) << "secret";
+  ASSERT_EQ(::chmod(victim.c_str(), 0600), 0);
+  const std::string path = t.path() + "/run.json";
+  const std::string guessed = path + ".tmp." + std::to_string(::getpid());
+  std::filesystem::create_symlink(victim, guessed);
+  {
+    AtomicFile f(path, 0644);
+    f.write("timeline", 8);
+    f.commit();
+  }
+  EXPECT_EQ(read_file(victim), "secret");
+  struct stat st {};
+  ASSERT_EQ(::stat(victim.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+  ASSERT_EQ(::lstat(path.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode));
+  EXPECT_EQ(st.st_mode & 07777, 0644u);
+  EXPECT_EQ(read_file(path), "timeline");
+  EXPECT_TRUE(std::filesystem::is_symlink(guessed));  // not ours to remove, nor to write
+
+  // A dangling link at the guessable name: its target is never created.
+  const std::string missing = t.path() + "/created-through-link";
+  const std::string other = t.path() + "/other.json";
+  std::filesystem::create_symlink(missing, other + ".tmp." + std::to_string(::getpid()));
+  write_whole(other, "x");
+  EXPECT_FALSE(std::filesystem::exists(missing));
+
+  // A link at the final path is replaced by the rename, not written through.
+  const std::string linked = t.path() + "/linked.json";
+  std::filesystem::create_symlink(victim, linked);
+  write_whole(linked, "new");
+  EXPECT_FALSE(std::filesystem::is_symlink(linked));
+  EXPECT_EQ(read_file(linked), "new");
+  EXPECT_EQ(read_file(victim), "secret");
+  ASSERT_EQ(::lstat(linked.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0600u);  // the default: private
+}
+
+// Two writers of one path at once (two threads, or two processes that reuse a pid across
+// hosts) each have their own temporary file: neither truncates the other's, and the last
+// commit wins whole.
+TEST(AtomicFile, TwoWritersOfOnePathDoNotShareATemporaryFile) {
+  TestDir t;
+  const std::string path = t.path() + "/ck.bin";
+  AtomicFile a(path);
+  AtomicFile b(path);
+  a.write("first writer", 12);
+  b.write("second", 6);
+  a.commit();
+  EXPECT_EQ(read_file(path), "first writer");
+  b.commit();
+  EXPECT_EQ(read_file(path), "second");
+  EXPECT_TRUE(others(t.path(), "ck.bin").empty()) << others(t.path(), "ck.bin").front();
 }
 
 }  // namespace

@@ -4,6 +4,8 @@
 #include "tidal/plan/timeline.hpp"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -380,6 +382,37 @@ TEST(Timeline, SvgDrawsTheLastStepAndWritesAtomically) {
   std::stringstream text;
   text << svg_in.rdbuf();
   EXPECT_EQ(text.str(), svg);
+  std::filesystem::remove_all(dir);
+}
+
+// The file is for sharing (0644), set on the descriptor: a symlink another user planted at the
+// temporary name a writer used to take (<path>.tmp.<pid>) is not followed, and the file it
+// points to keeps its bytes and its 0600 mode.
+TEST(Timeline, WritesA0644FileAndFollowsNoPlantedLink) {
+  std::mt19937_64 rng(9);
+  FakeClock clock;
+  Timeline::Options o;
+  o.clock = clock.fn();
+  Timeline tl(o);
+  random_step(tl, clock, rng, 0, 5);
+  const auto dir = std::filesystem::temp_directory_path() / ("tl-" + std::to_string(rng()));
+  std::filesystem::create_directories(dir);
+  const std::string victim = (dir / "victim").string();
+  std::ofstream(victim) << "private";
+  ASSERT_EQ(::chmod(victim.c_str(), 0600), 0);
+  const std::string path = (dir / "run.json").string();
+  std::filesystem::create_symlink(victim, path + ".tmp." + std::to_string(::getpid()));
+  tl.write(path);
+  struct stat st {};
+  ASSERT_EQ(::lstat(path.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode));
+  EXPECT_EQ(st.st_mode & 07777, 0644u);
+  ASSERT_EQ(::stat(victim.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+  std::ifstream in(victim);
+  std::stringstream text;
+  text << in.rdbuf();
+  EXPECT_EQ(text.str(), "private");
   std::filesystem::remove_all(dir);
 }
 

@@ -176,7 +176,8 @@ class Timeline {
   /// SVG: memory over the last kept step against the budget, measured and planned, with the I/O
   /// lanes and the stalls under it.
   [[nodiscard]] std::string svg() const;
-  /// Writes chrome_json() (or svg() for a path ending in .svg) atomically. Throws tidal::Error.
+  /// Writes chrome_json() (or svg() for a path ending in .svg) atomically, mode 0644 (through
+  /// AtomicFile: a symlink planted at a temporary name is never followed). Throws tidal::Error.
   void write(const std::string& path) const;
 
  private:
