@@ -54,6 +54,10 @@ inline std::optional<plan::SsdSpec> parse_ssd_flag(const std::optional<std::stri
 inline plan::HardwareOverrides parse_hardware_flags(const HardwareFlags& f) {
   plan::HardwareOverrides o;
   o.device_memory = parse_given("--gpu-mem", f.gpu_mem, parse_bytes);
+  TIDAL_EXPECT_AS(InvalidArgument, !o.device_memory || *o.device_memory > 0, "--gpu-mem ",
+                  *f.gpu_mem,
+                  " is not a valid size of device memory: give one above 0 (e.g. "
+                  "--gpu-mem 8GiB)");
   o.ssd = parse_ssd_flag(f.ssd);
   o.host_memory = parse_given("--host-mem", f.host_mem, parse_bytes);
   o.host_link_bw = parse_given("--host-link", f.host_link, parse_bandwidth);

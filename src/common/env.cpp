@@ -51,8 +51,11 @@ Env read_env() {
     e.huge_pages = (*v == "1");
   }
   if (auto v = get("TIDAL_TIMELINE")) {
-    TIDAL_EXPECT_AS(InvalidArgument, !v->empty(),
-                    "TIDAL_TIMELINE is empty: give the file to write the timeline to, or unset it");
+    // Only blanks is a slip (a quoted empty value, a stray space), not a file to create.
+    TIDAL_EXPECT_AS(InvalidArgument, v->find_first_not_of(" \t\n\r\f\v") != std::string::npos,
+                    "TIDAL_TIMELINE='", *v,
+                    "' names no file (only blanks): give the file to write the timeline to, or "
+                    "unset it");
     e.timeline = *v;
   }
   return e;

@@ -119,6 +119,18 @@ double parse_seconds(std::string_view text) {
   TIDAL_FAIL("'", text, "': unknown time unit '", unit, "'; use ns, us, ms, s, min or h");
 }
 
+double parse_percentage(std::string_view text) {
+  std::string s = lower_trimmed(text);
+  TIDAL_EXPECT_AS(InvalidArgument, !s.empty() && s.back() == '%', "'", text,
+                  "' is not a percentage (try 50%)");
+  s.pop_back();
+  std::string rest;
+  const double value = split_number(s, &rest, text, "percentage (try 50%)");
+  TIDAL_EXPECT_AS(InvalidArgument, rest.empty(), "'", text, "' is not a percentage: '", rest,
+                  "' after the number (try 50%)");
+  return value / 100;
+}
+
 std::string format_bytes(double bytes) {
   static const char* kNames[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
   int i = 0;

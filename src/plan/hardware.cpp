@@ -171,6 +171,9 @@ void set_rate_if(double& field, const std::optional<double>& value, const char* 
 
 void apply_overrides(Hardware& hw, const HardwareOverrides& o) {
   bool any = false;
+  // 0 is a size given, not one left out: said as such, not as an unknown memory.
+  TIDAL_EXPECT_AS(InvalidArgument, !o.device_memory || *o.device_memory > 0,
+                  "a device memory of 0 bytes is not a valid size; give one above 0 (e.g. 8 GiB)");
   set_if(hw.device_memory, o.device_memory, any);
   if (o.ssd) {
     TIDAL_EXPECT_AS(InvalidArgument, o.ssd->count > 0 && o.ssd->write_bw > 0 && o.ssd->read_bw > 0,

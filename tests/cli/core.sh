@@ -45,7 +45,13 @@ expect "are the same directory" "${bench[@]}" --dir "$tmp/ssd0,$tmp/link0"
 expect "--measure-dir '' names no directory" plan --model gpt2-small --batch 1 --seq 64 \
   --measure-dir ""
 # bench-io speaks of its own flags: it has no store capacity to lower.
-expect "give a larger --block" bench-io --dir "$tmp/ssd0" --block 3
+expect "give a larger --block" bench-io --dir "$tmp/ssd0" --size 512GiB --block 4KiB
+# A block the store cannot move whole with O_DIRECT (under 4 KiB, or not a multiple of it) is
+# refused at once, saying what to give: --block 3 moved 4 KiB per 3 bytes for minutes.
+expect "give a multiple of 4KiB" bench-io --dir "$tmp/ssd0" --size 16MiB --block 3
+expect "give a multiple of 4KiB" bench-io --dir "$tmp/ssd0" --block 3
+expect "give a multiple of 4KiB" bench-io --dir "$tmp/ssd0" --size 16MiB --block 5000
+expect "give a multiple of 4KiB" bench-io --dir "$tmp/ssd0" --size 16MiB --block 0
 expect "give a smaller --size" bench-io --dir "$tmp/ssd0" --size 512TiB --block 1GiB
 out=$("$tidal" bench-io --dir "$tmp/ssd0" --block 3 2>&1)
 grep -q "store capacity" <<<"$out" && fail "bench-io --block 3 speaks of a store capacity" "$out"
@@ -54,6 +60,11 @@ grep -q "store capacity" <<<"$out" && fail "bench-io --block 3 speaks of a store
 expect "--batch 9223372036854775807" plan --model llama3-8b --batch 9223372036854775807 --seq 512
 expect "batch (" plan --model llama3-8b --batch 4294967296 --seq 4096
 expect "too large" plan --model gpt2-small --batch 1 --seq 64 --gpu-mem 1e19
+# A device memory of 0 is a size given, and not a valid one: not "unknown".
+expect "--gpu-mem 0 is not a valid size of device memory" simulate --model gpt2-small --batch 1 \
+  --seq 64 --hardware h100-4ssd --gpu-mem 0
+expect "--gpu-mem 0B is not a valid size of device memory" plan --model gpt2-small --batch 1 \
+  --seq 64 --hardware cpu-here --gpu-mem 0B
 expect "give a smaller hidden" simulate --model llama3-8b --batch 1 --seq 64 --hidden 1099511627776 \
   --heads 1 --kv-heads 1 --policy tidal
 # --ssd names the figure that is wrong and the form.

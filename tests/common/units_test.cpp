@@ -54,6 +54,21 @@ TEST(Units, ParsesBandwidthAndDurations) {
   EXPECT_THROW(parse_seconds("3 fortnights"), Error);
 }
 
+// A percentage is a number and '%', nothing between: "50xyz%" was read as 50%.
+TEST(Units, ParsesPercentagesWholeOrNotAtAll) {
+  EXPECT_DOUBLE_EQ(parse_percentage("50%"), 0.5);
+  EXPECT_DOUBLE_EQ(parse_percentage(" 12.5 % "), 0.125);
+  EXPECT_DOUBLE_EQ(parse_percentage("100%"), 1.0);
+  for (const char* text : {"50xyz%", "50", "%", "x%", "50%%", "-5%", "nan%", "5e%"}) {
+    try {
+      const double got = parse_percentage(text);
+      ADD_FAILURE() << text << " was accepted as " << got;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(Units, FormatThenParseRoundTripsWithinRounding) {
   std::mt19937_64 rng(7);
   for (int i = 0; i < 200; ++i) {

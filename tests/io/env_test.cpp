@@ -220,5 +220,25 @@ TEST_F(StoreEnv, GdsSetsTheCuFileMode) {
   }
 }
 
+// TIDAL_TIMELINE names a file; blanks only name none (a file called " " was written), and are
+// refused with the variable named.
+TEST(Env, TimelineOfOnlyBlanksIsRefused) {
+  {
+    ScopedEnv v("TIDAL_TIMELINE", "/var/tmp/run.json");
+    EXPECT_EQ(read_env().timeline, std::optional<std::string>("/var/tmp/run.json"));
+  }
+  for (const char* blank : {" ", "  \t"}) {
+    ScopedEnv v("TIDAL_TIMELINE", blank);
+    try {
+      const auto e = read_env();
+      ADD_FAILURE() << "TIDAL_TIMELINE='" << blank << "' was taken as the file '"
+                    << e.timeline.value_or("") << "'";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("TIDAL_TIMELINE"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("names no file"), std::string::npos) << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace tidal::io

@@ -206,6 +206,19 @@ TEST(Hardware, PresetsAndOverrides) {
   bad = {};
   bad.gpu_link_bw = 0;
   EXPECT_THROW(apply_overrides(h, bad), InvalidArgument);
+  // A device memory of 0 given is not a valid size: not "unknown", as one never given is.
+  bad = {};
+  bad.device_memory = 0;
+  for (Hardware hw : {h, here}) {
+    try {
+      apply_overrides(hw, bad);
+      ADD_FAILURE() << "a device memory of 0 was accepted for " << hw.name;
+    } catch (const InvalidArgument& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("0 bytes is not a valid size"), std::string::npos) << msg;
+      EXPECT_EQ(msg.find("unknown"), std::string::npos) << msg;
+    }
+  }
 }
 
 TEST(Hardware, ParseSsdAndRates) {

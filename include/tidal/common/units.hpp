@@ -32,6 +32,11 @@ double parse_rate(std::string_view text);
 /// Parse a duration in seconds: a number with an optional unit ns, us, ms, s, min, h.
 double parse_seconds(std::string_view text);
 
+/// Parse a percentage, "50%" or " 12.5 % ", as a fraction (0.5, 0.125): a number and a '%',
+/// nothing else. Throws tidal::InvalidArgument on other text ("50xyz%", "50", "%"); the range
+/// is the caller's to check.
+double parse_percentage(std::string_view text);
+
 /// "1.50 GiB", "512 B": binary units, three significant digits.
 std::string format_bytes(double bytes);
 
