@@ -36,6 +36,17 @@ expect "pseudo file system" bench-io --dir /proc --size 1MiB
 
 train=(train --model gpt-tiny --batch 2 --seq 16 --steps 6 --dir "$tmp")
 expect "--mem-budget 0 must be more than 0" "${train[@]}" --offload plan --mem-budget 0
+# Text around a number is not ignored: 50xyz% was read as 50%.
+expect "is not a percentage: 'xyz' after the number" "${train[@]}" --offload plan \
+  --mem-budget 50xyz%
+expect "--mem-budget 150% must be a percentage in (0, 100]" "${train[@]}" --offload plan \
+  --mem-budget 150%
+expect "--timeline-steps -1 must be 0" "${train[@]}" --offload plan --timeline-steps -1
+expect "--lr nan is not a learning rate" "${train[@]}" --lr nan
+expect "--lr -1 is not a learning rate" "${train[@]}" --lr -1
+expect "--lr 0 is not a learning rate" "${train[@]}" --lr 0
+# TIDAL_TIMELINE of blanks names no file (a file called " " was written).
+TIDAL_TIMELINE=" " expect "TIDAL_TIMELINE=' ' names no file" "${train[@]}" --offload activations
 # Usage errors CLI11 finds (flags that exclude each other, a value of the wrong kind) exit 2.
 expect "excludes --optimizer-deferred" "${train[@]}" --optimizer-deferred --optimizer-in-backward
 expect "Could not convert: --seq" train --model gpt-tiny --seq many --dir "$tmp"
@@ -44,8 +55,12 @@ expect "--warmup-steps must be 0 or more" "${train[@]}" --offload plan --warmup-
 expect "--ssd gives the planner its SSD figures" "${train[@]}" --offload activations --ssd 1x2GB/s
 expect "--save-plan writes plan mode's plan" "${train[@]}" --offload activations \
   --save-plan "$tmp/plan.json"
-expect "(--save-trace): check that its directory exists" "${train[@]}" --offload plan \
-  --save-trace "$tmp/no/such/dir/trace.json"
+expect "(--save-trace): its directory '$tmp/no/such/dir' does not exist" "${train[@]}" \
+  --offload plan --save-trace "$tmp/no/such/dir/trace.json"
+# A file where a directory should be: the path and the flag, not "filesystem error".
+expect "cannot write '$tmp/a-file/y.json' (--timeline): '$tmp/a-file' is not a directory" \
+  "${train[@]}" --offload plan --timeline "$tmp/a-file/y.json"
+expect "(--timeline): it is a directory" "${train[@]}" --offload plan --timeline "$tmp"
 if "$tidal" "${train[@]}" --steps 1 --device cuda >/dev/null 2>&1; then
   echo "skip --device cuda: a GPU is here"
 else

@@ -120,6 +120,51 @@ else
   failures=$((failures + 1))
 fi
 
+# The check of a --timeline path before the run creates nothing: at a dangling symlink it made
+# the link's target (an empty file), which another user may have chosen.
+ln -s "$tmp/chosen-target" "$tmp/dangling.json"
+if ! "$tidal" train --model gpt-tiny --batch 2 --seq 16 --steps 3 --offload activations \
+  --dir "$tmp" --timeline "$tmp/dangling.json" >/dev/null 2>"$tmp/dangling.err"; then
+  echo "FAIL --timeline at a dangling symlink: the run failed"; tail -n 3 "$tmp/dangling.err"
+  failures=$((failures + 1))
+elif [ -e "$tmp/chosen-target" ]; then
+  echo "FAIL --timeline at a dangling symlink created the link's target"
+  failures=$((failures + 1))
+elif [ -L "$tmp/dangling.json" ] || [ ! -s "$tmp/dangling.json" ]; then
+  echo "FAIL --timeline at a dangling symlink: the timeline is not a file there"
+  failures=$((failures + 1))
+else
+  echo "ok   --timeline at a dangling symlink creates nothing at its target"
+fi
+
+# The timeline's directory removed during the run: the results (the --json line, the summary)
+# are printed all the same, the failed write is a warning naming the path, and the exit status
+# is 0 since training succeeded. Removed once the run has started (its first line is printed
+# after the paths are checked) and long before its 40 steps end.
+mkdir -p "$tmp/gone"
+"$tidal" train --model gpt-tiny --batch 2 --seq 16 --steps 40 --offload activations --dir "$tmp" \
+  --timeline "$tmp/gone/run.json" --json >"$tmp/gone.out" 2>"$tmp/gone.err" &
+pid=$!
+for _ in $(seq 1 600); do grep -q "^tidal train: " "$tmp/gone.err" && break; sleep 0.05; done
+rm -rf "$tmp/gone"
+wait "$pid"
+rc=$?
+if grep -q "timeline of the last" "$tmp/gone.err"; then
+  echo "FAIL the run ended before its timeline's directory was removed: raise its --steps"
+  failures=$((failures + 1))
+elif ((rc != 0)); then
+  echo "FAIL a failed timeline write after training ended the run with $rc"
+  tail -n 3 "$tmp/gone.err"; failures=$((failures + 1))
+elif ! tail -n 1 "$tmp/gone.out" | "$py" -c 'import json, sys; assert len(json.load(sys.stdin)["losses"]) == 40'; then
+  echo "FAIL a failed timeline write lost the --json line"; failures=$((failures + 1))
+elif ! grep -qF "warning: --timeline '$tmp/gone/run.json' was not written" "$tmp/gone.err" ||
+  ! grep -q "^final loss" "$tmp/gone.err"; then
+  echo "FAIL a failed timeline write: no warning naming the path, or no summary"
+  tail -n 3 "$tmp/gone.err"; failures=$((failures + 1))
+else
+  echo "ok   a timeline that cannot be written after the run is a warning; the results are kept"
+fi
+
 if ((failures > 0)); then
   echo "$failures failure(s)"
   exit 1

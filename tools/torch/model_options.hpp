@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -83,6 +84,8 @@ inline models::TrainerOptions to_trainer_options(const ModelArgs& a) {
   o.seq = a.seq;
   o.seed = a.seed;
   o.data_path = a.data;
+  TIDAL_EXPECT_AS(InvalidArgument, std::isfinite(a.lr) && a.lr > 0, "--lr ", a.lr,
+                  " is not a learning rate: give a number above 0, e.g. 3e-4");
   o.adamw.lr = a.lr;
   o.optimizer = optimizer_schedule(a.optimizer_in_backward, a.optimizer_deferred);
   o.clip_grad_norm = a.clip_grad_norm;

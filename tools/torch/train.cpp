@@ -106,11 +106,33 @@ void make_directory(const std::string& dir, const char* what) {
                   " (give a directory you can write to)");
 }
 
+// Why `path` cannot be written at the end of the run, or "" when it can: its directory exists,
+// is a directory and is writable, and the path is not a directory. Creates nothing: a probe
+// file would be made at the target of a dangling symlink, and left there.
+std::string why_not_writable(const std::string& path) {
+  const std::filesystem::path p(path);
+  if (p.filename().empty() || p.filename() == "." || p.filename() == "..") {
+    return "it names a directory, not a file";
+  }
+  const std::string dir = p.parent_path().empty() ? std::string(".") : p.parent_path().string();
+  std::error_code ec;
+  const auto d = std::filesystem::status(dir, ec);
+  if (!std::filesystem::exists(d)) return "its directory '" + dir + "' does not exist";
+  if (!std::filesystem::is_directory(d)) return "'" + dir + "' is not a directory";
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+    return "its directory '" + dir + "' is not writable (" + std::strerror(errno) + ")";
+  }
+  if (std::filesystem::is_directory(std::filesystem::status(path, ec))) {
+    return "it is a directory";
+  }
+  return "";
+}
+
 struct TrainArgs {
   ModelArgs model;
   bool json = false;
   std::vector<std::string> timeline;  // files: Chrome trace, or SVG for a name ending in .svg
-  std::size_t timeline_steps = 2;
+  std::int64_t timeline_steps = 2;    // signed: -1 is refused, not read as 2^64 - 1
   bool recompute = false;
   std::string offload = "none";
   std::string mem_budget = "50%";
@@ -200,7 +222,7 @@ void run_train(const TrainArgs& args) {
                   "--ssd gives the planner its SSD figures: it is for --offload plan");
   TIDAL_EXPECT_AS(InvalidArgument, args.save_plan.empty() || plan_mode,
                   "--save-plan writes plan mode's plan: it is for --offload plan");
-  // Files to write at the end are opened now: a bad path fails before the run, not after it.
+  // Files to write at the end are checked now: a bad path fails before the run, not after it.
   TIDAL_EXPECT_AS(InvalidArgument, args.checkpoint_every >= 0,
                   "--checkpoint-every must be 0 (at the end only) or more");
   TIDAL_EXPECT_AS(InvalidArgument, args.checkpoint_every == 0 || !args.checkpoint.empty(),
@@ -210,35 +232,34 @@ void run_train(const TrainArgs& args) {
     make_directory(args.checkpoint, "--checkpoint");
     checkpoint_path = (std::filesystem::path(args.checkpoint) / kCheckpointFile).string();
   }
-  const std::string probe_checkpoint = checkpoint_path.empty() ? "" : checkpoint_path + ".probe";
   TIDAL_EXPECT_AS(InvalidArgument,
                   args.timeline.empty() || so.mode != torch_layer::OffloadMode::kNone,
                   "--timeline draws what offloading did: it is for --offload plan or activations");
+  TIDAL_EXPECT_AS(InvalidArgument, args.timeline_steps >= 0, "--timeline-steps ",
+                  args.timeline_steps,
+                  " must be 0 (no timeline and no time report) or more (the steps kept)");
   TIDAL_EXPECT_AS(InvalidArgument, args.timeline.empty() || args.timeline_steps > 0,
                   "--timeline needs --timeline-steps of 1 or more (the steps it keeps)");
-  std::vector<const std::string*> to_write = {&args.save_plan, &args.save_trace, &probe_checkpoint};
-  for (const auto& t : args.timeline) to_write.push_back(&t);
-  for (const auto* path : to_write) {
+  std::vector<std::pair<const std::string*, const char*>> to_write = {
+      {&args.save_plan, "--save-plan"},
+      {&args.save_trace, "--save-trace"},
+      {&checkpoint_path, "--checkpoint"}};
+  for (const auto& t : args.timeline) to_write.emplace_back(&t, "--timeline");
+  for (const auto& [path, flag] : to_write) {
     if (path->empty()) continue;
-    const bool existed = std::filesystem::exists(*path);
-    const bool ok = std::ofstream(*path, std::ios::app).good();
-    if (!existed) std::filesystem::remove(*path);
-    TIDAL_EXPECT_AS(InvalidArgument, ok, "cannot write '", *path, "' (",
-                    path == &args.save_plan     ? "--save-plan"
-                    : path == &args.save_trace  ? "--save-trace"
-                    : path == &probe_checkpoint ? "--checkpoint"
-                                                : "--timeline",
-                    "): check that its directory exists and is writable");
+    const std::string why = why_not_writable(*path);
+    TIDAL_EXPECT_AS(InvalidArgument, why.empty(), "cannot write '", *path, "' (", flag, "): ", why,
+                    "; check that its directory exists and is writable");
   }
   so.activations.min_bytes = parse_bytes(args.min_offload);
   so.executor.min_bytes = parse_bytes(args.min_offload);
   so.warmup_steps = args.warmup_steps;
   so.profile_steps = args.profile_steps;
-  if (!args.mem_budget.empty() && args.mem_budget.back() == '%') {
-    const double pct = std::atof(args.mem_budget.c_str());
-    TIDAL_EXPECT_AS(InvalidArgument, pct > 0 && pct <= 100, "--mem-budget ", args.mem_budget,
-                    " must be a percentage in (0, 100] or a size such as 2GiB");
-    so.budget_fraction = pct / 100;
+  if (args.mem_budget.find('%') != std::string::npos) {
+    const double fraction = parse_flag("--mem-budget", args.mem_budget, parse_percentage);
+    TIDAL_EXPECT_AS(InvalidArgument, fraction > 0 && fraction <= 1, "--mem-budget ",
+                    args.mem_budget, " must be a percentage in (0, 100] or a size such as 2GiB");
+    so.budget_fraction = fraction;
   } else {
     so.memory_budget = parse_bytes(args.mem_budget);
     TIDAL_EXPECT_AS(InvalidArgument, so.memory_budget > 0, "--mem-budget ", args.mem_budget,
@@ -250,9 +271,11 @@ void run_train(const TrainArgs& args) {
   so.peak_bytes = [&meter] { return meter.peak_bytes(); };
   so.current_bytes = [&meter] { return meter.current_bytes(); };
   so.reset_peak = [&meter] { meter.reset_peak(); };
-  so.between_steps = args.between_steps == "resident"    ? torch_layer::BetweenSteps::kResident
-                     : args.between_steps == "offloaded" ? torch_layer::BetweenSteps::kOffloaded
-                                                         : torch_layer::BetweenSteps::kAuto;
+  if (plan_mode) {  // an option of plan mode only: a session of another mode refuses it
+    so.between_steps = args.between_steps == "resident"    ? torch_layer::BetweenSteps::kResident
+                       : args.between_steps == "offloaded" ? torch_layer::BetweenSteps::kOffloaded
+                                                           : torch_layer::BetweenSteps::kAuto;
+  }
   so.strict_budget = args.strict_budget;
   so.strict_meter = args.strict_meter;
   so.host_memory = parse_bytes(args.host_mem);
@@ -260,7 +283,7 @@ void run_train(const TrainArgs& args) {
                   so.host_memory == 0 || so.mode == torch_layer::OffloadMode::kPlan,
                   "--host-mem is for --offload plan (activation offloading writes to the SSD "
                   "store only)");
-  so.timeline_steps = args.timeline_steps;
+  so.timeline_steps = static_cast<std::size_t>(args.timeline_steps);
   so.model_name = args.model.model;
   so.batch = args.model.batch;
   so.seq = args.model.seq;
@@ -442,11 +465,6 @@ void run_train(const TrainArgs& args) {
   if (so.mode != torch_layer::OffloadMode::kNone && args.timeline_steps > 0) {
     std::fputs(plan::format_report(report).c_str(), stderr);
   }
-  for (const auto& path : args.timeline) {
-    session.write_timeline(path);
-    std::fprintf(stderr, "timeline of the last %zu step(s) written to %s\n", args.timeline_steps,
-                 path.c_str());
-  }
   nlohmann::json store_degraded = nlohmann::json::object();
   std::string io_backend;
   if (session.store()) {
@@ -468,10 +486,6 @@ void run_train(const TrainArgs& args) {
                    static_cast<unsigned long long>(path->count), path->reason.c_str());
     }
   }
-  if (!args.save_trace.empty() && session.trace()) {
-    trace::write_trace(*session.trace(), args.save_trace);
-  }
-  if (!args.save_plan.empty() && session.plan()) plan::write_plan(*session.plan(), args.save_plan);
   if (args.json) {
     nlohmann::json j;
     j["model"] = c.name;
@@ -542,6 +556,34 @@ void run_train(const TrainArgs& args) {
       j["time_report"] = nlohmann::json::parse(plan::time_report_json(report));
     }
     std::cout << j.dump() << std::endl;
+  }
+  // The files asked for, after the results are out: one that cannot be written (its directory
+  // removed during the run, the disk full) is a warning naming it, never a lost result.
+  const auto write_output = [](const char* flag, const std::string& path, const auto& write) {
+    try {
+      write();
+      return true;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr,
+                   "tidal train: warning: %s '%s' was not written: %s (the results above are "
+                   "complete; training succeeded)\n",
+                   flag, path.c_str(), e.what());
+      return false;
+    }
+  };
+  if (!args.save_trace.empty() && session.trace()) {
+    write_output("--save-trace", args.save_trace,
+                 [&] { trace::write_trace(*session.trace(), args.save_trace); });
+  }
+  if (!args.save_plan.empty() && session.plan()) {
+    write_output("--save-plan", args.save_plan,
+                 [&] { plan::write_plan(*session.plan(), args.save_plan); });
+  }
+  for (const auto& path : args.timeline) {
+    if (write_output("--timeline", path, [&] { session.write_timeline(path); })) {
+      std::fprintf(stderr, "timeline of the last %lld step(s) written to %s\n",
+                   static_cast<long long>(args.timeline_steps), path.c_str());
+    }
   }
 }
 
