@@ -66,9 +66,12 @@ inline tidal::torch_layer::SessionOptions session_options(const Args& args) {
   options.budget_fraction = args.mem_budget;
   // These loops read no raw bytes between steps: the planner may leave tensors out across the
   // step boundary where the budget needs it.
-  options.between_steps = tidal::torch_layer::BetweenSteps::kAuto;
-  // A budget on the CPU is a wall here, as a GPU's memory would be.
-  options.strict_meter = true;
+  // A budget on the CPU is a wall here, as a GPU's memory would be. Both are plan mode's options
+  // (the other modes refuse them).
+  if (options.mode == tidal::torch_layer::OffloadMode::kPlan) {
+    options.between_steps = tidal::torch_layer::BetweenSteps::kAuto;
+    options.strict_meter = true;
+  }
   if (options.mode != tidal::torch_layer::OffloadMode::kNone) {
     std::filesystem::create_directories(args.dir);
   }

@@ -128,8 +128,8 @@ py::dict session_stats_dict(const tt::SessionStats& s) {
       host_stall_seconds, planned_bytes_to_ssd, planned_bytes_to_host, planned_step_seconds,
       between_steps, stall_seconds, write_stall_seconds, misses, write_failures, store_full_writes,
       write_error, step_peak, memory_budget, untouched_bytes, profiled_peak, within_budget,
-      steps_measured, steps_over_budget, budget_reason, shapes, shape, replans, tightenings,
-      executed_peak, plan_summary, notice);
+      steps_measured, steps_over_budget, steps_aborted, budget_reason, shapes, shape, replans,
+      tightenings, executed_peak, plan_summary, notice);
 }
 
 py::dict activation_stats_dict(const tt::ActivationStats& s) {
@@ -290,6 +290,7 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("end_step", py::overload_cast<>(&tt::Session::end_step),
            py::call_guard<py::gil_scoped_release>())
+      .def("abort_step", &tt::Session::abort_step, py::call_guard<py::gil_scoped_release>())
       .def(
           "begin_phase",
           [](tt::Session& s, const std::string& phase) {

@@ -276,6 +276,10 @@ struct PlanExecutor::Impl {
   std::unordered_map<const c10::StorageImpl*, Seen> seen;
   std::uint64_t notes = 0;
   double waited_before = 0;  // I/O waits of the steps before this one (stall + write stall)
+  // Of all the waits, those of reclaims on threads other than the loop's (a logging thread's
+  // allocation under the strict meter): they are no time the loop's ops waited.
+  double waited_elsewhere = 0;
+  double waits() const { return waited_before + stats.stall_seconds + stats.write_stall_seconds; }
   bool planless() const { return shapes.empty(); }
 
   // Any plan for this trace runs (a wrong one costs time, never correctness): compiled leniently.
@@ -670,7 +674,12 @@ struct PlanExecutor::Impl {
   // running now, not held.
   template <typename InUseFn>
   bool evictable(const c10::intrusive_ptr<c10::StorageImpl>& live, InUseFn in_use) const {
-    if (!live || live->nbytes() < opt.min_bytes || !movable_storage(*live)) return false;
+    return live && live->nbytes() >= opt.min_bytes && evictable_at_any_size(live, in_use);
+  }
+  template <typename InUseFn>
+  bool evictable_at_any_size(const c10::intrusive_ptr<c10::StorageImpl>& live,
+                             InUseFn in_use) const {
+    if (!live || !movable_storage(*live)) return false;
     auto it = slots.find(live.get());
     if (it != slots.end() && (it->second.state != State::kResident || it->second.error)) {
       return false;
@@ -716,6 +725,24 @@ struct PlanExecutor::Impl {
       }
     }
     return victim;
+  }
+
+  // The bytes that could be written out now but for min_bytes (the tensors the plan knows, or
+  // without a plan those ops read): what a smaller min_bytes would let go.
+  template <typename InUseFn>
+  std::uint64_t bytes_under_min_bytes(InUseFn in_use) const {
+    std::uint64_t sum = 0;
+    const auto add = [&](const c10::intrusive_ptr<c10::StorageImpl>& live) {
+      if (live && live->nbytes() < opt.min_bytes && evictable_at_any_size(live, in_use)) {
+        sum += live->nbytes();
+      }
+    };
+    if (planless()) {
+      for (const auto& [p, s] : seen) add(s.weak.lock());
+    } else {
+      for (const auto& b : bound) add(b.lock());
+    }
+    return sum;
   }
 
   // Writes out resident tensors that `in_use` does not name (pick_victim's order) while
@@ -984,7 +1011,7 @@ void PlanExecutor::note_inputs(c10::ArrayRef<c10::StorageImpl*> storages, bool r
 
 double PlanExecutor::io_wait_seconds() const {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
-  return impl_->waited_before + impl_->stats.stall_seconds + impl_->stats.write_stall_seconds;
+  return impl_->waits() - impl_->waited_elsewhere;
 }
 
 PlanExecutor::~PlanExecutor() {
@@ -1079,6 +1106,9 @@ void PlanExecutor::bind_alive(const BoundTensors& tensors) {
 std::uint64_t PlanExecutor::reclaim(std::uint64_t bytes) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   Impl& m = *impl_;
+  const double waits_at_start = m.waits();
+  const bool elsewhere =
+      m.guard_thread != std::thread::id() && m.guard_thread != std::this_thread::get_id();
   const std::uint64_t target = m.meter_bytes() > bytes ? m.meter_bytes() - bytes : 0;
   const auto index = static_cast<trace::OpIndex>(m.ops_run) - 1;
   const auto running = [&](const c10::StorageImpl* p) {
@@ -1093,11 +1123,21 @@ std::uint64_t PlanExecutor::reclaim(std::uint64_t bytes) {
   }
   m.stats.reclaimed_bytes += freed;
   if (m.meter_bytes() > target) {
-    m.shortfall = m.stats.write_failures > 0
-                      ? "writes to the store failed (" + m.stats.write_error + ")"
-                      : kNothingLeftToMove;
+    const std::uint64_t small = m.bytes_under_min_bytes(running);
+    if (m.stats.write_failures > 0) {
+      m.shortfall = "writes to the store failed (" + m.stats.write_error + ")";
+    } else if (small > 0) {
+      m.shortfall = ::tidal::detail::concat(
+          format_bytes(static_cast<double>(small)),
+          " of tensors left in memory are under min_bytes, the smallest size tidal moves (now ",
+          format_bytes(static_cast<double>(m.opt.min_bytes)),
+          "): a smaller min_bytes (the CLI's --min-offload) lets them go");
+    } else {
+      m.shortfall = kNothingLeftToMove;
+    }
     note_reclaim_shortfall(m.shortfall);
   }
+  if (elsewhere) m.waited_elsewhere += m.waits() - waits_at_start;
   return freed;
 }
 
@@ -1311,6 +1351,16 @@ void PlanExecutor::end_step(std::int64_t /*step*/) {
     m.stats.planned_bytes = m.shape().sched.planned_bytes;
     m.last_completed = m.current;
   }
+  m.last = m.stats;
+}
+
+void PlanExecutor::abort_step() {
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu);
+  Impl& m = *impl_;
+  m.holds.clear();
+  m.deferred.clear();
+  m.poll();
+  m.stats.shape = -1;
   m.last = m.stats;
 }
 

@@ -1,6 +1,7 @@
 #include "tidal/torch/session.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <iostream>
 #include <map>
@@ -68,11 +69,44 @@ std::uint64_t bytes_at_start(const trace::Trace& t) {
 }
 
 constexpr int kMaxTightenings = 4;  // consecutive, per step shape
+
+// The process's one plan-mode session: its tracer and executor follow every op of the loop's
+// thread, so a second one is refused when it is made, not mid-run.
+std::atomic<const void*> g_plan_session{nullptr};
 constexpr std::size_t kMaxPendingShapes = 16;
 
 }  // namespace
 
 struct Session::Impl {
+  ~Impl() { leave_plan_slot(); }
+  void take_plan_slot() {
+    const void* none = nullptr;
+    TIDAL_EXPECT_AS(InvalidArgument, g_plan_session.compare_exchange_strong(none, this),
+                    "another tidal Session in plan mode is open in this process, and there can "
+                    "be one at a time (its tracer and executor follow every op of the process): "
+                    "close() that one first, or run both loops under one session");
+  }
+  void leave_plan_slot() {
+    const void* self = this;
+    g_plan_session.compare_exchange_strong(self, nullptr);
+  }
+
+  // Options that only plan mode uses are refused in the others rather than ignored.
+  void refuse_plan_options() const {
+    if (opt.mode == OffloadMode::kPlan) return;
+    const auto refuse = [&](bool given, const char* what) {
+      TIDAL_EXPECT_AS(InvalidArgument, !given, what, " is an option of plan mode, and mode ",
+                      to_string(opt.mode),
+                      " does nothing with it: leave it unset, or use mode plan");
+    };
+    refuse(opt.strict_meter, "the strict meter (strict_meter)");
+    refuse(opt.strict_budget, "strict_budget");
+    refuse(opt.wall_by_retry, "wall_by_retry");
+    refuse(opt.memory_budget > 0, "a memory budget in bytes (memory_budget)");
+    refuse(opt.host_memory > 0, "host_memory");
+    refuse(opt.between_steps != BetweenSteps::kResident, "between_steps");
+  }
+
   SessionOptions opt;
   SessionState state = SessionState::kOff;
   std::shared_ptr<io::TensorStore> store;
@@ -215,59 +249,23 @@ struct Session::Impl {
     }
   }
 
-  // Plans `t` for `capacity` (trace bytes). When no plan fits, the smallest capacity that plans
-  // (bisection), and the reason, unless the budget is strict.
+  // Plans `shape` for `capacity` (trace bytes). When no plan fits, the smallest capacity that
+  // plans (bisection), and the reason, unless the budget is strict. At every capacity tried,
+  // tensors under the smallest size moved may be what keeps it out of reach (a small model's
+  // tensors are mostly under 1 MiB): then smaller ones are made movable, a quarter of the size
+  // at a time down to 4 KiB, and the executor moves them too.
   plan::Plan plan_for(const Shape& shape, double& capacity, bool& at_floor) {
-    const trace::Trace& t = shape.trace;
-    plan::Hardware hw = hardware();
-    plan::PlannerOptions po;
-    po.min_bytes = opt.executor.min_bytes;
-    po.clean_copies = false;  // the plan executor writes every offload (no copy kept on a tier)
-    po.more_memory_hint = "a larger memory budget (" + opt.budget_option + "; now " +
-                          bytes_text(stats.memory_budget) + " for the whole process)";
-    if (opt.between_steps == BetweenSteps::kResident) {
-      // Every tensor a step uses is resident at its start and end: parameters, gradients and
-      // optimizer state together may already be over the budget there.
-      po.more_memory_hint += ", or " + opt.between_steps_option +
-                             " (then the model's state need not all be in memory between steps)";
-    }
-    const auto try_plan = [&](double cap) {
-      hw.device_memory = static_cast<std::uint64_t>(std::max(cap, 1.0));
-      return plan::make_plan(t, hw, po);
-    };
+    PlanAttempt attempt(*this, shape.trace);
     at_floor = false;
+    if (std::optional<plan::Plan> p = attempt.at(capacity)) {
+      adopt_min_bytes(attempt.least);
+      at_floor = !p->summary.fits;
+      return *p;
+    }
+    if (opt.strict_budget) std::rethrow_exception(attempt.first_refusal);
     try {
-      plan::Plan p = try_plan(capacity);
-      if (p.summary.fits) return p;
-      at_floor = true;
-      return p;
-    } catch (const InvalidArgument& e) {
-      // Tensors under the smallest size moved may be what keeps the budget out of reach (a
-      // small model's tensors are mostly under 1 MiB): plan with smaller ones movable, a quarter
-      // of the size at a time down to 4 KiB, and move them in the executor too.
-      std::optional<plan::Plan> smaller;
-      std::uint64_t least = po.min_bytes;
-      while (!smaller && least > 4096) {
-        least = std::max<std::uint64_t>(4096, least / 4);
-        po.min_bytes = least;
-        try {
-          smaller = try_plan(capacity);
-        } catch (const InvalidArgument&) {
-        }
-      }
-      if (smaller) {
-        const std::string why = "no plan meets the budget with tensors under " +
-                                bytes_text(opt.executor.min_bytes) +
-                                " kept in memory (the smallest size moved): tensors of " +
-                                bytes_text(least) + " and more are moved";
-        stats.notice = stats.notice.empty() ? why : stats.notice + "; " + why;
-        opt.executor.min_bytes = least;
-        if (executor) executor->set_min_bytes(least);
-        if (!smaller->summary.fits) at_floor = true;
-        return *smaller;
-      }
-      po.min_bytes = opt.executor.min_bytes;
-      if (opt.strict_budget) throw;
+      std::rethrow_exception(attempt.first_refusal);
+    } catch (const std::exception& e) {
       stats.budget_reason = e.what();
     }
     // The active tensors alone exceed the capacity somewhere: find the least capacity that plans.
@@ -275,18 +273,78 @@ struct Session::Impl {
     double lo = capacity;
     double hi = shape.peak_live + 1;  // everything kept: always plans
     std::optional<plan::Plan> best;
+    std::uint64_t best_least = opt.executor.min_bytes;
     for (int i = 0; i < 12 && hi - lo > 4096; ++i) {
       const double mid = 0.5 * (lo + hi);
-      try {
-        best = try_plan(mid);
+      if (std::optional<plan::Plan> p = attempt.at(mid)) {
+        best = std::move(p);
+        best_least = attempt.least;
         hi = mid;
-      } catch (const InvalidArgument&) {
+      } else {
         lo = mid;
       }
     }
     capacity = hi;
-    if (!best) best = try_plan(hi);
+    if (!best) {
+      best = attempt.at(hi);
+      best_least = attempt.least;
+      TIDAL_EXPECT(best.has_value(), "no plan keeps every tensor in memory (", hi,
+                   " bytes of device memory)");
+    }
+    adopt_min_bytes(best_least);
     return *best;
+  }
+
+  // Plans of one trace at capacities the session tries, with the smallest size moved lowered
+  // where the session's own does not plan.
+  struct PlanAttempt {
+    PlanAttempt(Impl& session, const trace::Trace& trace)
+        : t(trace), hw(session.hardware()), least(session.opt.executor.min_bytes) {
+      po.clean_copies = false;  // the plan executor writes every offload (no copy kept on a tier)
+      po.more_memory_hint = "a larger memory budget (" + session.opt.budget_option + "; now " +
+                            bytes_text(session.stats.memory_budget) + " for the whole process)";
+      if (session.opt.between_steps == BetweenSteps::kResident) {
+        // Every tensor a step uses is resident at its start and end: parameters, gradients and
+        // optimizer state together may already be over the budget there.
+        po.more_memory_hint += ", or " + session.opt.between_steps_option +
+                               " (then the model's state need not all be in memory between "
+                               "steps)";
+      }
+      own_min_bytes = least;
+    }
+    // A plan at `cap` with tensors of `least` bytes and more movable, trying the session's
+    // min_bytes first and then smaller ones; nullopt when none plans (first_refusal says why
+    // the first attempt of all failed).
+    std::optional<plan::Plan> at(double cap) {
+      hw.device_memory = static_cast<std::uint64_t>(std::max(cap, 1.0));
+      for (least = own_min_bytes;; least = std::max<std::uint64_t>(4096, least / 4)) {
+        po.min_bytes = least;
+        try {
+          return plan::make_plan(t, hw, po);
+        } catch (const InvalidArgument&) {
+          if (!first_refusal) first_refusal = std::current_exception();
+        }
+        if (least <= 4096) return std::nullopt;
+      }
+    }
+    const trace::Trace& t;
+    plan::Hardware hw;
+    plan::PlannerOptions po;
+    std::uint64_t own_min_bytes = 0;
+    std::uint64_t least = 0;
+    std::exception_ptr first_refusal;
+  };
+
+  // Tensors from `least` bytes on are moved, where the session's min_bytes did not plan.
+  void adopt_min_bytes(std::uint64_t least) {
+    if (least >= opt.executor.min_bytes) return;
+    const std::string why = "no plan meets the budget with tensors under " +
+                            bytes_text(opt.executor.min_bytes) +
+                            " kept in memory (the smallest size moved): tensors of " +
+                            bytes_text(least) + " and more are moved";
+    stats.notice = stats.notice.empty() ? why : stats.notice + "; " + why;
+    opt.executor.min_bytes = least;
+    if (executor) executor->set_min_bytes(least);
   }
 
   void summarise(const Shape& s) {
@@ -309,9 +367,13 @@ struct Session::Impl {
 
   // The planner counts the trace's tensors; the meter counts every allocation (memory no op
   // touches, allocator padding, tensors made and dropped inside an op). The difference is
-  // subtracted from the budget: what the planner may use is what the meter leaves it.
+  // subtracted from the budget: what the planner may use is what the meter leaves it. It is
+  // measured on the profiled shape (the first): the profiled peak is that shape's, and a shorter
+  // shape planned later (a step the loop broke off) would otherwise count its missing tensors
+  // as unseen memory and plan for far less than the budget.
   double capacity_for(const Shape& s) const {
-    const auto unseen = std::max(0.0, static_cast<double>(stats.profiled_peak) - s.peak_live);
+    const double traced = shapes.empty() ? s.peak_live : shapes.front().peak_live;
+    const auto unseen = std::max(0.0, static_cast<double>(stats.profiled_peak) - traced);
     return std::max(0.0, static_cast<double>(stats.memory_budget) - unseen);
   }
 
@@ -426,6 +488,7 @@ struct Session::Impl {
       executor.reset();
       tracer.reset();
       state = SessionState::kOff;
+      leave_plan_slot();
       throw;
     }
   }
@@ -518,8 +581,18 @@ struct Session::Impl {
     return rates_at_close;
   }
 
-  void write_timeline_file() const {
-    if (timeline && !opt.timeline_path.empty()) timeline->write(opt.timeline_path);
+  // The timeline file (SessionOptions::timeline_path) is optional output: a failure to write it
+  // is a warning that names the path, and the session's results stay.
+  void write_timeline_file() {
+    if (!timeline || opt.timeline_path.empty()) return;
+    try {
+      timeline->write(opt.timeline_path);
+    } catch (const std::exception& e) {
+      const std::string why =
+          "the timeline was not written to '" + opt.timeline_path + "': " + e.what();
+      std::cerr << "tidal: warning: " << why << "\n";
+      stats.notice = stats.notice.empty() ? why : stats.notice + "; " + why;
+    }
   }
 
   // The executor's destructor brings every moved tensor back; the tracer's removes its
@@ -679,6 +752,8 @@ Session::Session(SessionOptions options) : impl_(std::make_unique<Impl>()) {
   impl_->opt = std::move(options);
   Impl& m = *impl_;
   m.stats.mode = m.opt.mode;
+  m.refuse_plan_options();
+  if (m.opt.mode == OffloadMode::kPlan) m.take_plan_slot();
   if (!m.opt.peak_bytes) {
     m.meter = std::make_unique<MemoryMeter>(m.opt.device);
     MemoryMeter* meter = m.meter.get();
@@ -729,11 +804,7 @@ Session::Session(SessionOptions options) : impl_(std::make_unique<Impl>()) {
 
 Session::~Session() {
   impl_->stop_offloading();
-  try {
-    impl_->write_timeline_file();
-  } catch (const std::exception& e) {
-    std::cerr << "tidal: the timeline was not written: " << e.what() << "\n";
-  }
+  if (!impl_->closed) impl_->write_timeline_file();
 }
 
 void Session::close() {
@@ -747,6 +818,7 @@ void Session::close() {
   m.persistent.clear();
   m.host.reset();
   m.store.reset();  // its files and disk reservation, once nothing else holds it
+  m.leave_plan_slot();
   m.closed = true;
   m.state = SessionState::kOff;
 }
@@ -912,6 +984,35 @@ void Session::end_step(std::int64_t step) {
     const auto& was = m.io_at_step_start;
     facts.io_busy_seconds = io.first >= 0 && was.first >= 0 ? io.first - was.first : -1;
     facts.checksum_seconds = io.second >= 0 && was.second >= 0 ? io.second - was.second : -1;
+    m.timeline->end_step(facts);
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+void Session::abort_step() {
+  Impl& m = *impl_;
+  if (!m.in_step) return;
+  m.in_step = false;
+  SessionStats& s = m.stats;
+  ++s.steps_aborted;
+  if (m.tracer) m.tracer->abort_step();
+  std::exception_ptr error;
+  if (m.executor) {
+    m.executor->abort_step();
+    if (!m.boundary_offloaded()) {
+      try {
+        m.executor->restore_all();
+      } catch (const Error&) {
+        error = std::current_exception();
+      }
+    }
+  }
+  if (m.offloading) m.offloader->end_step(step_);
+  s.step_peak = m.tracer ? std::max(m.peak_now(), m.tracer->step_peak()) : m.peak_now();
+  if (m.timeline) {
+    m.timeline->label_step("aborted", s.memory_budget, m.wall);
+    plan::TimelineStep facts;
+    facts.peak = s.step_peak;
     m.timeline->end_step(facts);
   }
   if (error) std::rethrow_exception(error);

@@ -527,6 +527,18 @@ void Tracer::end_step(std::int64_t /*step*/) {
   if (listener_ != nullptr && end_op != trace::kNoOp) listener_->step_end(end_op, alive);
 }
 
+void Tracer::abort_step() {
+  if (!recording_.exchange(false)) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  current_ = trace::Trace{};
+  extra_.clear();
+  ids_.clear();
+  live_.clear();
+  // What the broken step made and left alive is not what a whole step leaves: nothing is
+  // carried into the next one.
+  carry_.clear();
+}
+
 // Carried tensors: those that died here before their producer made them anew are tensors with a
 // gap (persistent, freed after their last old use, made anew by their producer); the others are
 // what they would have been without the carry (inputs of unknown origin). Then the carry for

@@ -11,8 +11,10 @@ gives the loss of the same step of a shadow model trained without tidal, bit for
 line per call (the seed and the line reproduce it) and "fuzz ok" at the end.
 """
 
+import io
 import random
 import sys
+import threading
 import traceback
 
 import torch
@@ -20,6 +22,54 @@ import torch
 import tidal
 
 CLEAR_ERRORS = (tidal.Error, ValueError, TypeError, torch.OutOfMemoryError)
+
+
+class SkipBatch(Exception):
+    """A user's own exception inside a step (a bad batch skipped)."""
+
+
+class CountingSGD(torch.optim.SGD):
+    """SGD whose learning rate decays with a step counter kept in its param group, as some
+    third-party optimizers keep state there."""
+
+    def step(self, closure=None):
+        for g in self.param_groups:
+            g["step"] = g.get("step", 0) + 1
+            g["lr"] = g["base_lr"] * 0.97 ** g["step"]
+        return super().step(closure)
+
+
+def make_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = CountingSGD(model.parameters(), lr=0.05, foreach=kind == "counting-foreach")
+    for g in opt.param_groups:
+        g["base_lr"] = 0.05
+    return opt
+
+
+class OtherThread:
+    """A metrics or logging thread doing small torch ops while the loop trains."""
+
+    def __init__(self):
+        self.stop = threading.Event()
+        self.ops = 0
+        self.refused = 0
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        while not self.stop.is_set():
+            try:
+                torch.ones(1024).mul_(2).sum().item()
+                self.ops += 1
+            except torch.OutOfMemoryError:
+                self.refused += 1  # the strict wall refused it, as a full GPU would
+            self.stop.wait(0.0005)
+
+    def join(self):
+        self.stop.set()
+        self.thread.join()
 
 
 def make_model(seed: int) -> torch.nn.Module:
@@ -34,9 +84,12 @@ class Fuzz:
         self.store_dir = store_dir
         self.model = make_model(seed)
         self.shadow = make_model(seed)
-        # SGD without momentum: a step that broke off leaves no optimizer state to mend.
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
-        self.shadow_opt = torch.optim.SGD(self.shadow.parameters(), lr=0.05)
+        # SGD without momentum: a step that broke off leaves no optimizer state to mend but the
+        # group's step counter (CountingSGD), which resync() mends.
+        kind = self.rng.choice(["sgd", "counting", "counting-foreach"])
+        self.opt = make_optimizer(kind, self.model)
+        self.shadow_opt = make_optimizer(kind, self.shadow)
+        self.other_thread = OtherThread() if self.rng.random() < 0.5 else None
         self.session = None
         self.offload = None
         self.kept_loss = None  # a graph kept past its step, for a late backward
@@ -59,7 +112,8 @@ class Fuzz:
               "model": p([self.model], [None]),
               "optimizer": p([self.opt], [None])}
         if kw["mode"] == "plan":
-            kw["budget"] = p(["50%", "70%", 0.6, "2MiB"], ["1B", 0, "200%", "nope"])
+            kw["budget"] = p(["50%", "70%", 0.6, "2MiB", self.rng.randint(1 << 20, 4 << 20)],
+                             ["1B", 0, "200%", "nope"])
             kw["between_steps"] = p(["auto", "resident", "offloaded"], ["sometimes"])
             kw["strict"] = p([True, False], [])
         if kw["mode"] == "activations":
@@ -92,6 +146,45 @@ class Fuzz:
                 self.session.end_step()
         self.compare(loss, x, y)
 
+    def skipped_step(self, caught_inside: bool):
+        # The user's own exception part-way through a step: the batch is skipped, and the next
+        # whole step must give the shadow's loss.
+        x, y = self.batch()
+        stage = self.rng.choice(["forward", "backward"])
+
+        def body():
+            self.opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(self.model(x), y)
+            if stage == "backward":
+                loss.backward()
+            raise SkipBatch(stage)
+
+        if self.session is None:
+            return
+        try:
+            with self.session.step():
+                if caught_inside:
+                    try:
+                        body()
+                    except SkipBatch:
+                        pass
+                else:
+                    body()
+        except SkipBatch:
+            pass
+        self.opt.zero_grad()
+
+    def save_mid_run(self):
+        # torch.save of the whole model and optimizer between steps, as a user checkpoints.
+        saved_model, saved_opt = io.BytesIO(), io.BytesIO()
+        torch.save(self.model, saved_model)
+        torch.save(self.opt, saved_opt)
+        saved_model.seek(0)
+        copy = torch.load(saved_model, weights_only=False)
+        for p, q in zip(copy.parameters(), self.model.parameters()):
+            if not torch.equal(p, q):
+                raise AssertionError("WRONG SAVE: torch.save(model) wrote other weights")
+
     def forward_backward(self, x, y):
         self.opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(self.model(x), y)
@@ -120,6 +213,10 @@ class Fuzz:
         with torch.no_grad():
             for p, q in zip(self.model.parameters(), self.shadow.parameters()):
                 p.copy_(q)
+        for g, h in zip(self.opt.param_groups, self.shadow_opt.param_groups):
+            for key in ("step", "lr"):
+                if key in h:
+                    g[key] = h[key]
         self.opt.zero_grad()
 
     def random_call(self) -> str:
@@ -127,7 +224,8 @@ class Fuzz:
         s = self.session
         choice = r.choice(["new_session"] * 2 + ["train"] * 5 + ["train_ctx"] * 5 +
                           ["begin", "end", "forward_only", "late_backward", "close", "stats",
-                           "make_resident", "offload_ctx", "phase", "state_dict", "repr"])
+                           "make_resident", "offload_ctx", "phase", "state_dict", "repr",
+                           "skip_outside", "skip_inside", "save"])
         if choice == "new_session":
             return f"new_session -> {self.new_session()}"
         if choice == "train":
@@ -170,6 +268,10 @@ class Fuzz:
             self.opt.state_dict()
         elif choice == "repr" and s is not None:
             repr(s)
+        elif choice in ("skip_outside", "skip_inside"):
+            self.skipped_step(caught_inside=choice == "skip_inside")
+        elif choice == "save":
+            self.save_mid_run()
         return choice
 
     def run(self, ops: int):
@@ -194,6 +296,10 @@ class Fuzz:
             except (tidal.Error, RuntimeError):
                 pass
         self.close_session()
+        if self.other_thread is not None:
+            self.other_thread.join()
+            print(f"other thread: {self.other_thread.ops} ops, {self.other_thread.refused} "
+                  "refused by the wall", flush=True)
         print(f"fuzz ok: {self.steps_compared} steps compared bit for bit", flush=True)
 
     def after_error(self):

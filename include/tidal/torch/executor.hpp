@@ -193,6 +193,11 @@ class PlanExecutor final : public OpListener, public StepObserver {
   void begin_step(std::int64_t step, const std::vector<torch::Tensor>& inputs) override;
   /// Retires finished I/O. Throws the first tidal::IoError that stopped an op of the step.
   void end_step(std::int64_t step) override;
+  /// Ends a step that raised part-way: its ops served, nothing of it counts as a step of a
+  /// known shape (last_step().shape is -1), and the next step is expected to start the shape
+  /// the last whole step ran. Tensors stay where they are (abort_step of the session brings
+  /// them back where the step boundary is resident).
+  void abort_step();
 
   /// Before a step: when the tensors held now already exceed the budget (the first step after
   /// profiling, which ran without a plan), writes out those used latest until they fit.

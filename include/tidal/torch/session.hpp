@@ -187,6 +187,7 @@ struct SessionStats {
   bool within_budget = false;
   std::int64_t steps_measured = 0;     ///< plan mode: steps of the current plans, measured
   std::int64_t steps_over_budget = 0;  ///< plan mode: executed steps over the budget, all plans
+  std::int64_t steps_aborted = 0;      ///< steps ended by abort_step (not learnt from)
   std::string budget_reason;           ///< plan mode: why the budget is not met, when it is not
   int shapes = 0;                      ///< plan mode: distinct step shapes with a plan
   int shape = -1;                      ///< plan mode: the shape the last step ran (-1: none)
@@ -223,6 +224,12 @@ class Session final : public StepObserver {
   /// Throws tidal::IoError when a tensor cannot be read back (the store's message: EIO, a
   /// checksum mismatch); an op of the step that needed such a tensor threw it already.
   void end_step(std::int64_t step) override;
+  /// Ends a step that raised part-way (Python's `with session.step():` calls it when an
+  /// exception leaves the block): nothing is learnt from it (no profiled step, new step shape,
+  /// re-plan or tightening of the wall; stats().steps_aborted counts it), the tensors it moved
+  /// come back where the step boundary is resident, and the next step starts under the same
+  /// wall. Does nothing outside a step. Throws tidal::IoError when a tensor cannot be read back.
+  void abort_step();
   /// The same, numbering steps 0, 1, 2, ... by themselves.
   void begin_step() { begin_step(next_step_, {}); }
   void end_step() { end_step(step_); }

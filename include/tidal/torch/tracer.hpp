@@ -105,6 +105,9 @@ class Tracer : public StepObserver {
   void begin_phase(trace::Phase phase) override;
   void begin_layer(std::int64_t layer) override;
   void end_step(std::int64_t step) override;
+  /// Ends a step that raised part-way: what it recorded is dropped (it is no iteration of the
+  /// loop), and the next step is traced as if it followed the last whole one.
+  void abort_step();
 
   /// Reports every recorded op, with the trace's tensor ids and their storages, to `listener`
   /// (the plan executor), or to nobody when nullptr. Not owned. Set it between steps.
