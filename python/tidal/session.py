@@ -17,6 +17,136 @@ from ._stats import traffic
 from . import _fsdp
 from .distributed import prepare_model
 
+_MISSING = object()
+
+
+def _same(a, b) -> bool:
+    """Equal values of an optimizer's group entry (tensors element for element)."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.shape == b.shape and bool(torch.equal(a, b)))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001: values that cannot be compared are not the same
+        return False
+
+
+def _inert_hook():
+    return _inert
+
+
+def _inert(*_args, **_kwargs) -> None:
+    """A session's hook on a model or optimizer, once they are pickled (torch.save(model),
+    copy.deepcopy): the session does not travel with them."""
+    return None
+
+
+class _Hook:
+    """A hook the session puts on the user's model or optimizer: `fn(session, *args)` while the
+    session lives. It holds the session weakly (a hook must not keep it alive), and pickles as
+    `_inert`, so that torch.save(model) and deepcopy work while a session is open."""
+
+    __slots__ = ("_ref", "_fn")
+
+    def __init__(self, session: "Session", fn) -> None:
+        self._ref = weakref.ref(session)
+        self._fn = fn
+
+    def __call__(self, *args, **kwargs):
+        session = self._ref()
+        return None if session is None else self._fn(session, *args, **kwargs)
+
+    def __reduce__(self):
+        return (_inert_hook, ())
+
+
+def _multi_tensor(group) -> bool:
+    if group.get("fused") or group.get("foreach"):
+        return True
+    # foreach=None: torch picks foreach where every tensor is on a GPU.
+    return group.get("foreach", False) is None and group.get("fused") is None and any(
+        p.is_cuda for p in group["params"])
+
+
+def _step_bytes(p: torch.Tensor) -> int:
+    return 4 * p.numel() * p.element_size()  # the parameter, its gradient and (Adam) two moments
+
+
+def _chunks(params: list, limit: int) -> list:
+    chunks, size = [[]], 0
+    for p in params:
+        if chunks[-1] and size + _step_bytes(p) > limit:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(p)
+        size += _step_bytes(p)
+    return chunks
+
+
+def _join_groups(opt, checked: bool) -> None:
+    """Puts back the groups Session._split_groups split. checked (the step returned): what the
+    optimizer wrote into a group must be the same in each of its pieces (a step counter is); a
+    value that differs depends on which parameters a piece held, so stepping in pieces changed
+    the arithmetic: refused, not hidden."""
+    saved = getattr(opt, "_tidal_split", None)
+    if saved is None:
+        return
+    groups, whole, pieces = saved
+    opt._tidal_split = None
+    opt.param_groups[:] = groups
+    for g, params in whole:
+        g["params"] = params
+    if not checked:
+        return
+    for g, piece in pieces:
+        for key, value in piece.items():
+            if key != "params" and not _same(g.get(key, _MISSING), value):
+                raise _C.Error(
+                    f"optimizer {type(opt).__name__} wrote param_groups[...][{key!r}] "
+                    "differently for parts of one group: tidal steps a foreach/fused group in "
+                    "parts that fit the budget, and this optimizer keeps state in its group that "
+                    "depends on all of its parameters. Give it foreach=False (and fused=False), "
+                    "or a budget that holds the group whole")
+
+
+# torch.save(model) or torch.save(optimizer) reads raw storages, which no hook brings back from
+# the SSD: while a plan session is open, torch.save brings its tensors back first (between
+# steps), and an invalid storage (inside a step) is an error that says what to do.
+_sessions_watching_save: "weakref.WeakSet[Session]" = weakref.WeakSet()
+_torch_save = None
+
+
+def _save(*args, **kwargs):
+    for session in list(_sessions_watching_save):
+        session._resident_between_steps()
+    try:
+        return _torch_save(*args, **kwargs)
+    except RuntimeError as e:
+        if "invalid python storage" not in str(e):
+            raise
+        raise _C.Error(
+            "torch.save read a tensor whose bytes tidal has moved out of memory (plan mode "
+            "with the step boundary offloaded, or inside a step): save between steps, or call "
+            "session.make_resident() first") from e
+
+
+def _watch_torch_save(session: "Session") -> None:
+    global _torch_save
+    _sessions_watching_save.add(session)
+    if _torch_save is None:
+        _torch_save = torch.save
+        torch.save = _save
+
+
+def _unwatch_torch_save(session: "Session") -> None:
+    global _torch_save
+    _sessions_watching_save.discard(session)
+    if not _sessions_watching_save and _torch_save is not None and torch.save is _save:
+        torch.save = _torch_save
+        _torch_save = None
+
 
 @dataclasses.dataclass(frozen=True)
 class SessionStats:
@@ -50,6 +180,7 @@ class SessionStats:
     within_budget: bool
     steps_measured: int
     steps_over_budget: int
+    steps_aborted: int
     budget_reason: str
     shapes: int
     shape: int
@@ -68,6 +199,17 @@ class SessionStats:
         return line
 
 
+def _refuse_plan_options(mode: str, **given) -> None:
+    """Options that only plan mode uses, given to another mode: refused, not ignored."""
+    names = [name for name, (value, default) in given.items() if value != default]
+    if names:
+        one = len(names) == 1
+        raise _C.InvalidArgument(
+            f"{', '.join(names)} {'is an option' if one else 'are options'} of mode=\"plan\", "
+            f"and mode={mode!r} does nothing with {'it' if one else 'them'}: leave "
+            f"{'it' if one else 'them'} out, or use mode=\"plan\"")
+
+
 def _distributed(model) -> bool:
     """A DDP-wrapped model, or one with FSDP2-sharded (DTensor) parameters."""
     if model is None:
@@ -83,8 +225,11 @@ class Session:
     mode: "none" (nothing moves: the reference), "activations" (autograd's saved tensors, the
     SSDTrain/TBA way), or "plan" (profile the first steps, plan every tensor class, execute).
     dirs: one directory per SSD (`{rank}`/`{local_rank}` are replaced; None: TIDAL_DIRS).
-    budget: plan mode's memory budget, a share of the profiled peak ("50%", 0.5) or whole-process
-    bytes (an int or "8GiB"). host_memory: plan mode's host tier ("8GiB"; 0: SSD only).
+    budget: plan mode's memory budget, a share of the profiled peak ("50%", 0.5; the default
+    "50%") or whole-process bytes (an int or "8GiB"). host_memory: plan mode's host tier
+    ("8GiB"; 0: SSD only). The plan-mode options (budget, host_memory, strict, strict_budget,
+    wall_by_retry, between_steps) are refused in the other modes, which do nothing with them.
+    Only one plan-mode session may be open in a process at a time.
     model, optimizer: their parameters, buffers and optimizer state are registered with their
     names (the session finds such tensors without it; names make the trace and plan readable,
     and in activation mode they are never written as activations).
@@ -117,7 +262,7 @@ class Session:
     def __init__(self,
                  mode: str = "plan",
                  dirs: Optional[Union[str, Sequence[str]]] = None,
-                 budget: Union[int, float, str] = "50%",
+                 budget: Optional[Union[int, float, str]] = None,
                  host_memory: Size = 0,
                  model: Optional[torch.nn.Module] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None,
@@ -138,6 +283,11 @@ class Session:
                  timeline_steps: int = 2,
                  timeline: Optional[str] = None,
                  _faults: Optional[dict] = None) -> None:
+        if mode != "plan":
+            _refuse_plan_options(mode, budget=(budget, None), host_memory=(host_memory, 0),
+                                 strict=(strict, False), strict_budget=(strict_budget, False),
+                                 wall_by_retry=(wall_by_retry, False),
+                                 between_steps=(between_steps, "auto"))
         opt = _C.SessionOptions()
         opt.mode = mode
         # The device whose memory the budget is about and the meter measures: given, or the
@@ -148,9 +298,9 @@ class Session:
         opt.device = str(torch.device(device if device is not None else "cpu"))
         if mode != "none":
             opt.store = store_options(dirs, capacity, checksum, _faults)
-        opt.memory_budget, opt.budget_fraction = parse_budget(budget)
+        opt.memory_budget, opt.budget_fraction = parse_budget("50%" if budget is None else budget)
         self._byte_budget = opt.memory_budget
-        self._piece_bytes = None  # the optimizer step's pieces (_split_multi_tensor_steps)
+        self._piece_bytes_fixed = None  # the optimizer step's pieces (_split_groups)
         opt.budget_option = "Session(budget=...)"
         opt.between_steps_option = "Session(between_steps=\"offloaded\")"
         opt.host_memory = parse_size(host_memory, "host_memory")
@@ -172,7 +322,8 @@ class Session:
             # DDP's and FSDP2's collectives read parameters and gradients as raw buffers, which
             # no hook brings back from the SSD: their step boundary stays resident.
             between_steps = "resident"
-        opt.between_steps = between_steps
+        if mode == "plan":
+            opt.between_steps = between_steps
         opt.hardware = hardware
         opt.model_name = name or (type(model).__name__ if model is not None else "")
         if timeline_steps < 0:
@@ -205,90 +356,71 @@ class Session:
     def _hook_state_dicts(self, model, optimizer) -> None:
         # With the step boundary offloaded, the model's state may be on the SSD between steps:
         # state_dict() (and so torch.save of it) reads raw bytes, so it brings them back first.
-        # A weak reference: the hooks must not keep the session alive.
-        ref = weakref.ref(self)
-
-        def restore(*_args, **_kwargs):
-            session = ref()
-            if session is not None and not session._in_step and session._session is not None:
-                session._session.make_resident()
-
+        hook = _Hook(self, Session._resident_between_steps)
         if model is not None:
-            self._hooks.append(model.register_state_dict_pre_hook(restore))
+            self._hooks.append(model.register_state_dict_pre_hook(hook))
         if optimizer is not None and hasattr(optimizer, "register_state_dict_pre_hook"):
-            self._hooks.append(optimizer.register_state_dict_pre_hook(restore))
+            self._hooks.append(optimizer.register_state_dict_pre_hook(hook))
+        _watch_torch_save(self)
+
+    def _resident_between_steps(self, *_args, **_kwargs) -> None:
+        if not self._in_step and self._session is not None:
+            self._session.make_resident()
+
+    # A foreach or fused optimizer step is one op over every parameter of a group, with its
+    # gradient and state: no plan can bring less than all of them in at once. For the step, a
+    # group larger than a piece (an eighth of the budget) steps in pieces: the user's group
+    # itself holds the first piece's parameters, and copies of it (the same hyperparameters;
+    # the state is kept by parameter) the others. The same elementwise arithmetic, bit for bit.
+    # After the step the group has all its parameters again, and what the optimizer wrote into
+    # it (a step counter) is the first piece's, checked against the others'.
 
     def _split_multi_tensor_steps(self, optimizer) -> None:
-        # A foreach or fused optimizer step is one op over every parameter of a group, with its
-        # gradient and state: no plan can bring less than all of them in at once. For the step,
-        # each group is split into groups of at most an eighth of the budget (or of the state,
-        # before the budget is known; the same hyperparameters; the state is kept by
-        # parameter): the same elementwise arithmetic, bit for bit, in pieces that fit. The
-        # groups come back after the step.
-        ref = weakref.ref(self)
+        self._hooks.append(optimizer.register_step_pre_hook(_Hook(self, Session._split_groups)))
+        self._hooks.append(optimizer.register_step_post_hook(_Hook(self, Session._join_groups)))
+        self._restore_groups = lambda: _join_groups(optimizer, checked=False)
 
-        def piece_bytes(opt) -> int:
-            # Fixed at the first step, so that every step (profiled or executed) has the same
-            # pieces, and so the same ops (a piece size changed after the first plan would make
-            # a new step shape, planned from what the old one measured): an eighth of a budget
-            # known then (in bytes, or already measured), else an eighth of the split groups'
-            # state, at most 64 MiB.
-            session = ref()
-            if session is None:
-                return 64 << 20
-            if session._piece_bytes is None:
-                live = session._session is not None
-                budget = session._session.stats()["memory_budget"] if live else 0
-                if not budget and not session._byte_budget:
-                    # the parameter, its gradient and (Adam) two moments
-                    state = sum(4 * p.numel() * p.element_size() for g in opt.param_groups
-                                if multi_tensor(g) for p in g["params"])
-                    budget = min(state, 512 << 20)
-                budget = budget or session._byte_budget
-                session._piece_bytes = max(1 << 20, budget // 8)
-            return session._piece_bytes
+    def _piece_bytes(self, opt) -> int:
+        # Fixed at the first step, so that every step (profiled or executed) has the same
+        # pieces, and so the same ops (a piece size changed after the first plan would make a
+        # new step shape, planned from what the old one measured): an eighth of a budget known
+        # then (in bytes, or already measured), else an eighth of the split groups' state, at
+        # most 64 MiB.
+        if self._piece_bytes_fixed is None:
+            budget = self._session.stats()["memory_budget"] if self._session is not None else 0
+            if not budget and not self._byte_budget:
+                state = sum(_step_bytes(p) for g in opt.param_groups if _multi_tensor(g)
+                            for p in g["params"])
+                budget = min(state, 512 << 20)
+            budget = budget or self._byte_budget
+            self._piece_bytes_fixed = max(1 << 20, budget // 8)
+        return self._piece_bytes_fixed
 
-        def multi_tensor(group) -> bool:
-            if group.get("fused") or group.get("foreach"):
-                return True
-            # foreach=None: torch picks foreach where every tensor is on a GPU.
-            return group.get("foreach", False) is None and group.get("fused") is None and any(
-                p.is_cuda for p in group["params"])
+    def _split_groups(self, opt, _args, _kwargs) -> None:
+        if getattr(opt, "_tidal_split", None) is not None:
+            return
+        if not any(_multi_tensor(g) for g in opt.param_groups):
+            return
+        limit = self._piece_bytes(opt)
+        groups, pieces, whole = [], [], []
+        for g in opt.param_groups:
+            chunks = _chunks(g["params"], limit) if _multi_tensor(g) else [g["params"]]
+            groups.append(g)
+            if len(chunks) == 1:
+                continue
+            whole.append((g, g["params"]))
+            g["params"] = chunks[0]
+            for chunk in chunks[1:]:
+                piece = {**g, "params": chunk}
+                groups.append(piece)
+                pieces.append((g, piece))
+        if pieces:
+            opt._tidal_split = (list(opt.param_groups), whole, pieces)
+            opt.param_groups[:] = groups
 
-        def split(opt, _args, _kwargs):
-            if getattr(opt, "_tidal_groups", None) is not None:
-                return
-            if not any(multi_tensor(g) for g in opt.param_groups):
-                return
-            limit = piece_bytes(opt)
-            groups = []
-            for g in opt.param_groups:
-                if not multi_tensor(g):
-                    groups.append(g)
-                    continue
-                chunk, size = [], 0
-                for p in g["params"]:
-                    # the parameter, its gradient and (Adam) two moments
-                    b = 4 * p.numel() * p.element_size()
-                    if chunk and size + b > limit:
-                        groups.append({**g, "params": chunk})
-                        chunk, size = [], 0
-                    chunk.append(p)
-                    size += b
-                if chunk:
-                    groups.append({**g, "params": chunk})
-            opt._tidal_groups = opt.param_groups
-            opt.param_groups = groups
-
-        def restore(opt, _args=None, _kwargs=None):
-            saved = getattr(opt, "_tidal_groups", None)
-            if saved is not None:
-                opt.param_groups = saved
-                opt._tidal_groups = None
-
-        self._hooks.append(optimizer.register_step_pre_hook(split))
-        self._hooks.append(optimizer.register_step_post_hook(restore))
-        self._restore_groups = lambda: restore(optimizer)
+    @staticmethod
+    def _join_groups(_session, opt, _args, _kwargs) -> None:
+        _join_groups(opt, checked=True)
 
     # -- the session's life -----------------------------------------------------------------
 
@@ -312,6 +444,7 @@ class Session:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        _unwatch_torch_save(self)
         session, self._session, self._fsdp = self._session, None, None
         session.close()
         self._final_stats = SessionStats(**session.stats())
@@ -322,11 +455,7 @@ class Session:
 
     def __exit__(self, *_exc) -> None:
         if self._in_step:  # an exception left a step open: end it, keep the exception
-            self._in_step = False
-            try:
-                self._session.end_step()
-            except _C.Error:
-                pass
+            self.abort_step()
         self.close()
 
     # -- steps ------------------------------------------------------------------------------
@@ -345,16 +474,28 @@ class Session:
         self._in_step = False
         self._live().end_step()
 
+    def abort_step(self) -> None:
+        """Ends a step that raised: the session learns nothing from it (no profile, re-plan or
+        tightening of the wall), the tensors it moved come back as at a step's end, and the
+        next step starts under the wall the user set. `with session.step():` calls it when an
+        exception leaves the block. Does nothing outside a step."""
+        if not self._in_step:
+            return
+        self._in_step = False
+        getattr(self, "_restore_groups", lambda: None)()
+        self._live().abort_step()
+
     @contextlib.contextmanager
     def step(self) -> Iterator["Session"]:
-        """`with session.step():` around one training step."""
+        """`with session.step():` around one training step. An exception that leaves the block
+        aborts the step (abort_step) and goes on."""
         self.begin_step()
         try:
             yield self
         except BaseException:
             # The step's own error wins; the session is still closed for the next step.
             try:
-                self.end_step()
+                self.abort_step()
             except _C.Error:
                 pass
             raise
