@@ -296,11 +296,17 @@ class Fuzz:
             except (tidal.Error, RuntimeError):
                 pass
         self.close_session()
+        self.stop_other_thread()
+        print(f"fuzz ok: {self.steps_compared} steps compared bit for bit", flush=True)
+
+    def stop_other_thread(self):
+        # Also when the run failed: a thread still in torch at the interpreter's exit aborts the
+        # process, and the failure would read as a crash.
         if self.other_thread is not None:
             self.other_thread.join()
             print(f"other thread: {self.other_thread.ops} ops, {self.other_thread.refused} "
                   "refused by the wall", flush=True)
-        print(f"fuzz ok: {self.steps_compared} steps compared bit for bit", flush=True)
+            self.other_thread = None
 
     def after_error(self):
         # A step left open by the error is ended (its own error, if any, is not the point).
@@ -325,11 +331,14 @@ class Fuzz:
 
 def main():
     seed, ops, store_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    fuzz = Fuzz(seed, store_dir)
     try:
-        Fuzz(seed, store_dir).run(ops)
+        fuzz.run(ops)
     except AssertionError:
         traceback.print_exc()
         sys.exit(3)
+    finally:
+        fuzz.stop_other_thread()
 
 
 if __name__ == "__main__":
