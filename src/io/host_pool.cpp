@@ -12,6 +12,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include "io/host_copy.hpp"
 #include "tidal/common/error.hpp"
@@ -22,6 +23,9 @@ namespace tidal::io {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// The host pool is page-locked as its use grows, this much at a time.
+constexpr std::uint64_t kPinStep = 64ull << 20;
 
 }  // namespace
 
@@ -41,7 +45,12 @@ struct HostPool::Impl {
 
   std::uint64_t capacity = 0;
   char* base = nullptr;
-  bool pinned = false;
+  // Page-locked (CUDA) from base up to pinned_end, in regions pinned as the pool's use grew
+  // (kPinStep at a time): a large default pool costs nothing until it is used.
+  bool pin = false;  // a CUDA device is there: pin as the pool grows
+  std::uint64_t pinned_end = 0;
+  std::vector<char*> pinned_regions;
+  std::string pin_failure;  // why pinning stopped, once it did
 
   mutable std::mutex mu;
   std::condition_variable work_cv;  // the copy thread waits for requests
@@ -121,6 +130,32 @@ struct HostPool::Impl {
     TIDAL_FAIL_IO(err, msg);
   }
 
+  // Pins the pool up to `end` (a new extent's end), a kPinStep at a time. A refusal (the
+  // memlock limit, a failed registration) stops pinning for good: the rest stays pageable and
+  // copies from it are slower, said once in stats().pin_failure.
+  void grow_pinned(std::uint64_t end) {
+#ifdef TIDAL_WITH_CUDA
+    if (!pin || end <= pinned_end) return;
+    const std::uint64_t to = std::min(capacity, (end + kPinStep - 1) / kPinStep * kPinStep);
+    if (detail::cuda::pin_host_memory(base + pinned_end, to - pinned_end) != 0) {
+      pin = false;
+      pin_failure = ::tidal::detail::concat(
+          "pinning ", format_bytes(static_cast<double>(to - pinned_end)),
+          " more of the host pool failed (", detail::cuda::last_error(),
+          "): the rest of it is pageable, and copies between it and the GPU are slower; raise "
+          "the memlock limit (ulimit -l) or give a smaller host memory size");
+      counters.pin_failure = pin_failure;
+      return;
+    }
+    pinned_regions.push_back(base + pinned_end);
+    pinned_end = to;
+    counters.pinned_bytes = pinned_end;
+    counters.pinned = true;
+#else
+    (void)end;
+#endif
+  }
+
   void wait_locked(std::unique_lock<std::mutex>& lock, std::uint64_t id) {
     done_cv.wait(lock, [&] { return !entries.at(id).in_flight; });
   }
@@ -141,11 +176,8 @@ HostPool::HostPool(std::uint64_t capacity) : impl_(std::make_unique<Impl>()) {
   impl_->extents = ExtentAllocator(rounded);
   impl_->counters.capacity = rounded;
 #ifdef TIDAL_WITH_CUDA
-  if (detail::cuda::device_available()) {
-    impl_->pinned = detail::cuda::pin_host_memory(impl_->base, rounded) == 0;
-  }
+  impl_->pin = detail::cuda::device_available();
 #endif
-  impl_->counters.pinned = impl_->pinned;
   impl_->worker = std::thread([this] { impl_->run(); });
 }
 
@@ -157,7 +189,7 @@ HostPool::~HostPool() {
   impl_->work_cv.notify_all();
   impl_->worker.join();
 #ifdef TIDAL_WITH_CUDA
-  if (impl_->pinned) detail::cuda::unpin_host_memory(impl_->base);
+  for (char* region : impl_->pinned_regions) detail::cuda::unpin_host_memory(region);
 #endif
   munmap(impl_->base, impl_->capacity);
 }
@@ -182,6 +214,7 @@ Ticket HostPool::write(const void* src, std::uint64_t bytes, Priority priority) 
     return Ticket{id};
   }
   e.extent = *extent;
+  m.grow_pinned(extent->offset + extent->length);
   e.user = const_cast<char*>(static_cast<const char*>(src));
   e.device = detail::is_device_memory(src);
   e.priority = priority;
@@ -268,6 +301,7 @@ std::optional<std::pair<Ticket, void*>> HostPool::reserve(std::uint64_t bytes) {
   Impl& m = *impl_;
   const auto extent = bytes == 0 ? std::optional<Extent>(Extent{}) : m.extents.allocate(bytes);
   if (!extent) return std::nullopt;
+  m.grow_pinned(extent->offset + extent->length);
   const std::uint64_t id = m.next_id++;
   Impl::Entry& e = m.entries[id];
   e.bytes = bytes;

@@ -10,11 +10,45 @@
 #include "test_dir.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
+#ifdef TIDAL_WITH_CUDA
+#include "io/cuda/device.hpp"
+#endif
 
 namespace tidal::io {
 namespace {
 
 using testing::random_bytes;
+
+bool cuda_device() {
+#ifdef TIDAL_WITH_CUDA
+  return detail::cuda::device_available();
+#else
+  return false;
+#endif
+}
+
+TEST(HostPool, IsPinnedAsItsUseGrowsNotWholeAtStart) {
+  // A default host tier is most of the machine's memory: pinned whole at start it would take
+  // minutes and all of it at once. It is pinned to its most used, 64 MiB at a time.
+  HostPool pool(1 * kGiB);
+  std::vector<unsigned char> small(10 * kMiB, 7);
+  Ticket a = pool.write(small.data(), small.size(), Priority::kOffload);
+  pool.wait(a);
+  if (!cuda_device()) {
+    EXPECT_EQ(pool.stats().pinned_bytes, 0u);
+    EXPECT_FALSE(pool.stats().pinned);
+    GTEST_SKIP() << "no CUDA device: nothing is pinned (checked); the sizes need a GPU";
+  }
+  EXPECT_EQ(pool.stats().pinned_bytes, 64 * kMiB);
+  std::vector<unsigned char> big(70 * kMiB, 1);
+  Ticket b = pool.write(big.data(), big.size(), Priority::kOffload);
+  pool.wait(b);
+  EXPECT_EQ(pool.stats().pinned_bytes, 128 * kMiB);  // 80 MiB used: two steps
+  pool.free(a);
+  pool.free(b);
+  EXPECT_EQ(pool.stats().pinned_bytes, 128 * kMiB);  // kept: the next use needs it again
+  EXPECT_TRUE(pool.stats().pin_failure.empty()) << pool.stats().pin_failure;
+}
 
 TEST(HostPool, RoundTripsEveryByteAtOddSizes) {
   HostPool pool(8 * kMiB);

@@ -1,5 +1,6 @@
 // The host memory tier: a fixed pool of host memory (page-locked when a CUDA device is present,
-// so that copies from and to the GPU run at the link's speed) that holds offloaded tensors where
+// so that copies from and to the GPU run at the link's speed, as far as it has been used: it is
+// reserved whole but pinned as it grows) that holds offloaded tensors where
 // a plan says "host". Faster than the SSDs and scarcer: the planner uses it where the SSD
 // channel has no room (docs/simulator.md), up to the pool's capacity.
 //
@@ -19,6 +20,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "tidal/io/tier.hpp"
@@ -37,7 +39,13 @@ struct HostPoolStats {
   std::uint64_t full = 0;     ///< writes refused for lack of room
   double busy_seconds = 0;    ///< time the copy thread spent copying
   std::uint64_t tickets = 0;  ///< tickets alive
-  bool pinned = false;        ///< page-locked for a CUDA device
+  bool pinned = false;        ///< page-locked (a part or all) for a CUDA device
+  /// Bytes page-locked from the pool's start: its most used so far rounded up to 64 MiB, as it
+  /// grew (0 without a CUDA device). A pool is not pinned whole at start.
+  std::uint64_t pinned_bytes = 0;
+  /// Why pinning stopped (the memlock limit, a failed registration), or empty: the rest of the
+  /// pool is pageable, and copies between it and the GPU are slower.
+  std::string pin_failure;
 };
 
 class HostPool final : public Tier {
