@@ -1,6 +1,8 @@
 #include "tidal/torch/memory.hpp"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/ones.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>  // torch >= 2.9: any device's allocator statistics
@@ -18,6 +20,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "device_sync.hpp"
 #include "tidal/common/env.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
@@ -291,6 +294,32 @@ bool set_device_memory_wall(const c10::Device& device, std::uint64_t bytes) {
   }
 #endif
   return false;
+}
+
+DeviceMemory measure_device_memory(const c10::Device& device) {
+  DeviceMemory d;
+#if defined(TIDAL_TORCH_CUDA)
+  if (device.is_cuda()) {
+    const c10::DeviceIndex index = device.has_index() ? device.index() : 0;
+    const auto on_device = at::TensorOptions().device(c10::Device(c10::kCUDA, index));
+    {
+      // The CUDA context and cuBLAS's handle and workspace exist once a matmul ran.
+      const at::Tensor a = at::ones({64, 64}, on_device);
+      (void)at::matmul(a, a);
+      detail::sync_current_stream(c10::Device(c10::kCUDA, index));
+    }
+    auto* allocator = c10::cuda::CUDACachingAllocator::get();
+    const auto [free, total] = allocator->getMemoryInfo(index);
+    const auto stats = allocator->getDeviceStats(index);
+    d.total = total;
+    d.free = free;
+    d.allocated = static_cast<std::uint64_t>(stats.allocated_bytes[0].current);
+    d.reserved = static_cast<std::uint64_t>(stats.reserved_bytes[0].current);
+  }
+#else
+  (void)device;
+#endif
+  return d;
 }
 
 MemoryMeter::MemoryMeter(c10::Device device) : device_(device) {

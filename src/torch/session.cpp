@@ -9,6 +9,7 @@
 #include "tidal/common/enum_names.hpp"
 #include "tidal/common/env.hpp"
 #include "tidal/common/error.hpp"
+#include "tidal/common/memory_defaults.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/io/measure.hpp"
 #include "tidal/plan/planner.hpp"
@@ -99,12 +100,48 @@ struct Session::Impl {
                       to_string(opt.mode),
                       " does nothing with it: leave it unset, or use mode plan");
     };
-    refuse(opt.strict_meter, "the strict meter (strict_meter)");
+    refuse(opt.strict_meter == true, "the strict meter (strict_meter)");
     refuse(opt.strict_budget, "strict_budget");
     refuse(opt.wall_by_retry, "wall_by_retry");
     refuse(opt.memory_budget > 0, "a memory budget in bytes (memory_budget)");
-    refuse(opt.host_memory > 0, "host_memory");
+    refuse(opt.host_memory != kHostMemoryAuto && opt.host_memory > 0, "host_memory");
     refuse(opt.between_steps != BetweenSteps::kResident, "between_steps");
+  }
+
+  // Options left to the machine (SessionOptions: memory_budget and budget_fraction both 0,
+  // strict_meter unset, host_memory kHostMemoryAuto), chosen from what it has. On a CUDA device
+  // in plan mode: the budget is what tensors can hold there, the wall stands from step 0, and
+  // host memory is a tier; elsewhere the CPU's documented defaults. stats().defaults says what
+  // was chosen, with the figures.
+  void choose_defaults() {
+    const bool gpu = opt.mode == OffloadMode::kPlan && opt.device.is_cuda();
+    std::string chosen;
+    const auto say = [&](const std::string& what) {
+      chosen += (chosen.empty() ? "" : "; ") + what;
+    };
+    if (opt.memory_budget == 0 && opt.budget_fraction == 0) {
+      if (gpu) {
+        const BudgetChoice b = default_device_budget(measure_device_memory(opt.device));
+        opt.memory_budget = b.bytes;
+        say(b.why);
+      } else {
+        opt.budget_fraction = kCpuBudgetFraction;
+        if (opt.mode == OffloadMode::kPlan) say("budget 50% of the profiled peak (the CPU's)");
+      }
+    }
+    if (!opt.strict_meter.has_value()) {
+      opt.strict_meter = gpu && opt.memory_budget > 0;
+      if (*opt.strict_meter) say("the wall stands from step 0");
+    }
+    if (opt.host_memory == kHostMemoryAuto) {
+      opt.host_memory = 0;
+      if (gpu) {
+        const HostTierChoice h = default_host_tier(read_host_memory());
+        opt.host_memory = h.bytes;
+        say(h.why);
+      }
+    }
+    stats.defaults = chosen;
   }
 
   SessionOptions opt;
@@ -170,7 +207,7 @@ struct Session::Impl {
   // least recently whenever an allocation would cross the budget.
   // On a GPU the same, with the wall raised the way the device raises it (apply_cap).
   bool walled_from_start() const {
-    return opt.mode == OffloadMode::kPlan && opt.strict_meter && opt.memory_budget > 0 &&
+    return opt.mode == OffloadMode::kPlan && opt.strict_meter == true && opt.memory_budget > 0 &&
            (opt.device.is_cpu() || opt.device.is_cuda());
   }
 
@@ -519,7 +556,7 @@ struct Session::Impl {
     }
   }
   void apply_cap() {
-    if (!opt.strict_meter || cap_on || !executor || wall == 0) return;
+    if (opt.strict_meter != true || cap_on || !executor || wall == 0) return;
     if (opt.device.is_cpu() && !opt.wall_by_retry) {
       cap_previous = cpu_memory_cap();
       PlanExecutor* ex = executor.get();
@@ -754,6 +791,7 @@ Session::Session(SessionOptions options) : impl_(std::make_unique<Impl>()) {
   m.stats.mode = m.opt.mode;
   m.refuse_plan_options();
   if (m.opt.mode == OffloadMode::kPlan) m.take_plan_slot();
+  m.choose_defaults();
   if (!m.opt.peak_bytes) {
     m.meter = std::make_unique<MemoryMeter>(m.opt.device);
     MemoryMeter* meter = m.meter.get();
@@ -778,8 +816,10 @@ Session::Session(SessionOptions options) : impl_(std::make_unique<Impl>()) {
   TIDAL_EXPECT_AS(InvalidArgument, m.opt.profile_steps >= 1,
                   "plan mode needs at least one profiled step (profile_steps >= 1)");
   TIDAL_EXPECT_AS(InvalidArgument, m.opt.warmup_steps >= 0, "warmup_steps must be 0 or more");
-  TIDAL_EXPECT_AS(InvalidArgument, m.opt.budget_fraction > 0 && m.opt.budget_fraction <= 1,
-                  "the memory budget fraction must be in (0, 1]");
+  TIDAL_EXPECT_AS(
+      InvalidArgument,
+      m.opt.memory_budget > 0 || (m.opt.budget_fraction > 0 && m.opt.budget_fraction <= 1),
+      "the memory budget fraction must be in (0, 1]");
   m.store = std::make_shared<io::TensorStore>(m.opt.store);
   if (m.opt.mode == OffloadMode::kPlan && m.opt.host_memory > 0) {
     m.host = std::make_shared<io::HostPool>(m.opt.host_memory);
@@ -1050,6 +1090,8 @@ SessionStats Session::stats() const {
   }
   return s;
 }
+
+const SessionOptions& Session::options() const { return impl_->opt; }
 
 plan::TimeReport Session::time_report() const {
   if (!impl_->timeline) return {};

@@ -135,7 +135,7 @@ struct TrainArgs {
   std::int64_t timeline_steps = 2;    // signed: -1 is refused, not read as 2^64 - 1
   bool recompute = false;
   std::string offload = "none";
-  std::string mem_budget = "50%";
+  std::string mem_budget;  // empty: the device's default (SessionOptions::memory_budget)
   std::string dirs;
   bool dirs_given = false;  // --dir on the command line (an empty one is an error, not a default)
   std::string capacity = "0";
@@ -148,7 +148,7 @@ struct TrainArgs {
   std::string between_steps = "auto";
   bool strict_budget = false;
   bool strict_meter = false;
-  std::string host_mem = "0";
+  std::string host_mem;    // empty: the machine's default (SessionOptions::host_memory)
   std::string checkpoint;  // directory checkpoints are written to
   int checkpoint_every = 0;
   std::string resume;    // directory to resume from
@@ -255,7 +255,19 @@ void run_train(const TrainArgs& args) {
   so.executor.min_bytes = parse_bytes(args.min_offload);
   so.warmup_steps = args.warmup_steps;
   so.profile_steps = args.profile_steps;
-  if (args.mem_budget.find('%') != std::string::npos) {
+  const bool plan_options_given =
+      !args.mem_budget.empty() || !args.host_mem.empty() || args.strict_meter || args.strict_budget;
+  if (so.mode != torch_layer::OffloadMode::kPlan && plan_options_given) {
+    const char* flag = !args.mem_budget.empty() ? "--mem-budget"
+                       : !args.host_mem.empty() ? "--host-mem"
+                       : args.strict_meter      ? "--strict-meter"
+                                                : "--strict-budget";
+    TIDAL_FAIL_AS(InvalidArgument, flag, " is for --offload plan; --offload ", args.offload,
+                  " does nothing with it: leave it out, or use --offload plan");
+  }
+  if (args.mem_budget.empty()) {
+    // the device's default: chosen by the session, printed below
+  } else if (args.mem_budget.find('%') != std::string::npos) {
     const double fraction = parse_flag("--mem-budget", args.mem_budget, parse_percentage);
     TIDAL_EXPECT_AS(InvalidArgument, fraction > 0 && fraction <= 1, "--mem-budget ",
                     args.mem_budget, " must be a percentage in (0, 100] or a size such as 2GiB");
@@ -277,12 +289,8 @@ void run_train(const TrainArgs& args) {
                                                            : torch_layer::BetweenSteps::kAuto;
   }
   so.strict_budget = args.strict_budget;
-  so.strict_meter = args.strict_meter;
-  so.host_memory = parse_bytes(args.host_mem);
-  TIDAL_EXPECT_AS(InvalidArgument,
-                  so.host_memory == 0 || so.mode == torch_layer::OffloadMode::kPlan,
-                  "--host-mem is for --offload plan (activation offloading writes to the SSD "
-                  "store only)");
+  if (args.strict_meter) so.strict_meter = true;
+  if (!args.host_mem.empty()) so.host_memory = parse_bytes(args.host_mem);
   so.timeline_steps = static_cast<std::size_t>(args.timeline_steps);
   so.model_name = args.model.model;
   so.batch = args.model.batch;
@@ -318,6 +326,10 @@ void run_train(const TrainArgs& args) {
         });
   }
   torch_layer::Session session(so);
+  so = session.options();  // with what was left to the machine chosen
+  if (!session.stats().defaults.empty()) {
+    std::fprintf(stderr, "defaults: %s\n", session.stats().defaults.c_str());
+  }
   trainer.register_persistent(session, false);
   trainer.add_observer(&session);
   const auto& c = options.config;
@@ -528,7 +540,8 @@ void run_train(const TrainArgs& args) {
       j["profiled_peak_bytes"] = st.profiled_peak;
       j["plan_summary"] = st.plan_summary;
       j["planned_step_seconds"] = st.planned_step_seconds;
-      j["strict_meter"] = so.strict_meter;
+      j["strict_meter"] = so.strict_meter.value_or(false);
+      j["defaults"] = st.defaults;
       j["between_steps"] = st.between_steps;
       j["replans"] = st.replans;
       j["budget_replans"] = st.tightenings;
@@ -598,8 +611,8 @@ void add_train_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--mem-budget", args->mem_budget,
                   "plan mode: memory to stay under, bytes (2GiB) or a percentage of the peak "
-                  "measured while profiling (50%)")
-      ->capture_default_str();
+                  "measured while profiling (50%); default: on a GPU what tensors can hold there "
+                  "(measured at start), on the CPU 50%");
   cmd->add_option_function<std::string>(
       "--dir",
       [args](const std::string& v) {
@@ -632,16 +645,18 @@ void add_train_command(CLI::App& app) {
       ->check(CLI::IsMember({"auto", "resident", "offloaded"}))
       ->capture_default_str();
   cmd->add_flag("--strict-meter", args->strict_meter,
-                "plan mode on the CPU: the budget is a wall, as a GPU's memory is: an allocation "
-                "past it has tensors written out, or fails with out of memory; with a budget in "
-                "bytes it stands from step 0 (warm-up and profiling included)");
+                "plan mode: the budget is a wall, as a GPU's memory is: an allocation past it "
+                "has tensors written out, or fails with out of memory; with a budget in bytes it "
+                "stands from step 0 (warm-up and profiling included). On by default on a GPU, "
+                "off on the CPU");
   cmd->add_flag("--strict-budget", args->strict_budget,
                 "plan mode: stop with an error when no plan can meet the budget (default: run "
                 "with the smallest peak a plan reaches and say why)");
   cmd->add_option("--host-mem", args->host_mem,
                   "plan mode: host memory offloaded tensors may use (e.g. 8GiB; 0: SSD only); "
-                  "the planner puts there what the SSDs cannot move in time")
-      ->capture_default_str();
+                  "the planner puts there what the SSDs cannot move in time. Default: on a GPU "
+                  "the memory the process may still take less a reserve (a quarter, at least "
+                  "2GiB); on the CPU 0");
   cmd->add_option("--checkpoint", args->checkpoint,
                   "write checkpoints (model, optimizer, data position, RNG, step) to this "
                   "directory, atomically: at the end, and every --checkpoint-every steps");

@@ -13,6 +13,8 @@
 #include <functional>
 #include <string>
 
+#include "tidal/common/memory_defaults.hpp"
+
 namespace tidal::torch_layer {
 
 /// Alignment and size granularity of every allocation of the tracking CPU allocator.
@@ -80,6 +82,12 @@ bool set_device_memory_wall(const c10::Device& device, std::uint64_t bytes);
 /// or on CUDA the caching allocator's, seen through its out-of-memory observer), or 0; reading
 /// it clears it.
 std::uint64_t take_last_refused_bytes();
+
+/// A device's memory now, after its context and its libraries' workspaces exist (a first
+/// matmul runs on it): the figures default_device_budget takes. CUDA only; other devices (and
+/// a torch without CUDA) give zeros, which default_device_budget refuses with a message that
+/// asks for a budget in bytes.
+DeviceMemory measure_device_memory(const c10::Device& device);
 
 /// Sets the cap for the life of the object and puts the previous one back after.
 class ScopedCpuMemoryCap {

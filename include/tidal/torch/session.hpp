@@ -66,6 +66,11 @@ enum class BetweenSteps : std::uint8_t {
   kAuto,
 };
 
+/// SessionOptions::host_memory: the machine's default.
+inline constexpr std::uint64_t kHostMemoryAuto = ~std::uint64_t{0};
+/// SessionOptions::budget_fraction's default on the CPU.
+inline constexpr double kCpuBudgetFraction = 0.5;
+
 struct SessionOptions {
   OffloadMode mode = OffloadMode::kNone;
   io::StoreOptions store;  ///< directories, capacity, backend (not opened in kNone)
@@ -82,12 +87,17 @@ struct SessionOptions {
   int profile_steps = 2;
   /// Plan mode: the tensor memory the process may hold during a step, in bytes, as the meter
   /// counts it (all of it: what a GPU's out-of-memory check would see). 0: from budget_fraction.
+  /// Neither given (both 0): the device's default. On a CUDA device that is what tensors can
+  /// hold there, measured when the session starts (the device's memory less the CUDA context,
+  /// library workspaces and the allocator's idle cache: default_device_budget); on the CPU,
+  /// which has no memory of its own to stand for, a fraction of kCpuBudgetFraction.
   std::uint64_t memory_budget = 0;
   /// Plan mode, when memory_budget is 0: the share of the memory the steps themselves use. The
   /// budget is untouched + fraction x (profiled peak - untouched), where "untouched" is memory
   /// held when a step starts that no op of the step uses (a dataset in memory, say): offloading
-  /// cannot lower it, so it is not scaled. Both figures are in stats().
-  double budget_fraction = 0.5;
+  /// cannot lower it, so it is not scaled. Both figures are in stats(). 0: the device's default
+  /// (above).
+  double budget_fraction = 0;
   /// Plan mode: when no plan can meet the budget, throw tidal::InvalidArgument from the
   /// end_step() that would have started it (true), or run with the smallest peak a plan can
   /// reach and say why in stats() (false, the default: a training loop is never stopped for it).
@@ -102,8 +112,10 @@ struct SessionOptions {
   /// budget (it counts the memory the allocator reserved), and an op refused memory there is
   /// run again after the executor writes tensors out, so that a model larger than the budget
   /// trains from step 0 with a budget in bytes. Without CUDA in torch, a notice says the wall
-  /// is not there.
-  bool strict_meter = false;
+  /// is not there. Unset: on for a CUDA device (its memory is a wall anyway; with it a model
+  /// larger than the device trains from step 0), off on the CPU (tests turn it on to be as
+  /// strict as a GPU).
+  std::optional<bool> strict_meter;
   /// The strict meter on the CPU raised the way a GPU raises it: the cap refuses at once, and
   /// the residency guard writes tensors out and runs the refused op again (rather than a
   /// reclaimer freeing memory inside the allocation). Tests the GPU's path where there is no GPU.
@@ -122,8 +134,10 @@ struct SessionOptions {
   /// planner sends a tensor there where the SSD channel has no room for its migration in time;
   /// the executor copies it into a host pool of this size (page-locked on a GPU machine). On a
   /// CPU-only machine the pool is ordinary memory outside the meter: it stands for a GPU's host
-  /// memory, and is reported apart (stats().bytes_to_host).
-  std::uint64_t host_memory = 0;
+  /// memory, and is reported apart (stats().bytes_to_host). kHostMemoryAuto (the default): on a
+  /// CUDA device what the process may still take less a reserve (default_host_tier: available
+  /// memory or the cgroup's room, a quarter kept, at least 2 GiB); on the CPU 0.
+  std::uint64_t host_memory = kHostMemoryAuto;
   /// Plan mode: the hardware model for the planner (device memory is set from the budget).
   std::string hardware = "cpu-here";
   plan::HardwareOverrides hardware_overrides;
@@ -195,7 +209,10 @@ struct SessionStats {
   int tightenings = 0;  ///< plan mode: re-plans for a smaller capacity after a step over budget
   std::uint64_t executed_peak = 0;  ///< plan mode: the highest peak of the current plans' steps
   std::string plan_summary;         ///< plan mode: one line from the planner
-  std::string notice;               ///< something the user should know, said once (or empty)
+  /// Plan mode: what the session chose where an option was left to the machine (the budget,
+  /// the wall, the host tier), with the figures it read; empty when every one was given.
+  std::string defaults;
+  std::string notice;  ///< something the user should know, said once (or empty)
 };
 
 /// Owns the store, the offloader or the tracer + executor, and switches between them.
@@ -255,6 +272,9 @@ class Session final : public StepObserver {
   void close();
 
   [[nodiscard]] SessionStats stats() const;
+  /// The options in force: those given, with what was left to the machine chosen
+  /// (stats().defaults says what and why).
+  [[nodiscard]] const SessionOptions& options() const;
   /// Where the time of the kept executed steps went, with the plan's figures beside, and the
   /// sentence saying what limits the run (plan::format_report prints it). steps == 0 when no
   /// timeline is kept or no step was.
