@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <chrono>
@@ -123,6 +124,13 @@ std::pair<torch::Tensor, torch::Tensor> TokenSource::next_batch(std::int64_t bat
 std::string TokenSource::position() const {
   std::ostringstream out;
   out << rng_ << ' ' << state_;
+  return out.str();
+}
+
+std::string TokenSource::content_id() const {
+  if (text_.empty()) return "";
+  std::ostringstream out;
+  out << text_.size() << " bytes, XXH3 " << std::hex << XXH3_64bits(text_.data(), text_.size());
   return out.str();
 }
 
@@ -439,8 +447,9 @@ std::vector<std::pair<std::string, std::string>> fingerprint(const TrainerOption
     out << v;
     return out.str();
   };
-  return {{"model", c.name},
-          {"layers", std::to_string(c.layers)},
+  // The model's name last: a changed --layers or --hidden also changes the name (to
+  // "<model>-custom"), and the message names the first difference, the more telling one.
+  return {{"layers", std::to_string(c.layers)},
           {"hidden", std::to_string(c.hidden)},
           {"heads", std::to_string(c.heads)},
           {"kv_heads", std::to_string(c.kv_heads)},
@@ -459,7 +468,8 @@ std::vector<std::pair<std::string, std::string>> fingerprint(const TrainerOption
           {"clip_grad_norm", num(o.clip_grad_norm)},
           {"micro_batches", std::to_string(o.micro_batches)},
           {"micro_batch_order",
-           o.micro_batch_order == MicroBatchOrder::kLayerMajor ? "layer-major" : "sequential"}};
+           o.micro_batch_order == MicroBatchOrder::kLayerMajor ? "layer-major" : "sequential"},
+          {"model", c.name}};
 }
 
 // Options added after checkpoints were first written: a checkpoint without one was written
@@ -484,6 +494,7 @@ void Trainer::save_checkpoint(const std::string& path, torch_layer::Session* ses
   out.write("step", c10::IValue(step_));
   out.write("adamw.steps", c10::IValue(optimizer_.steps_taken()));
   out.write("data.position", c10::IValue(data_.position()));
+  out.write("data.content", c10::IValue(data_.content_id()));
   out.write("rng.cpu", torch_layer::cpu_rng_state());
   for (const auto& p : persistent_tensors(false)) out.write(p.name, p.tensor);
   torch_layer::write_checkpoint(out, path, session);
@@ -506,6 +517,15 @@ void Trainer::load_checkpoint(const std::string& path) {
     TIDAL_EXPECT_AS(InvalidArgument, *written == value, "checkpoint '", path, "' was written with ",
                     key, " = ", *written, ", this run has ", key, " = ", value,
                     ": resume with the options the run was started with");
+  }
+  // The data file's contents, not only its name: the same path with other text would resume
+  // on batches the run never saw. A checkpoint from before this check has no record of them.
+  c10::IValue content;
+  if (in.try_read("data.content", content) && content.isString()) {
+    TIDAL_EXPECT_AS(InvalidArgument, content.toStringRef() == data_.content_id(), "checkpoint '",
+                    path, "' was written with data file '", options_.data_path, "' of ",
+                    content.toStringRef(), "; that file now holds ", data_.content_id(),
+                    ": its contents changed since; resume with the data the run was started with");
   }
   auto read_int = [&](const char* key) {
     c10::IValue x;

@@ -5,6 +5,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstdint>
@@ -24,7 +25,9 @@ namespace {
 
 // After the archive's bytes: a magic word, the archive's length and the XXH3-64 of its bytes.
 // torch reads the archive through a reader that stops before the trailer; a file without one
-// (written before the trailer existed, or by torch::save) is read as it is.
+// (written before the trailer existed, or by torch::save) is read as it is, unless it shows it
+// had one: the magic in it anywhere, or the archive's record kChecksummedKey (which covers a
+// trailer cut whole, or down to less than its magic). Then it is refused as damaged.
 constexpr std::array<char, 8> kMagic = {'T', 'I', 'D', 'A', 'L', 'C', 'K', '1'};
 struct Trailer {
   std::array<char, 8> magic;
@@ -32,6 +35,8 @@ struct Trailer {
   std::uint64_t hash;
 };
 static_assert(sizeof(Trailer) == 24);
+// In every archive write_checkpoint writes: its file ends with a trailer.
+constexpr const char* kChecksummedKey = "tidal.checksummed";
 
 struct HashState {
   HashState() : state(XXH3_createState()) {
@@ -74,12 +79,44 @@ std::size_t pread_some(const Fd& f, const std::string& path, void* buf, std::siz
   return done;
 }
 
+// Whether tidal's trailer magic is anywhere in the file's first `size` bytes.
+bool carries_magic(const Fd& f, const std::string& path, std::uint64_t size) {
+  std::vector<char> buf(std::size_t{4} << 20);
+  const std::size_t keep = kMagic.size() - 1;  // a magic split between two reads
+  std::size_t have = 0;
+  for (std::uint64_t pos = 0; pos < size;) {
+    const auto want =
+        static_cast<std::size_t>(std::min<std::uint64_t>(buf.size() - have, size - pos));
+    const std::size_t got = pread_some(f, path, buf.data() + have, want, pos);
+    if (got == 0) break;
+    have += got;
+    pos += got;
+    if (std::search(buf.begin(), buf.begin() + static_cast<std::ptrdiff_t>(have), kMagic.begin(),
+                    kMagic.end()) != buf.begin() + static_cast<std::ptrdiff_t>(have)) {
+      return true;
+    }
+    const std::size_t tail = std::min(keep, have);
+    std::memmove(buf.data(), buf.data() + have - tail, tail);
+    have = tail;
+  }
+  return false;
+}
+
 // The archive's length when the file ends with a trailer whose checksum matches its bytes;
-// 0 when it has no trailer. Throws InvalidArgument when the bytes do not match.
+// 0 when it has no trailer (torch::save's files, or tidal's from before the trailer). Throws
+// InvalidArgument when the bytes do not match, and when the file carries the trailer's magic
+// but does not end with a whole trailer: cut short or grown at its end, it is damaged, not old.
 std::uint64_t verified_length(const Fd& f, const std::string& path, std::uint64_t size) {
   Trailer t{};
-  if (size < sizeof t || pread_some(f, path, &t, sizeof t, size - sizeof t) != sizeof t ||
-      t.magic != kMagic || t.length != size - sizeof t) {
+  const bool ends_with_trailer = size >= sizeof t &&
+                                 pread_some(f, path, &t, sizeof t, size - sizeof t) == sizeof t &&
+                                 t.magic == kMagic && t.length == size - sizeof t;
+  if (!ends_with_trailer) {
+    TIDAL_EXPECT_AS(InvalidArgument, !carries_magic(f, path, size), "checkpoint '", path,
+                    "' is damaged: it was written with a checksum, but does not end with it (",
+                    size,
+                    " bytes: cut short, or bytes added after it), so its bytes cannot be "
+                    "checked; resume from an earlier checkpoint, or start again without --resume");
     return 0;
   }
   HashState h;
@@ -104,6 +141,7 @@ std::uint64_t verified_length(const Fd& f, const std::string& path, std::uint64_
 void write_checkpoint(torch::serialize::OutputArchive& archive, const std::string& path,
                       Session* session) {
   if (session != nullptr) session->make_resident();
+  archive.write(kChecksummedKey, c10::IValue(true));
   AtomicFile file(path);
   HashState h;
   Trailer t{kMagic, 0, 0};
@@ -142,6 +180,14 @@ void read_checkpoint(torch::serialize::InputArchive& archive, const std::string&
                                   std::size_t n) { return pread_some(*f, path, buf, n, pos); },
                         [length] { return static_cast<std::size_t>(length); });
     }
+    c10::IValue checksummed;
+    TIDAL_EXPECT_AS(InvalidArgument, length != 0 || !archive.try_read(kChecksummedKey, checksummed),
+                    "checkpoint '", path,
+                    "' is damaged: it was written with a checksum, but its end, where the "
+                    "checksum was, is missing (",
+                    size,
+                    " bytes: cut short), so its bytes cannot be checked; resume from an earlier "
+                    "checkpoint, or start again without --resume");
   } catch (const c10::Error& e) {
     TIDAL_FAIL_AS(
         InvalidArgument, "checkpoint '", path,

@@ -107,6 +107,41 @@ with open(path, "r+b") as f:
     f.write(bytes([b[0] ^ 0x10]))
 PY
 refused_resume "$tmp/ck-flip" "is damaged" "a checkpoint with a flipped bit"
+# The same bit flipped and the file's last byte dropped: its checksum trailer is cut, and the
+# file is not taken for one written without a checksum.
+mkdir -p "$tmp/ck-cut" && head -c -1 "$tmp/ck-flip/checkpoint.pt" >"$tmp/ck-cut/checkpoint.pt"
+refused_resume "$tmp/ck-cut" "is damaged: it was written with a checksum, but does not end with it" \
+  "a checkpoint with a flipped bit and its last byte dropped"
+
+# Another --layers: the layer count named, not the model's name it changes.
+out=$("$tidal" train --model gpt-tiny --layers 3 --batch 4 --seq 32 --steps 12 --resume "$tmp/ck-none" 2>&1)
+if (($? == 0)) || ! grep -q "written with layers = [0-9]*, this run has layers = 3" <<<"$out"; then
+  echo "FAIL --resume with other --layers: $out"; failures=$((failures + 1))
+else
+  echo "ok   --resume with other --layers names the layer count"
+fi
+
+# The --data file's contents changed since the checkpoint (same path, same size): refused.
+head -c 4096 /dev/urandom | base64 >"$tmp/data.txt"
+data_run=(train --model gpt-tiny --batch 2 --seq 32 --data "$tmp/data.txt")
+if ! "$tidal" "${data_run[@]}" --steps 2 --checkpoint "$tmp/ck-data" >/dev/null 2>"$tmp/data.err"; then
+  echo "FAIL a run on --data: $(tail -n 2 "$tmp/data.err")"; failures=$((failures + 1))
+else
+  "$py" - "$tmp/data.txt" <<'PY'
+import sys
+path = sys.argv[1]
+b = bytearray(open(path, "rb").read())
+b[100] = ord("A") if b[100] != ord("A") else ord("B")
+open(path, "wb").write(bytes(b))
+PY
+  out=$("$tidal" "${data_run[@]}" --steps 3 --resume "$tmp/ck-data" 2>&1)
+  rc=$?
+  if ((rc == 0 || rc > 2)) || ! grep -q "its contents changed since" <<<"$out"; then
+    echo "FAIL --resume after the --data file changed (rc $rc): $out"; failures=$((failures + 1))
+  else
+    echo "ok   --resume after the --data file changed is refused"
+  fi
+fi
 
 # The disk fills while the checkpoint is written (a file size limit: EFBIG where a full disk
 # gives ENOSPC): an error that says so, exit 1 or 2 (not an abort), no temporary file left.

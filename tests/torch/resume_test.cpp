@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "io/test_dir.hpp"
@@ -266,6 +267,53 @@ TEST(Resume, ADamagedCheckpointIsAClearErrorNotWrongTraining) {
       ADD_FAILURE() << "a checkpoint with byte " << at << " flipped was read";
     } catch (const InvalidArgument& e) {
       EXPECT_NE(std::string(e.what()).find("damaged"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// A checkpoint whose trailer is cut (its last byte dropped) or no longer at the end (a byte
+// added after it) is not taken for an old file without a checksum: with a bit of a tensor
+// flipped too, it would be read unchecked and train on the damaged weight.
+TEST(Resume, ACheckpointWithItsChecksumCutIsRefusedAsDamaged) {
+  testing::TestDir dir;
+  const std::string path = dir.path() + "/checkpoint.pt";
+  torch::manual_seed(6);
+  const torch::Tensor x = torch::randn({1 << 14});
+  torch::serialize::OutputArchive out;
+  out.write("x", x);
+  write_checkpoint(out, path);
+  const auto size = std::filesystem::file_size(path);
+  std::vector<char> bytes(size);
+  {
+    std::ifstream f(path, std::ios::binary);
+    f.read(bytes.data(), static_cast<std::streamsize>(size));
+  }
+  auto flipped = bytes;
+  flipped[size / 2] = static_cast<char>(flipped[size / 2] ^ 0x10);
+  const auto cut = [](std::vector<char> b, std::size_t n) {
+    b.resize(b.size() - n);
+    return b;
+  };
+  auto grown = flipped;
+  grown.push_back('\n');
+  const std::vector<std::pair<std::string, std::vector<char>>> cases = {
+      {"a bit flipped and the last byte dropped", cut(flipped, 1)},
+      {"the last byte dropped", cut(bytes, 1)},
+      {"the trailer's last 20 bytes dropped", cut(flipped, 20)},
+      {"the whole trailer dropped", cut(flipped, 24)},
+      {"a bit flipped and a byte added", grown}};
+  for (const auto& [what, damaged] : cases) {
+    {
+      std::ofstream f(path, std::ios::binary | std::ios::trunc);
+      f.write(damaged.data(), static_cast<std::streamsize>(damaged.size()));
+    }
+    try {
+      const torch::Tensor got = read_x(path);
+      ADD_FAILURE() << "a checkpoint with " << what << " was read"
+                    << (torch::equal(got, x) ? "" : ", and its tensor differs");
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("damaged"), std::string::npos)
+          << what << ": " << e.what();
     }
   }
 }

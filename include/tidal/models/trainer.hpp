@@ -95,6 +95,10 @@ class TokenSource {
   /// Throws tidal::InvalidArgument when `text` is not a position() of a source.
   void set_position(const std::string& text);
 
+  /// What the stream is drawn from, for a checkpoint to compare at resume: "<n> bytes, XXH3
+  /// <hex>" of a data file's contents; "" for the synthetic stream.
+  [[nodiscard]] std::string content_id() const;
+
  private:
   std::int64_t vocab_;
   std::mt19937_64 rng_;
@@ -207,17 +211,18 @@ class Trainer {
   }
 
   /// Writes everything a resumed run needs to continue bit for bit (parameters, buffers,
-  /// optimizer state and step count, the data position, torch's CPU random state, the step) to
-  /// `path`, atomically (torch_layer::write_checkpoint). Applies pending deferred updates first
-  /// (flush_optimizer: the same math). `session`: made resident first when tensors may be
-  /// offloaded between steps. Call between steps. Throws tidal::IoError when the file cannot be
-  /// written; the previous checkpoint stays intact.
+  /// optimizer state and step count, the data position and a hash of the data file's contents,
+  /// torch's CPU random state, the step) to `path`, atomically (torch_layer::write_checkpoint).
+  /// Applies pending deferred updates first (flush_optimizer: the same math). `session`: made
+  /// resident first when tensors may be offloaded between steps. Call between steps. Throws
+  /// tidal::IoError when the file cannot be written; the previous checkpoint stays intact.
   void save_checkpoint(const std::string& path, torch_layer::Session* session = nullptr);
 
   /// Restores a checkpoint written by save_checkpoint() with the same model, batch, seq, seed,
   /// data and optimizer options (the optimizer schedule may differ: it is the same math). The
   /// next step() is the step after the saved one. Throws tidal::InvalidArgument when the file is
-  /// missing or unreadable, or was written with other options (naming the first that differs).
+  /// missing, unreadable or damaged, was written with other options (naming the first that
+  /// differs, the model's name last), or on a data file whose contents changed since.
   void load_checkpoint(const std::string& path);
 
  private:
