@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Iterable, Optional, Sequence, Union
 
 from . import _C
@@ -29,9 +30,12 @@ def parse_size(value: Size, option: str) -> int:
 def parse_budget(value: Union[int, float, str]) -> tuple[int, float]:
     """(memory_budget bytes, budget_fraction) for Session(budget=...).
 
-    "50%" or 0.5: a share of the memory the profiled steps use; 2**30 or "1GiB": whole-process
-    bytes.
+    "50%", 0.5 or "0.5": a share of the memory the profiled steps use; 2**30 or "1GiB":
+    whole-process bytes. A string that is a bare number with a decimal point means what the
+    float does (it was once read as bytes: "0.5" became 1 byte, "0.4" zero).
     """
+    if isinstance(value, str) and re.fullmatch(r"\s*(\d+\.\d*|\.\d+)\s*", value):
+        value = float(value)
     if isinstance(value, float):
         if not 0 < value <= 1:
             raise _C.InvalidArgument(

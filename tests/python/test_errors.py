@@ -51,6 +51,18 @@ def test_bad_budget(store_dir, budget, words):
         tidal.Session(mode="plan", dirs=[store_dir], budget=budget, capacity="64MiB")
 
 
+def test_budget_as_a_bare_fraction_string_is_the_fraction():
+    # "0.5" meant 1 byte (a size, rounded) while 0.5 meant 50%, and "0.4" was refused as budget=0.
+    from tidal._options import parse_budget
+    for text, fraction in [("0.5", 0.5), (" 0.4 ", 0.4), (".25", 0.25), ("1.0", 1.0)]:
+        assert parse_budget(text) == parse_budget(fraction) == (0, fraction), text
+    assert parse_budget("50%") == (0, 0.5)
+    assert parse_budget("1GiB") == (1 << 30, 0.5)
+    assert parse_budget("4096") == (4096, 0.5)  # no decimal point: bytes, as before
+    with pytest.raises(tidal.InvalidArgument, match=r"\(0, 1\]"):
+        parse_budget("2.5")
+
+
 def test_bad_sizes_and_mode(store_dir):
     with pytest.raises(tidal.InvalidArgument, match="host_memory"):
         tidal.Session(mode="plan", dirs=[store_dir], host_memory="8 gigs")
