@@ -3,6 +3,10 @@ TIDAL_BUILD_DIR (default build/, configured here if it is not yet), then install
 python/tidal with the module and the CLI (as tidal/bin/tidal, run by the `tidal` command).
 
     pip install --no-build-isolation .     # the build needs torch and pybind11 as installed
+
+Without build isolation the environment's setuptools builds the wheel: 70.1 or later (or the
+`wheel` package) is needed, and an older one is told so here rather than by setuptools'
+"invalid command 'bdist_wheel'".
 """
 
 import os
@@ -14,6 +18,28 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def can_build_wheels() -> bool:
+    """Whether setuptools has a bdist_wheel command: its own (70.1+), or the `wheel` package's."""
+    for module in ("setuptools.command.bdist_wheel", "wheel.bdist_wheel"):
+        try:
+            __import__(module)
+            return True
+        except ImportError:
+            pass
+    return False
+
+
+# pip runs dist_info (the wheel's metadata, made by bdist_wheel) and then bdist_wheel.
+if {"bdist_wheel", "dist_info", "editable_wheel"} & set(sys.argv[1:]) and not can_build_wheels():
+    import setuptools
+
+    sys.exit(
+        f"setup.py: this environment's setuptools {setuptools.__version__} cannot build a wheel "
+        f"(pip install --no-build-isolation builds with the environment's own packages): run "
+        f"`{sys.executable} -m pip install 'setuptools>=70.1' pybind11` and install again "
+        f"(scripts/setup.sh does this for the project's .venv)")
 
 
 class CMakeBuild(build_ext):

@@ -5,7 +5,8 @@
 #
 # The Python environment: a venv at TIDAL_VENV (default .venv in the checkout, git-ignored) with
 # torch 2.11.0 from PyPI. It is the one torch of the project: CMake builds the C++ layers against
-# its libtorch, and the Python front-end and its tests run in it (scripts/env.sh finds it).
+# its libtorch, and the Python front-end and its tests run in it (scripts/env.sh finds it). It
+# imports tidal from the build (BUILD_DIR/python) without PYTHONPATH.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 
@@ -74,5 +75,14 @@ else
        "about 5 GB with its CUDA libraries; a minute on a fast link)"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$requirements"
   venv_ok || { echo "setup: $venv still lacks a package of $requirements" >&2; exit 1; }
+fi
+# `import tidal` in the venv without PYTHONPATH: a .pth file puts the build's package directory
+# (BUILD_DIR/python, as scripts/build.sh builds it; build/ by default) on its path. A package
+# pip installed into the venv comes first on the path, and wins.
+build=${BUILD_DIR:-$root/build}
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [ "$(cat "$site/tidal-build.pth" 2>/dev/null)" != "$build/python" ]; then
+  echo "$build/python" >"$site/tidal-build.pth"
+  echo "setup: $venv imports tidal from $build/python (once built; $site/tidal-build.pth)"
 fi
 echo "setup: done"
