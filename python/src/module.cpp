@@ -129,7 +129,7 @@ py::dict session_stats_dict(const tt::SessionStats& s) {
       between_steps, stall_seconds, write_stall_seconds, misses, write_failures, store_full_writes,
       write_error, step_peak, memory_budget, untouched_bytes, profiled_peak, within_budget,
       steps_measured, steps_over_budget, steps_aborted, budget_reason, shapes, shape, replans,
-      tightenings, executed_peak, plan_summary, notice);
+      tightenings, executed_peak, plan_summary, defaults, notice);
 }
 
 py::dict activation_stats_dict(const tt::ActivationStats& s) {
@@ -291,6 +291,15 @@ PYBIND11_MODULE(_C, m) {
       .def("end_step", py::overload_cast<>(&tt::Session::end_step),
            py::call_guard<py::gil_scoped_release>())
       .def("abort_step", &tt::Session::abort_step, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "preflight",
+          [](tt::Session& s, std::uint64_t state_bytes) {
+            const tidal::plan::Preflight p = s.preflight(state_bytes);
+            return TIDAL_FIELDS_DICT(p, fits, state_bytes, device_bytes, outside_bytes, to_host,
+                                     to_ssd, transfer_seconds, line);
+          },
+          py::arg("state_bytes"))
+      .def("options", &tt::Session::options)
       .def(
           "begin_phase",
           [](tt::Session& s, const std::string& phase) {

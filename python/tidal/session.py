@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import sys
 import weakref
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -188,6 +189,7 @@ class SessionStats:
     tightenings: int
     executed_peak: int
     plan_summary: str
+    defaults: str
     notice: str
 
     def __str__(self) -> str:
@@ -197,6 +199,32 @@ class SessionStats:
             line += (f", budget {b(self.memory_budget)} "
                      f"({'met' if self.within_budget else 'not met yet'})")
         return line
+
+
+# Optimizer state per parameter byte, for optimizers whose state is not made yet (Adam's comes
+# at its first step): the moments they keep.
+_STATE_PER_PARAMETER = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1,
+                        "Adadelta": 2, "RMSprop": 1, "SGD": 0}
+
+
+def _state_bytes(model: torch.nn.Module, optimizer) -> int:
+    """The model's state before its first step: parameters and buffers, the gradients of those
+    that train, and the optimizer's state (what it holds, or what it will make)."""
+    params = list(model.parameters())
+    total = sum(_fsdp.local_tensor(t).nbytes for t in params)
+    total += sum(_fsdp.local_tensor(b).nbytes for b in model.buffers())
+    trained = sum(_fsdp.local_tensor(p).nbytes for p in params if p.requires_grad)
+    total += trained
+    if optimizer is None:
+        return total
+    held = sum(v.nbytes for state in optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
+    if held:
+        return total + held
+    per = _STATE_PER_PARAMETER.get(type(optimizer).__name__, 2)
+    if type(optimizer).__name__ == "SGD" and any(g.get("momentum") for g in optimizer.param_groups):
+        per = 1
+    return total + per * trained
 
 
 def _refuse_plan_options(mode: str, **given) -> None:
@@ -225,9 +253,13 @@ class Session:
     mode: "none" (nothing moves: the reference), "activations" (autograd's saved tensors, the
     SSDTrain/TBA way), or "plan" (profile the first steps, plan every tensor class, execute).
     dirs: one directory per SSD (`{rank}`/`{local_rank}` are replaced; None: TIDAL_DIRS).
-    budget: plan mode's memory budget, a share of the profiled peak ("50%", 0.5; the default
-    "50%") or whole-process bytes (an int or "8GiB"). host_memory: plan mode's host tier
-    ("8GiB"; 0: SSD only). The plan-mode options (budget, host_memory, strict, strict_budget,
+    budget: plan mode's memory budget, a share of the profiled peak ("50%", 0.5) or
+    whole-process bytes (an int or "8GiB"); by default on a GPU what tensors can hold there
+    (measured at start), on the CPU "50%". host_memory: plan mode's host tier ("8GiB"; 0: SSD
+    only); by default on a GPU the memory the process may still take less a reserve, on the CPU
+    0. strict: the wall (below); by default on for a GPU, off on the CPU. Before step 0 a plan
+    session with a model says what it chose and whether the model's state fits in the budget,
+    host memory and the store together, and refuses to start when it does not. The plan-mode options (budget, host_memory, strict, strict_budget,
     wall_by_retry, between_steps) are refused in the other modes, which do nothing with them.
     Only one plan-mode session may be open in a process at a time.
     model, optimizer: their parameters, buffers and optimizer state are registered with their
@@ -263,7 +295,7 @@ class Session:
                  mode: str = "plan",
                  dirs: Optional[Union[str, Sequence[str]]] = None,
                  budget: Optional[Union[int, float, str]] = None,
-                 host_memory: Size = 0,
+                 host_memory: Optional[Size] = None,
                  model: Optional[torch.nn.Module] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None,
                  *,
@@ -272,7 +304,7 @@ class Session:
                  warmup_steps: int = 1,
                  profile_steps: int = 2,
                  strict_budget: bool = False,
-                 strict: bool = False,
+                 strict: Optional[bool] = None,
                  wall_by_retry: bool = False,
                  between_steps: str = "auto",
                  adaptive: bool = True,
@@ -284,8 +316,8 @@ class Session:
                  timeline: Optional[str] = None,
                  _faults: Optional[dict] = None) -> None:
         if mode != "plan":
-            _refuse_plan_options(mode, budget=(budget, None), host_memory=(host_memory, 0),
-                                 strict=(strict, False), strict_budget=(strict_budget, False),
+            _refuse_plan_options(mode, budget=(budget, None), host_memory=(host_memory, None),
+                                 strict=(strict, None), strict_budget=(strict_budget, False),
                                  wall_by_retry=(wall_by_retry, False),
                                  between_steps=(between_steps, "auto"))
         opt = _C.SessionOptions()
@@ -298,12 +330,14 @@ class Session:
         opt.device = str(torch.device(device if device is not None else "cpu"))
         if mode != "none":
             opt.store = store_options(dirs, capacity, checksum, _faults)
-        opt.memory_budget, opt.budget_fraction = parse_budget("50%" if budget is None else budget)
+        if budget is not None:  # else the device's default (SessionOptions.memory_budget)
+            opt.memory_budget, opt.budget_fraction = parse_budget(budget)
         self._byte_budget = opt.memory_budget
         self._piece_bytes_fixed = None  # the optimizer step's pieces (_split_groups)
         opt.budget_option = "Session(budget=...)"
         opt.between_steps_option = "Session(between_steps=\"offloaded\")"
-        opt.host_memory = parse_size(host_memory, "host_memory")
+        if host_memory is not None:  # else the machine's default
+            opt.host_memory = parse_size(host_memory, "host_memory")
         if min_bytes is not None:
             b = parse_size(min_bytes, "min_bytes")
             act = opt.activations
@@ -316,7 +350,8 @@ class Session:
         opt.warmup_steps = warmup_steps
         opt.profile_steps = profile_steps
         opt.strict_budget = strict_budget
-        opt.strict_meter = strict
+        if strict is not None:  # else on for a GPU, off on the CPU
+            opt.strict_meter = strict
         opt.wall_by_retry = wall_by_retry
         if between_steps == "auto" and _distributed(model):
             # DDP's and FSDP2's collectives read parameters and gradients as raw buffers, which
@@ -349,9 +384,25 @@ class Session:
                 self._register(b, n, "parameter")
         self._register_optimizer()
         if mode == "plan":
+            self._preflight(model, optimizer)
             self._hook_state_dicts(model, optimizer)
             if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
                 self._split_multi_tensor_steps(optimizer)
+
+    def _preflight(self, model, optimizer) -> None:
+        # Before step 0: the choices left to the machine, and whether the model's state fits in
+        # the budget, host memory and the store together (said in one line, refused if not).
+        defaults = self._session.stats()["defaults"]
+        if defaults:
+            print(f"tidal: {defaults}", file=sys.stderr)
+        if model is None:
+            return
+        check = self._session.preflight(_state_bytes(model, optimizer))
+        print(f"tidal: {check['line']}", file=sys.stderr)
+        if not check["fits"]:
+            session, self._session = self._session, None
+            session.close()
+            raise _C.InvalidArgument(check["line"])
 
     def _hook_state_dicts(self, model, optimizer) -> None:
         # With the step boundary offloaded, the model's state may be on the SSD between steps:

@@ -404,13 +404,9 @@ struct Session::Impl {
 
   // The planner counts the trace's tensors; the meter counts every allocation (memory no op
   // touches, allocator padding, tensors made and dropped inside an op). The difference is
-  // subtracted from the budget: what the planner may use is what the meter leaves it. It is
-  // measured on the profiled shape (the first): the profiled peak is that shape's, and a shorter
-  // shape planned later (a step the loop broke off) would otherwise count its missing tensors
-  // as unseen memory and plan for far less than the budget.
+  // subtracted from the budget: what the planner may use is what the meter leaves it.
   double capacity_for(const Shape& s) const {
-    const double traced = shapes.empty() ? s.peak_live : shapes.front().peak_live;
-    const auto unseen = std::max(0.0, static_cast<double>(stats.profiled_peak) - traced);
+    const auto unseen = std::max(0.0, static_cast<double>(stats.profiled_peak) - s.peak_live);
     return std::max(0.0, static_cast<double>(stats.memory_budget) - unseen);
   }
 
@@ -1092,6 +1088,13 @@ SessionStats Session::stats() const {
 }
 
 const SessionOptions& Session::options() const { return impl_->opt; }
+
+plan::Preflight Session::preflight(std::uint64_t state_bytes) {
+  Impl& m = *impl_;
+  TIDAL_EXPECT_AS(InvalidArgument, m.opt.mode == OffloadMode::kPlan && m.store,
+                  "preflight() is for an open plan-mode session");
+  return plan::preflight(state_bytes, m.hardware(), m.opt.memory_budget);
+}
 
 plan::TimeReport Session::time_report() const {
   if (!impl_->timeline) return {};

@@ -24,6 +24,7 @@
 #include "tidal/io/store.hpp"
 #include "tidal/plan/hardware.hpp"
 #include "tidal/plan/plan.hpp"
+#include "tidal/plan/preflight.hpp"
 #include "tidal/plan/timeline.hpp"
 #include "tidal/torch/activations.hpp"
 #include "tidal/torch/executor.hpp"
@@ -272,6 +273,12 @@ class Session final : public StepObserver {
   void close();
 
   [[nodiscard]] SessionStats stats() const;
+  /// Plan mode, before step 0: whether a model's state of `state_bytes` (parameters, gradients,
+  /// optimizer state) fits in the budget, the host tier and the store together, and the least
+  /// a step spends moving what the budget leaves out (plan::preflight, at the planner's rates;
+  /// on cpu-here the store is measured first). The front-ends refuse to train when it does not
+  /// fit.
+  [[nodiscard]] plan::Preflight preflight(std::uint64_t state_bytes);
   /// The options in force: those given, with what was left to the machine chosen
   /// (stats().defaults says what and why).
   [[nodiscard]] const SessionOptions& options() const;
