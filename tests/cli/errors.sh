@@ -42,6 +42,16 @@ expect "is not a percentage: 'xyz' after the number" "${train[@]}" --offload pla
 expect "--mem-budget 150% must be a percentage in (0, 100]" "${train[@]}" --offload plan \
   --mem-budget 150%
 expect "--timeline-steps -1 must be 0" "${train[@]}" --offload plan --timeline-steps -1
+# Options of plan mode in another mode are refused, naming the flag (they did nothing).
+expect "--strict-meter is for --offload plan" "${train[@]}" --offload activations --strict-meter
+expect "--mem-budget is for --offload plan" "${train[@]}" --offload none --mem-budget 2MiB
+expect "--strict-budget is for --offload plan" "${train[@]}" --offload none --strict-budget
+expect "--host-mem is for --offload plan" "${train[@]}" --offload activations --host-mem 1MiB
+expect "--between-steps is for --offload plan" "${train[@]}" --offload none --between-steps resident
+# Pre-flight: a model whose state fits in neither the budget, host memory nor the store is
+# refused before step 0, saying what to change.
+expect "does not fit in the device budget" "${train[@]}" --offload plan --mem-budget 64KiB \
+  --host-mem 0 --store-capacity 1MiB
 expect "--lr nan is not a learning rate" "${train[@]}" --lr nan
 expect "--lr -1 is not a learning rate" "${train[@]}" --lr -1
 expect "--lr 0 is not a learning rate" "${train[@]}" --lr 0

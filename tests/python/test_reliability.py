@@ -35,6 +35,16 @@ def held_plus(extra: int) -> int:
     return tidal.memory_stats()["current_bytes"] + extra
 
 
+def train_step(session, model, opt, x, y) -> torch.Tensor:
+    """One ordinary step inside `with session.step():`; the loss."""
+    with session.step():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+    return loss.detach()
+
+
 def reference_losses(data, make_opt, skip=()):
     model = small_model()
     opt = make_opt(model)
@@ -76,12 +86,7 @@ def test_torch_ops_on_a_second_thread_leave_the_wall_and_the_losses_alone(store_
     peaks = []
     try:
         for i, (x, y) in enumerate(data):
-            with session.step():
-                opt.zero_grad()
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-                opt.step()
-            assert torch.equal(loss.detach(), want[i]), i
+            assert torch.equal(train_step(session, model, opt, x, y), want[i]), i
             peaks.append(session.stats().step_peak)
     finally:
         stop.set()
@@ -125,12 +130,7 @@ def test_an_optimizer_keeping_state_in_its_groups_trains_as_without_tidal(store_
     with tidal.Session(mode="plan", dirs=[store_dir], budget=held_plus(4 << 20), min_bytes="16KiB",
                        model=model, optimizer=opt) as session:
         for i, (x, y) in enumerate(data):
-            with session.step():
-                opt.zero_grad()
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-                opt.step()
-            assert torch.equal(loss.detach(), want[i]), i
+            assert torch.equal(train_step(session, model, opt, x, y), want[i]), i
             assert opt.param_groups[0] is group and len(opt.param_groups) == 1
     assert group["step"] == ref_steps == len(data)
     assert len(group["params"]) == len(list(model.parameters()))
@@ -143,10 +143,7 @@ def test_group_state_that_parts_of_a_group_disagree_on_is_refused(store_dir):
     with tidal.Session(mode="plan", dirs=[store_dir], budget=held_plus(4 << 20),
                        min_bytes="16KiB", model=model, optimizer=opt) as session:
         with pytest.raises(tidal.Error, match="foreach=False"):
-            with session.step():
-                opt.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
+            train_step(session, model, opt, x, y)
         assert len(opt.param_groups) == 1
         assert len(opt.param_groups[0]["params"]) == len(list(model.parameters()))
 
@@ -218,10 +215,7 @@ def test_torch_save_of_the_model_and_optimizer_works_while_a_session_is_open(sto
                        min_bytes="16KiB", between_steps="offloaded", model=model,
                        optimizer=opt) as session:
         for x, y in small_batches(6):
-            with session.step():
-                opt.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
+            train_step(session, model, opt, x, y)
         assert session.stats().state == "executing"
         saved_model, saved_opt = io.BytesIO(), io.BytesIO()
         torch.save(model, saved_model)
@@ -263,10 +257,7 @@ def test_a_timeline_that_cannot_be_written_is_a_warning_not_a_lost_result(store_
     session = tidal.Session(mode="plan", dirs=[store_dir], model=model, optimizer=opt,
                             timeline=path)
     for x, y in small_batches(5):
-        with session.step():
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
+        train_step(session, model, opt, x, y)
     session.close()  # does not raise
     assert session.stats().state == "off"
     assert "timeline was not written" in session.stats().notice
@@ -284,10 +275,7 @@ def test_a_budget_only_smaller_tensors_can_meet_moves_them(store_dir):
     with tidal.Session(mode="plan", dirs=[store_dir], budget="10%", model=model,
                        optimizer=opt) as session:
         for x, y in data:
-            with session.step():
-                opt.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
+            train_step(session, model, opt, x, y)
         stats = session.stats()
     assert stats.state == "executing"
     assert "and more are moved" in stats.notice, stats.notice

@@ -145,7 +145,7 @@ struct TrainArgs {
   std::string ssd;  // planner's SSD figures, e.g. "1x2.0/1.5GB/s"
   std::string save_trace;
   std::string save_plan;
-  std::string between_steps = "auto";
+  std::string between_steps;  // empty: auto (given outside plan mode: refused)
   bool strict_budget = false;
   bool strict_meter = false;
   std::string host_mem;    // empty: the machine's default (SessionOptions::host_memory)
@@ -255,13 +255,15 @@ void run_train(const TrainArgs& args) {
   so.executor.min_bytes = parse_bytes(args.min_offload);
   so.warmup_steps = args.warmup_steps;
   so.profile_steps = args.profile_steps;
-  const bool plan_options_given =
-      !args.mem_budget.empty() || !args.host_mem.empty() || args.strict_meter || args.strict_budget;
+  const bool plan_options_given = !args.mem_budget.empty() || !args.host_mem.empty() ||
+                                  args.strict_meter || args.strict_budget ||
+                                  !args.between_steps.empty();
   if (so.mode != torch_layer::OffloadMode::kPlan && plan_options_given) {
-    const char* flag = !args.mem_budget.empty() ? "--mem-budget"
-                       : !args.host_mem.empty() ? "--host-mem"
-                       : args.strict_meter      ? "--strict-meter"
-                                                : "--strict-budget";
+    const char* flag = !args.mem_budget.empty()      ? "--mem-budget"
+                       : !args.host_mem.empty()      ? "--host-mem"
+                       : args.strict_meter           ? "--strict-meter"
+                       : !args.between_steps.empty() ? "--between-steps"
+                                                     : "--strict-budget";
     TIDAL_FAIL_AS(InvalidArgument, flag, " is for --offload plan; --offload ", args.offload,
                   " does nothing with it: leave it out, or use --offload plan");
   }
@@ -329,6 +331,14 @@ void run_train(const TrainArgs& args) {
   so = session.options();  // with what was left to the machine chosen
   if (!session.stats().defaults.empty()) {
     std::fprintf(stderr, "defaults: %s\n", session.stats().defaults.c_str());
+  }
+  if (so.mode == torch_layer::OffloadMode::kPlan) {
+    // The model's state before step 0: weights, gradients and AdamW's two moments.
+    std::uint64_t weights = 0;
+    for (const auto& p : trainer.model()->parameters()) weights += p.nbytes();
+    const plan::Preflight check = session.preflight(4 * weights);
+    std::fprintf(stderr, "%s\n", check.line.c_str());
+    TIDAL_EXPECT_AS(InvalidArgument, check.fits, check.line);
   }
   trainer.register_persistent(session, false);
   trainer.add_observer(&session);
@@ -641,9 +651,8 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--between-steps", args->between_steps,
                   "plan mode: where the step's tensors are between steps: auto (resident where "
                   "a plan meets the budget so, else offloaded), resident (readable by any code) "
-                  "or offloaded (more memory saved)")
-      ->check(CLI::IsMember({"auto", "resident", "offloaded"}))
-      ->capture_default_str();
+                  "or offloaded (more memory saved); default auto")
+      ->check(CLI::IsMember({"auto", "resident", "offloaded"}));
   cmd->add_flag("--strict-meter", args->strict_meter,
                 "plan mode: the budget is a wall, as a GPU's memory is: an allocation past it "
                 "has tensors written out, or fails with out of memory; with a budget in bytes it "
