@@ -44,8 +44,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(a.seed + 1000 * rank)  # each rank its own batches
     session = None
     if a.mode != "none":
-        session = tidal.Session(mode=a.mode, dirs=a.dir, budget=a.budget, capacity=a.capacity,
-                                min_bytes=a.min_bytes, model=model, optimizer=opt, name="gpt")
+        plan = {"budget": a.budget} if a.mode == "plan" else {}  # a plan-mode option
+        session = tidal.Session(mode=a.mode, dirs=a.dir, capacity=a.capacity,
+                                min_bytes=a.min_bytes, model=model, optimizer=opt, name="gpt",
+                                **plan)
     # Steps before the mode runs as it will: plan mode warms up, profiles two steps, and its
     # first executed step still brings memory down; activation mode offloads from step 2.
     skip = 4 if a.mode == "plan" else 2

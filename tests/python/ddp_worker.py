@@ -26,9 +26,10 @@ def train(mode, store_root, wrap):
     session = None
     if mode != "none":
         # {rank}: every rank has its own directory, store and plan.
+        plan = {"budget": "50%"} if mode == "plan" else {}  # a plan-mode option
         session = tidal.Session(mode=mode, dirs=[os.path.join(store_root, mode + "-{rank}")],
-                                budget="50%", capacity="256MiB", min_bytes="64KiB",
-                                model=model, optimizer=opt)
+                                capacity="256MiB", min_bytes="64KiB", model=model, optimizer=opt,
+                                **plan)
     losses, written = [], 0
     for x, y in batches(seed=100 + dist.get_rank(), steps=STEPS):
         if session:

@@ -56,9 +56,10 @@ def train(mode, store_root, mesh):
     session = None
     if mode != "none":
         # {rank}: every rank has its own directory, store and plan.
+        plan = {"budget": "50%"} if mode == "plan" else {}  # a plan-mode option
         session = tidal.Session(mode=mode, dirs=[os.path.join(store_root, mode + "-{rank}")],
-                                budget="50%", capacity="256MiB", min_bytes="64KiB",
-                                model=model, optimizer=opt)
+                                capacity="256MiB", min_bytes="64KiB", model=model, optimizer=opt,
+                                **plan)
     losses, written, read, misses = [], 0, 0, 0
     for x, y in rank_batches(dist.get_rank()):
         if session:
