@@ -135,8 +135,8 @@ py::dict session_stats_dict(const tt::SessionStats& s) {
 py::dict activation_stats_dict(const tt::ActivationStats& s) {
   return TIDAL_FIELDS_DICT(s, packed, offloaded, kept_small, kept_parameter, kept_adaptive,
                            deduplicated, forwarded, prefetched, misses, write_failures, store_full,
-                           write_error, cancelled_writes, bytes_written, bytes_read, stall_seconds,
-                           forward_seconds, passes, keep_from, lookahead_bytes);
+                           write_error, cancelled_writes, bytes_written, bytes_to_host, bytes_read,
+                           stall_seconds, forward_seconds, passes, keep_from, lookahead_bytes);
 }
 
 // Binds fields of an options struct read-write under their C++ names. fields: a name and its

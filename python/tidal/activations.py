@@ -30,6 +30,7 @@ class ActivationStats:
     write_error: str
     cancelled_writes: int
     bytes_written: int
+    bytes_to_host: int  # of bytes_written, to the host tier (0 in this context: SSD only)
     bytes_read: int
     stall_seconds: float
     forward_seconds: float

@@ -255,13 +255,14 @@ class Session:
     dirs: one directory per SSD (`{rank}`/`{local_rank}` are replaced; None: TIDAL_DIRS).
     budget: plan mode's memory budget, a share of the profiled peak ("50%", 0.5) or
     whole-process bytes (an int or "8GiB"); by default on a GPU what tensors can hold there
-    (measured at start), on the CPU "50%". host_memory: plan mode's host tier ("8GiB"; 0: SSD
-    only); by default on a GPU the memory the process may still take less a reserve, on the CPU
-    0. strict: the wall (below); by default on for a GPU, off on the CPU. Before step 0 a plan
-    session with a model says what it chose and whether the model's state fits in the budget,
-    host memory and the store together, and refuses to start when it does not. The plan-mode options (budget, host_memory, strict, strict_budget,
-    wall_by_retry, between_steps) are refused in the other modes, which do nothing with them.
-    Only one plan-mode session may be open in a process at a time.
+    (measured at start), on the CPU "50%". host_memory: the host tier of plan and activation
+    modes ("8GiB"; 0: SSD only); by default on a GPU the memory the process may still take less
+    a reserve, on the CPU 0. strict: the wall (below); by default on for a GPU, off on the CPU.
+    Before step 0 a plan session with a model says what it chose and whether the model's state
+    fits in the budget, host memory and the store together, and refuses to start when it does
+    not. The plan-mode options (budget, strict, strict_budget, wall_by_retry, between_steps)
+    are refused in the other modes, and host_memory in mode "none": they would do nothing
+    there. Only one plan-mode session may be open in a process at a time.
     model, optimizer: their parameters, buffers and optimizer state are registered with their
     names (the session finds such tensors without it; names make the trace and plan readable,
     and in activation mode they are never written as activations).
@@ -316,7 +317,8 @@ class Session:
                  timeline: Optional[str] = None,
                  _faults: Optional[dict] = None) -> None:
         if mode != "plan":
-            _refuse_plan_options(mode, budget=(budget, None), host_memory=(host_memory, None),
+            tiers = {"host_memory": (host_memory, None)} if mode == "none" else {}
+            _refuse_plan_options(mode, budget=(budget, None), **tiers,
                                  strict=(strict, None), strict_budget=(strict_budget, False),
                                  wall_by_retry=(wall_by_retry, False),
                                  between_steps=(between_steps, "auto"))

@@ -44,6 +44,7 @@ struct Record {
   std::uint64_t nbytes = 0;
   c10::Device device{c10::kCPU};
   io::Ticket ticket;
+  io::Tier* tier = nullptr;  // where its bytes went: the host pool or the SSD store
   std::uint32_t version = 0;
   std::size_t index = 0;  // position in pack order
   int users = 0;          // saved variables referring to it
@@ -118,6 +119,13 @@ struct ActivationOffloader::Impl : std::enable_shared_from_this<Impl> {
     if (!timeline) return;
     const double end = timeline->now();
     timeline->stall(kind, channel, "saved tensor " + std::to_string(r.index), end - since(t0), end);
+  }
+
+  bool host_has_room(std::uint64_t bytes) const {
+    return opt.host && opt.host->free_bytes() >= bytes;
+  }
+  bool on_host(const Record& r) const {
+    return opt.host && r.tier == static_cast<const io::Tier*>(opt.host.get());
   }
 
   std::shared_ptr<Record> pack(const at::Tensor& t, at::Tensor* kept);
@@ -350,9 +358,11 @@ std::shared_ptr<Record> ActivationOffloader::Impl::pack(const at::Tensor& t, at:
   // kernels that made the tensor have run (Record::ready). Null for CPU tensors.
   r->packed_event = detail::record_on_current_stream(t.device());
   if (!start_event) start_event = r->packed_event;
-  if (keep_from >= 0 && static_cast<std::int64_t>(index) >= keep_from) {
-    // Adaptive keep: needed first in backward, and their I/O could not be hidden. They stay in
-    // the pack order (as kept records) so that the rule sees the whole timeline next step.
+  if (keep_from >= 0 && static_cast<std::int64_t>(index) >= keep_from &&
+      !host_has_room(r->nbytes)) {
+    // Adaptive keep: needed first in backward, and their I/O to the SSDs could not be hidden
+    // (host memory, when it has room, takes them at the link's speed). They stay in the pack
+    // order (as kept records) so that the rule sees the whole timeline next step.
     order.push_back(r);
     return keep(stats.kept_adaptive);
   }
@@ -384,9 +394,13 @@ std::shared_ptr<Record> ActivationOffloader::Impl::pack(const at::Tensor& t, at:
 void ActivationOffloader::Impl::submit_write_locked(Record& r) {
   r.ready.reset();
   try {
-    r.ticket = store->write(r.storage.data(), r.nbytes, io::Priority::kOffload);
+    // Host memory first (pinned on a GPU machine: the link's speed), the SSDs where it is short.
+    r.tier = host_has_room(r.nbytes) ? static_cast<io::Tier*>(opt.host.get())
+                                     : static_cast<io::Tier*>(store.get());
+    r.ticket = r.tier->write(r.storage.data(), r.nbytes, io::Priority::kOffload);
     r.state = Record::State::kWriting;
-    record_start(r, plan::Channel::kSsdWrite, plan::TransferKind::kActivation);
+    record_start(r, on_host(r) ? plan::Channel::kHostWrite : plan::Channel::kSsdWrite,
+                 plan::TransferKind::kActivation);
   } catch (const Error& e) {
     // Refused at once (a closed store, a size it cannot take): the tensor stays in memory.
     ++stats.write_failures;
@@ -448,7 +462,7 @@ void ActivationOffloader::Impl::poll_writes_locked(bool block) {
     Record& r = *writing.front();
     if (r.state == Record::State::kQueued) return;  // not final yet (block: submitted above)
     if (r.state == Record::State::kWriting) {
-      if (!block && !store->ready(r.ticket)) return;
+      if (!block && !r.tier->ready(r.ticket)) return;
       finish_write_locked(r);
     }
     writing.pop_front();
@@ -461,13 +475,14 @@ void ActivationOffloader::Impl::finish_write_locked(Record& r) {
     submit_write_locked(r);
   }
   try {
-    store->wait(r.ticket);
+    r.tier->wait(r.ticket);
     record_end(r, false);
     r.state = Record::State::kOffloaded;
     stats.bytes_written += r.nbytes;
+    if (on_host(r)) stats.bytes_to_host += r.nbytes;
     r.storage = c10::Storage();  // drop our reference: the memory is freed if nobody else holds it
     if (r.alive == 0) {          // released while it was being written: nobody will read it back
-      store->free(r.ticket);
+      r.tier->free(r.ticket);
       r.ticket = io::Ticket{};
     }
   } catch (const IoError& e) {
@@ -476,7 +491,7 @@ void ActivationOffloader::Impl::finish_write_locked(Record& r) {
     if (e.errnum() == ENOSPC) ++stats.store_full;
     stats.write_error = e.what();
     record_end(r, true);
-    store->free(r.ticket);
+    r.tier->free(r.ticket);
     r.ticket = io::Ticket{};
     r.state = Record::State::kKept;
   }
@@ -490,9 +505,9 @@ void ActivationOffloader::Impl::start_read_locked(Record& r, io::Priority p) {
                       at::TensorOptions().dtype(at::kByte).device(r.device));
   }
   r.storage = bytes.storage();
-  store->read(r.ticket, r.storage.mutable_data(), p);
+  r.tier->read(r.ticket, r.storage.mutable_data(), p);
   record_start(
-      r, plan::Channel::kSsdRead,
+      r, on_host(r) ? plan::Channel::kHostRead : plan::Channel::kSsdRead,
       p == io::Priority::kUrgent ? plan::TransferKind::kMiss : plan::TransferKind::kActivation);
   r.state = Record::State::kReading;
   stats.bytes_read += r.nbytes;
@@ -538,13 +553,13 @@ void ActivationOffloader::Impl::begin_backward_locked() {
       continue;
     }
     if (w->state != Record::State::kWriting) continue;
-    if (store->cancel_write(w->ticket)) {
+    if (w->tier->cancel_write(w->ticket)) {
       record_end(*w, false);
       w->ticket = io::Ticket{};
       w->state = Record::State::kKept;
       note_cancelled_locked(*w);
     } else {
-      store->prioritize(w->ticket, io::Priority::kUrgent);
+      w->tier->prioritize(w->ticket, io::Priority::kUrgent);
     }
   }
   prefetch_locked(order.size());
@@ -581,7 +596,7 @@ at::Tensor ActivationOffloader::Impl::unpack(Record& r, const c10::TensorOptions
         lock.unlock();
         bool failed = false;
         try {
-          store->wait(t);
+          r.tier->wait(t);
         } catch (const IoError&) {
           failed = true;
         }
@@ -611,12 +626,12 @@ at::Tensor ActivationOffloader::Impl::unpack(Record& r, const c10::TensorOptions
       start_read_locked(r, io::Priority::kUrgent);
       [[fallthrough]];
     case Record::State::kReading: {
-      store->prioritize(r.ticket, io::Priority::kUrgent);
+      r.tier->prioritize(r.ticket, io::Priority::kUrgent);
       const io::Ticket t = r.ticket;
       const auto t0 = Clock::now();
       lock.unlock();
       try {
-        store->wait(t);  // a failed or corrupt read throws: never a wrong gradient
+        r.tier->wait(t);  // a failed or corrupt read throws: never a wrong gradient
       } catch (const Error&) {
         lock.lock();
         record_end(r, true);
@@ -670,7 +685,7 @@ void ActivationOffloader::Impl::calibrate_locked() {
     keep_from = -1;
     double before = 0;
     for (std::size_t i = 0; i < order.size(); ++i) {
-      if (!order[i]) continue;
+      if (!order[i] || on_host(*order[i])) continue;  // the rule is the SSDs': the host is fast
       const double bytes = static_cast<double>(order[i]->nbytes);
       const double window = 3 * forward_seconds - 2 * order[i]->packed_at;
       if (window <= 0 || (before + 2 * bytes) / window > bandwidth) {
@@ -726,7 +741,7 @@ void ActivationOffloader::Impl::release(Record& r) {
       note_cancelled_locked(r);
       return;
     case Record::State::kWriting:
-      if (store->cancel_write(r.ticket)) {
+      if (r.tier->cancel_write(r.ticket)) {
         record_end(r, false);
         r.ticket = io::Ticket{};
         r.state = Record::State::kKept;
@@ -737,16 +752,17 @@ void ActivationOffloader::Impl::release(Record& r) {
       {
         // Part of it runs. Without offloading the memory would go back now, so wait for the
         // write (ahead of every read) rather than hold it longer: a stall, never a higher peak.
-        store->prioritize(r.ticket, io::Priority::kUrgent);
+        r.tier->prioritize(r.ticket, io::Priority::kUrgent);
         const auto t0 = Clock::now();
         finish_write_locked(r);  // frees the ticket (alive == 0), or keeps the bytes on failure
         stats.stall_seconds += since(t0);
-        record_stall(plan::StallKind::kBudget, plan::Channel::kSsdWrite, r, t0);
+        record_stall(plan::StallKind::kBudget,
+                     on_host(r) ? plan::Channel::kHostWrite : plan::Channel::kSsdWrite, r, t0);
         r.storage = c10::Storage();
       }
       return;
     case Record::State::kOffloaded:
-      if (r.ticket.valid()) store->free(r.ticket);
+      if (r.ticket.valid()) r.tier->free(r.ticket);
       r.ticket = io::Ticket{};
       return;
     case Record::State::kReading:
@@ -824,13 +840,13 @@ void ActivationOffloader::end_step(std::int64_t /*step*/) {
     if (r->state == Record::State::kReading) {
       bool failed = false;
       try {
-        m.store->wait(r->ticket);
+        r->tier->wait(r->ticket);
       } catch (const IoError&) {
         failed = true;
       }
       m.record_end(*r, failed);
     }
-    m.store->free(r->ticket);
+    r->tier->free(r->ticket);
     r->ticket = io::Ticket{};
   }
   m.device_times_locked();

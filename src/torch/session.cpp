@@ -104,7 +104,11 @@ struct Session::Impl {
     refuse(opt.strict_budget, "strict_budget");
     refuse(opt.wall_by_retry, "wall_by_retry");
     refuse(opt.memory_budget > 0, "a memory budget in bytes (memory_budget)");
-    refuse(opt.host_memory != kHostMemoryAuto && opt.host_memory > 0, "host_memory");
+    TIDAL_EXPECT_AS(InvalidArgument,
+                    opt.mode != OffloadMode::kNone || opt.host_memory == kHostMemoryAuto ||
+                        opt.host_memory == 0,
+                    "host_memory is a tier of plan and activation modes, and mode none does "
+                    "nothing with it: leave it unset, or use one of them");
     refuse(opt.between_steps != BetweenSteps::kResident, "between_steps");
   }
 
@@ -135,7 +139,7 @@ struct Session::Impl {
     }
     if (opt.host_memory == kHostMemoryAuto) {
       opt.host_memory = 0;
-      if (gpu) {
+      if (opt.mode != OffloadMode::kNone && opt.device.is_cuda()) {
         const HostTierChoice h = default_host_tier(read_host_memory());
         opt.host_memory = h.bytes;
         say(h.why);
@@ -817,10 +821,11 @@ Session::Session(SessionOptions options) : impl_(std::make_unique<Impl>()) {
       m.opt.memory_budget > 0 || (m.opt.budget_fraction > 0 && m.opt.budget_fraction <= 1),
       "the memory budget fraction must be in (0, 1]");
   m.store = std::make_shared<io::TensorStore>(m.opt.store);
-  if (m.opt.mode == OffloadMode::kPlan && m.opt.host_memory > 0) {
+  if (m.opt.host_memory > 0) {
     m.host = std::make_shared<io::HostPool>(m.opt.host_memory);
   }
   if (m.opt.mode == OffloadMode::kActivations) {
+    m.opt.activations.host = m.host;  // saved tensors to host memory first
     m.offloader = std::make_unique<ActivationOffloader>(m.store, m.opt.activations);
     m.offloader->set_timeline(m.timeline, m.opt.current_bytes);
     m.state = SessionState::kExecuting;
@@ -960,6 +965,7 @@ void Session::end_step(std::int64_t step) {
   ++m.steps_in_state;
   if (m.offloading) {
     take_io_stats(s, m.offloader->last_step());
+    s.bytes_to_host = m.offloader->last_step().bytes_to_host;
     if (s.notice.empty()) s.notice = m.offloader->notice();
     // One step that does not peak at least 1% lower than the reference is enough: offloading
     // that pays lowers the peak clearly, and "never above no offloading" must not wait for a

@@ -46,7 +46,7 @@ expect "--timeline-steps -1 must be 0" "${train[@]}" --offload plan --timeline-s
 expect "--strict-meter is for --offload plan" "${train[@]}" --offload activations --strict-meter
 expect "--mem-budget is for --offload plan" "${train[@]}" --offload none --mem-budget 2MiB
 expect "--strict-budget is for --offload plan" "${train[@]}" --offload none --strict-budget
-expect "--host-mem is for --offload plan" "${train[@]}" --offload activations --host-mem 1MiB
+expect "--host-mem is for --offload plan or activations" "${train[@]}" --offload none --host-mem 1MiB
 expect "--between-steps is for --offload plan" "${train[@]}" --offload none --between-steps resident
 # Pre-flight: a model whose state fits in neither the budget, host memory nor the store is
 # refused before step 0, saying what to change.

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tidal
-from conftest import make_mlp
+from conftest import batches, make_mlp, train_mlp
 
 
 def test_the_cpu_keeps_its_documented_defaults(store_dir, capfd):
@@ -56,3 +56,28 @@ def test_the_preflight_says_where_a_state_larger_than_the_budget_goes(store_dir,
     assert check["to_host"] == 2 << 20 and check["to_ssd"] == 3 * weights - (2 << 20)
     assert check["transfer_seconds"] > 0
     assert "lives outside the device" in capfd.readouterr().err
+
+
+def test_activation_mode_writes_saved_tensors_to_host_memory_first(store_dir):
+    # The host tier in activation mode: saved tensors go to host memory while it has room and
+    # to the SSD store after; either way every loss is the one of training without tidal.
+    data = batches(seed=3, steps=6)
+    ref_losses, ref_params, _ = train_mlp(data, None, seed=3)
+
+    def run(host):
+        return train_mlp(data, lambda m, o: tidal.Session(
+            mode="activations", dirs=[store_dir], host_memory=host, min_bytes="64KiB",
+            adaptive=False, model=m, optimizer=o), seed=3)
+
+    losses, params, stats = run("256MiB")  # room for every saved tensor of a step
+    assert torch.equal(losses, ref_losses)
+    for p, r in zip(params, ref_params):
+        assert torch.equal(p, r)
+    moved = [s for s in stats if s.bytes_written > 0]
+    assert moved, "nothing was offloaded: the test would prove nothing"
+    assert all(s.bytes_to_host == s.bytes_written for s in moved)
+    losses, _, stats = run("1MiB")  # room for two of them: the rest to the SSDs
+    assert torch.equal(losses, ref_losses)
+    assert any(0 < s.bytes_to_host < s.bytes_written for s in stats), [
+        (s.bytes_to_host, s.bytes_written) for s in stats]
+

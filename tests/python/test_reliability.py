@@ -233,12 +233,15 @@ def test_torch_save_of_the_model_and_optimizer_works_while_a_session_is_open(sto
 
 
 def test_options_a_mode_does_nothing_with_are_refused():
-    for kw in ({"strict": True}, {"budget": "2MiB"}, {"host_memory": "1MiB"},
-               {"between_steps": "offloaded"}, {"strict_budget": True}):
+    for kw in ({"strict": True}, {"budget": "2MiB"}, {"between_steps": "offloaded"},
+               {"strict_budget": True}, {"wall_by_retry": True}):
         for mode in ("activations", "none"):
             name = next(iter(kw))
             with pytest.raises(tidal.InvalidArgument, match=f"{name}.*mode=\"plan\""):
                 tidal.Session(mode=mode, **kw)
+    # The host tier is activation mode's too: refused only where nothing moves.
+    with pytest.raises(tidal.InvalidArgument, match="host_memory"):
+        tidal.Session(mode="none", host_memory="1MiB")
 
 
 def test_a_second_plan_session_is_refused_when_it_is_made(store_dir):

@@ -255,18 +255,20 @@ void run_train(const TrainArgs& args) {
   so.executor.min_bytes = parse_bytes(args.min_offload);
   so.warmup_steps = args.warmup_steps;
   so.profile_steps = args.profile_steps;
-  const bool plan_options_given = !args.mem_budget.empty() || !args.host_mem.empty() ||
-                                  args.strict_meter || args.strict_budget ||
-                                  !args.between_steps.empty();
+  const bool plan_options_given = !args.mem_budget.empty() || args.strict_meter ||
+                                  args.strict_budget || !args.between_steps.empty();
   if (so.mode != torch_layer::OffloadMode::kPlan && plan_options_given) {
     const char* flag = !args.mem_budget.empty()      ? "--mem-budget"
-                       : !args.host_mem.empty()      ? "--host-mem"
                        : args.strict_meter           ? "--strict-meter"
                        : !args.between_steps.empty() ? "--between-steps"
                                                      : "--strict-budget";
     TIDAL_FAIL_AS(InvalidArgument, flag, " is for --offload plan; --offload ", args.offload,
                   " does nothing with it: leave it out, or use --offload plan");
   }
+  TIDAL_EXPECT_AS(InvalidArgument,
+                  so.mode != torch_layer::OffloadMode::kNone || args.host_mem.empty(),
+                  "--host-mem is for --offload plan or activations; --offload none does nothing "
+                  "with it");
   if (args.mem_budget.empty()) {
     // the device's default: chosen by the session, printed below
   } else if (args.mem_budget.find('%') != std::string::npos) {
@@ -662,8 +664,9 @@ void add_train_command(CLI::App& app) {
                 "plan mode: stop with an error when no plan can meet the budget (default: run "
                 "with the smallest peak a plan reaches and say why)");
   cmd->add_option("--host-mem", args->host_mem,
-                  "plan mode: host memory offloaded tensors may use (e.g. 8GiB; 0: SSD only); "
-                  "the planner puts there what the SSDs cannot move in time. Default: on a GPU "
+                  "host memory offloaded tensors may use (e.g. 8GiB; 0: SSD only): the planner "
+                  "puts there what the SSDs cannot move in time, activation offloading writes "
+                  "there first. Default: on a GPU "
                   "the memory the process may still take less a reserve (a quarter, at least "
                   "2GiB); on the CPU 0");
   cmd->add_option("--checkpoint", args->checkpoint,

@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 
+#include "tidal/io/host_pool.hpp"
 #include "tidal/io/store.hpp"
 #include "tidal/plan/timeline.hpp"
 #include "tidal/torch/step.hpp"
@@ -33,8 +34,12 @@ struct ActivationOptions {
   std::uint64_t min_lookahead_bytes = 4ull << 20;
   std::uint64_t max_lookahead_bytes = 1ull << 30;
   /// Stop offloading the last tensors of forward when the measured write bandwidth cannot hide
-  /// their I/O (TBA's adaptive keep), recalibrated after every step.
+  /// their I/O (TBA's adaptive keep), recalibrated after every step. The rule is the SSDs':
+  /// a tensor host memory has room for goes there and is never kept by it.
   bool adaptive = true;
+  /// The host tier (Session::host_memory; null: SSD only): saved tensors go to host memory
+  /// first, at the link's speed, and to the SSD store where it is full. Shared, not copied.
+  std::shared_ptr<io::HostPool> host;
 };
 
 /// Per-step counters (the step that ended last).
@@ -54,7 +59,8 @@ struct ActivationStats {
   /// Writes dropped before they started because autograd released the tensor first (its
   /// backward ran while the write waited in the queue): its memory went back at once.
   std::uint64_t cancelled_writes = 0;
-  std::uint64_t bytes_written = 0;
+  std::uint64_t bytes_written = 0;  ///< to either tier
+  std::uint64_t bytes_to_host = 0;  ///< of bytes_written, to the host tier
   std::uint64_t bytes_read = 0;
   double stall_seconds = 0;           ///< time unpack waited for reads
   double forward_seconds = 0;         ///< first pack to first unpack

@@ -131,8 +131,10 @@ struct SessionOptions {
   /// How messages name the kOffloaded choice to the user (a budget a resident step boundary
   /// cannot meet suggests it); the CLI sets "--between-steps offloaded".
   std::string between_steps_option = "SessionOptions::between_steps = BetweenSteps::kOffloaded";
-  /// Plan mode: host memory offloaded tensors may use, in bytes (0: none, SSD only). The
-  /// planner sends a tensor there where the SSD channel has no room for its migration in time;
+  /// Plan and activation modes: host memory offloaded tensors may use, in bytes (0: none, SSD
+  /// only). Activation mode writes saved tensors there first and to the SSD store where it is
+  /// full. The planner sends a tensor there where the SSD channel has no room for its migration
+  /// in time;
   /// the executor copies it into a host pool of this size (page-locked on a GPU machine). On a
   /// CPU-only machine the pool is ordinary memory outside the meter: it stands for a GPU's host
   /// memory, and is reported apart (stats().bytes_to_host). kHostMemoryAuto (the default): on a
