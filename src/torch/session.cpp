@@ -945,6 +945,7 @@ void Session::end_step(std::int64_t step) {
   m.in_step = false;
   SessionStats& s = m.stats;
   s.bytes_written = s.bytes_read = s.misses = s.write_failures = s.store_full_writes = 0;
+  s.bytes_to_host = s.bytes_from_host = 0;
   s.write_error.clear();
   s.stall_seconds = 0;
   // The step's tensors come back here (BetweenSteps::kResident): a read that fails throws, after
