@@ -156,6 +156,56 @@ TEST(Activations, BitIdenticalTrainingWithEveryActivationThroughTheStore) {
   EXPECT_EQ(s.write_failures, 0u);
 }
 
+// The class of race torchtune's activation offloading hit (NaN gradients): a saved tensor's
+// memory freed and reused while its copy to host memory was still in flight. Here every copy
+// is slowed: the host pool's copy thread has 256 MiB of urgent copies ahead of each step's
+// saved tensors, so they are copied only after forward has gone on allocating and freeing.
+// Backward waits for them and reads them back from the pool. The record owns a tensor's
+// storage until its copy is complete, so the bytes copied are the tensor's: the same losses.
+TEST(Activations, AHostCopyInFlightNeverSeesItsMemoryReused) {
+  testing::TestDir dir;
+  const RunResult plain = train(nullptr, 4);
+  ActivationOptions opt;
+  opt.min_bytes = 4096;
+  opt.adaptive = false;
+  opt.host = std::make_shared<io::HostPool>(512 * kMiB);
+  io::HostPool& pool = *opt.host;
+  std::vector<unsigned char> ballast(64 * kMiB, 7);
+  std::vector<io::Ticket> ahead;
+  const auto slow_down = [&] {
+    for (auto& t : ahead) pool.free(t);
+    ahead.clear();
+    for (int i = 0; i < 4; ++i) {
+      ahead.push_back(pool.write(ballast.data(), ballast.size(), io::Priority::kUrgent));
+    }
+  };
+  slow_down();
+  ActivationOffloader off(make_store(dir), opt);
+  std::uint64_t read_back = 0;
+  const RunResult offloaded = train(
+      &off, 4,
+      [&] {  // before backward: the copies done (the copy thread quiet), so backward reads
+        for (auto& t : ahead) pool.wait(t);
+        std::uint64_t last = pool.stats().writes;
+        int quiet = 0;
+        wait_until([&] {
+          const std::uint64_t now = pool.stats().writes;
+          quiet = now == last ? quiet + 1 : 0;
+          last = now;
+          return quiet >= 20;
+        });
+      },
+      [&] {
+        read_back += off.last_step().bytes_read;
+        slow_down();
+      });
+  for (auto& t : ahead) pool.free(t);
+  expect_identical(plain, offloaded);
+  EXPECT_GT(off.last_step().bytes_to_host, 0u);
+  EXPECT_EQ(off.last_step().bytes_to_host, off.last_step().bytes_written);
+  EXPECT_GT(read_back, 0u) << "backward read nothing back from the pool: the test proves nothing";
+}
+
 TEST(Activations, AFailingStoreNeverChangesALoss) {
   testing::TestDir dir;
   const RunResult plain = train(nullptr, 4);
