@@ -376,6 +376,7 @@ class Session:
         self._registered: set[int] = set()
         self._param_names: dict[int, str] = {}
         self._in_step = False
+        self._restore_groups = lambda: None  # _split_multi_tensor_steps sets it
         if model is not None:
             prepare_model(model, mode, self._session)
             self._fsdp = _fsdp.prepare(self._session, model, optimizer, mode)
@@ -430,7 +431,7 @@ class Session:
 
     def _split_multi_tensor_steps(self, optimizer) -> None:
         self._hooks.append(optimizer.register_step_pre_hook(_Hook(self, Session._split_groups)))
-        self._hooks.append(optimizer.register_step_post_hook(_Hook(self, Session._join_groups)))
+        self._hooks.append(optimizer.register_step_post_hook(_Hook(self, Session._after_step)))
         self._restore_groups = lambda: _join_groups(optimizer, checked=False)
 
     def _piece_bytes(self, opt) -> int:
@@ -471,8 +472,7 @@ class Session:
             opt._tidal_split = (list(opt.param_groups), whole, pieces)
             opt.param_groups[:] = groups
 
-    @staticmethod
-    def _join_groups(_session, opt, _args, _kwargs) -> None:
+    def _after_step(self, opt, _args, _kwargs) -> None:
         _join_groups(opt, checked=True)
 
     # -- the session's life -----------------------------------------------------------------
@@ -493,7 +493,7 @@ class Session:
         if self._in_step:
             raise _C.Error("close() inside a step: end the step first (end_step(), or leave "
                            "`with session.step():`)")
-        getattr(self, "_restore_groups", lambda: None)()
+        self._restore_groups()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -517,7 +517,7 @@ class Session:
         """A step starts (forward, backward and the optimizer step follow)."""
         self._register_optimizer()
         # A step that raised inside optimizer.step() left its groups split: put them back.
-        getattr(self, "_restore_groups", lambda: None)()
+        self._restore_groups()
         self._live().begin_step()
         self._in_step = True
 
@@ -535,7 +535,7 @@ class Session:
         if not self._in_step:
             return
         self._in_step = False
-        getattr(self, "_restore_groups", lambda: None)()
+        self._restore_groups()
         self._live().abort_step()
 
     @contextlib.contextmanager

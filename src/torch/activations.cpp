@@ -124,8 +124,10 @@ struct ActivationOffloader::Impl : std::enable_shared_from_this<Impl> {
   bool host_has_room(std::uint64_t bytes) const {
     return opt.host && opt.host->free_bytes() >= bytes;
   }
-  bool on_host(const Record& r) const {
-    return opt.host && r.tier == static_cast<const io::Tier*>(opt.host.get());
+  bool on_host(const Record& r) const { return opt.host && r.tier == opt.host.get(); }
+  // The timeline's channel of a transfer of `r`'s bytes.
+  plan::Channel channel(const Record& r, plan::Direction d) const {
+    return plan::channel_of(on_host(r) ? plan::Tier::kHost : plan::Tier::kSsd, d);
   }
 
   std::shared_ptr<Record> pack(const at::Tensor& t, at::Tensor* kept);
@@ -399,8 +401,7 @@ void ActivationOffloader::Impl::submit_write_locked(Record& r) {
                                      : static_cast<io::Tier*>(store.get());
     r.ticket = r.tier->write(r.storage.data(), r.nbytes, io::Priority::kOffload);
     r.state = Record::State::kWriting;
-    record_start(r, on_host(r) ? plan::Channel::kHostWrite : plan::Channel::kSsdWrite,
-                 plan::TransferKind::kActivation);
+    record_start(r, channel(r, plan::Direction::kWrite), plan::TransferKind::kActivation);
   } catch (const Error& e) {
     // Refused at once (a closed store, a size it cannot take): the tensor stays in memory.
     ++stats.write_failures;
@@ -507,7 +508,7 @@ void ActivationOffloader::Impl::start_read_locked(Record& r, io::Priority p) {
   r.storage = bytes.storage();
   r.tier->read(r.ticket, r.storage.mutable_data(), p);
   record_start(
-      r, on_host(r) ? plan::Channel::kHostRead : plan::Channel::kSsdRead,
+      r, channel(r, plan::Direction::kRead),
       p == io::Priority::kUrgent ? plan::TransferKind::kMiss : plan::TransferKind::kActivation);
   r.state = Record::State::kReading;
   stats.bytes_read += r.nbytes;
@@ -756,8 +757,7 @@ void ActivationOffloader::Impl::release(Record& r) {
         const auto t0 = Clock::now();
         finish_write_locked(r);  // frees the ticket (alive == 0), or keeps the bytes on failure
         stats.stall_seconds += since(t0);
-        record_stall(plan::StallKind::kBudget,
-                     on_host(r) ? plan::Channel::kHostWrite : plan::Channel::kSsdWrite, r, t0);
+        record_stall(plan::StallKind::kBudget, channel(r, plan::Direction::kWrite), r, t0);
         r.storage = c10::Storage();
       }
       return;

@@ -70,11 +70,11 @@ std::uint64_t bytes_at_start(const trace::Trace& t) {
 }
 
 constexpr int kMaxTightenings = 4;  // consecutive, per step shape
+constexpr std::size_t kMaxPendingShapes = 16;
 
 // The process's one plan-mode session: its tracer and executor follow every op of the loop's
 // thread, so a second one is refused when it is made, not mid-run.
 std::atomic<const void*> g_plan_session{nullptr};
-constexpr std::size_t kMaxPendingShapes = 16;
 
 }  // namespace
 
@@ -281,7 +281,7 @@ struct Session::Impl {
       measured_ssd.clear();  // a failing or too small store: plan with the preset's figures
       const std::string why = "SSD figures not measured (" + std::string(e.what()) +
                               "): the plan uses the " + opt.hardware + " preset's";
-      stats.notice = stats.notice.empty() ? why : stats.notice + "; " + why;
+      add_notice(why);
     }
     if (on_cpu && opt.host_memory > 0) {
       const double copy = io::measure_copy_compute_cost();
@@ -304,11 +304,7 @@ struct Session::Impl {
       return *p;
     }
     if (opt.strict_budget) std::rethrow_exception(attempt.first_refusal);
-    try {
-      std::rethrow_exception(attempt.first_refusal);
-    } catch (const std::exception& e) {
-      stats.budget_reason = e.what();
-    }
+    stats.budget_reason = attempt.first_reason;
     // The active tensors alone exceed the capacity somewhere: find the least capacity that plans.
     at_floor = true;
     double lo = capacity;
@@ -362,8 +358,11 @@ struct Session::Impl {
         po.min_bytes = least;
         try {
           return plan::make_plan(t, hw, po);
-        } catch (const InvalidArgument&) {
-          if (!first_refusal) first_refusal = std::current_exception();
+        } catch (const InvalidArgument& e) {
+          if (!first_refusal) {
+            first_refusal = std::current_exception();
+            first_reason = e.what();
+          }
         }
         if (least <= 4096) return std::nullopt;
       }
@@ -374,6 +373,7 @@ struct Session::Impl {
     std::uint64_t own_min_bytes = 0;
     std::uint64_t least = 0;
     std::exception_ptr first_refusal;
+    std::string first_reason;  // its message
   };
 
   // Tensors from `least` bytes on are moved, where the session's min_bytes did not plan.
@@ -383,9 +383,14 @@ struct Session::Impl {
                             bytes_text(opt.executor.min_bytes) +
                             " kept in memory (the smallest size moved): tensors of " +
                             bytes_text(least) + " and more are moved";
-    stats.notice = stats.notice.empty() ? why : stats.notice + "; " + why;
+    add_notice(why);
     opt.executor.min_bytes = least;
     if (executor) executor->set_min_bytes(least);
+  }
+
+  // Something the user should know, said once, after what stats().notice says already.
+  void add_notice(const std::string& why) {
+    stats.notice = stats.notice.empty() ? why : stats.notice + "; " + why;
   }
 
   void summarise(const Shape& s) {
@@ -628,7 +633,7 @@ struct Session::Impl {
       const std::string why =
           "the timeline was not written to '" + opt.timeline_path + "': " + e.what();
       std::cerr << "tidal: warning: " << why << "\n";
-      stats.notice = stats.notice.empty() ? why : stats.notice + "; " + why;
+      add_notice(why);
     }
   }
 
