@@ -21,7 +21,6 @@
 #include "tidal/io/store.hpp"
 #include "tidal/plan/plan.hpp"
 #include "tidal/torch/activations.hpp"
-#include "tidal/torch/executor.hpp"
 #include "tidal/torch/memory.hpp"
 #include "tidal/torch/session.hpp"
 #include "tidal/trace/io.hpp"
@@ -128,7 +127,7 @@ py::dict session_stats_dict(const tt::SessionStats& s) {
       host_stall_seconds, planned_bytes_to_ssd, planned_bytes_to_host, planned_step_seconds,
       between_steps, stall_seconds, write_stall_seconds, misses, write_failures, store_full_writes,
       write_error, step_peak, memory_budget, untouched_bytes, profiled_peak, within_budget,
-      steps_measured, steps_over_budget, steps_aborted, budget_reason, shapes, shape, replans,
+      steps_measured, steps_over_budget, steps_aborted, out_of_memory_retries, budget_reason, shapes, shape, replans,
       tightenings, executed_peak, plan_summary, defaults, notice);
 }
 
@@ -215,10 +214,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_memory_cap", &tt::set_cpu_memory_cap, py::arg("bytes"),
         "The strict meter: CPU allocations past `bytes` raise torch.OutOfMemoryError (0: none).");
   m.def("memory_cap", &tt::cpu_memory_cap, "The strict meter's cap in bytes, or 0 for none.");
-  m.def(
-      "out_of_memory_retries", &tt::PlanExecutor::out_of_memory_retries,
-      "Ops the residency guard ran again after an allocation past the wall was refused (the wall\n"
-      "as a GPU raises it), over the process.");
 
   using tidal::io::FaultPlan;
   using tidal::io::StoreOptions;

@@ -182,6 +182,7 @@ class SessionStats:
     steps_measured: int
     steps_over_budget: int
     steps_aborted: int
+    out_of_memory_retries: int
     budget_reason: str
     shapes: int
     shape: int

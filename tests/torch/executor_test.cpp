@@ -1,6 +1,6 @@
 // A wrong plan costs time, never correctness: random plans (offloads and prefetches of random
 // tensors at random ops, deadlines ignored) must leave training bit-identical.
-#include "tidal/torch/executor.hpp"
+#include "torch/executor/executor.hpp"
 
 #include <gtest/gtest.h>
 

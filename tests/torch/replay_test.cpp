@@ -14,7 +14,7 @@
 #include "tidal/plan/planner.hpp"
 #include "tidal/plan/schedule.hpp"
 #include "tidal/plan/simulator.hpp"
-#include "tidal/torch/executor.hpp"
+#include "torch/executor/executor.hpp"
 #include "tidal/torch/memory.hpp"
 #include "tidal/torch/tracer.hpp"
 #include "tidal/trace/lifetime.hpp"

@@ -29,7 +29,6 @@
 #include "tidal/common/units.hpp"
 #include "tidal/models/trainer.hpp"
 #include "tidal/torch/checkpoint.hpp"
-#include "tidal/torch/executor.hpp"
 #include "tidal/torch/memory.hpp"
 #include "tidal/torch/session.hpp"
 #include "tidal/trace/io.hpp"
@@ -563,7 +562,7 @@ void run_train(const TrainArgs& args) {
       j["steps_over_budget"] = st.steps_over_budget;
       // Ops the device's allocator refused past the wall and that ran again once tensors were
       // written out (the strict meter on a GPU): each one is a step that would have crashed.
-      j["out_of_memory_retries"] = torch_layer::PlanExecutor::out_of_memory_retries();
+      j["out_of_memory_retries"] = st.out_of_memory_retries;
       j["untouched_bytes"] = st.untouched_bytes;
       j["budget_reason"] = st.budget_reason;
       j["step_shapes"] = st.shapes;

@@ -27,7 +27,7 @@
 #include "tidal/plan/preflight.hpp"
 #include "tidal/plan/timeline.hpp"
 #include "tidal/torch/activations.hpp"
-#include "tidal/torch/executor.hpp"
+#include "tidal/torch/executor_options.hpp"
 #include "tidal/torch/step.hpp"
 #include "tidal/trace/trace.hpp"
 
@@ -205,6 +205,9 @@ struct SessionStats {
   std::int64_t steps_measured = 0;     ///< plan mode: steps of the current plans, measured
   std::int64_t steps_over_budget = 0;  ///< plan mode: executed steps over the budget, all plans
   std::int64_t steps_aborted = 0;      ///< steps ended by abort_step (not learnt from)
+  /// Ops refused memory under the wall and run again after tensors were written out, since the
+  /// session was made (the device's wall on a GPU, SessionOptions::wall_by_retry on the CPU).
+  std::uint64_t out_of_memory_retries = 0;
   std::string budget_reason;           ///< plan mode: why the budget is not met, when it is not
   int shapes = 0;                      ///< plan mode: distinct step shapes with a plan
   int shape = -1;                      ///< plan mode: the shape the last step ran (-1: none)

@@ -15,20 +15,14 @@
 // that started before its storage went away.
 #pragma once
 
-#include <ATen/record_function.h>
 #include <torch/torch.h>
 
-#include <atomic>
-#include <chrono>
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
-#include "tidal/torch/executor.hpp"
+#include "tidal/torch/executor_options.hpp"
 #include "tidal/torch/step.hpp"
 #include "tidal/trace/trace.hpp"
 
@@ -99,7 +93,7 @@ class Tracer : public StepObserver {
   /// Removes the callbacks (call it on the thread that called start(); elsewhere the callbacks
   /// stay installed there but record nothing). Idempotent.
   void stop();
-  [[nodiscard]] bool started() const { return started_; }
+  [[nodiscard]] bool started() const;
 
   void begin_step(std::int64_t step, const std::vector<torch::Tensor>& inputs) override;
   void begin_phase(trace::Phase phase) override;
@@ -111,16 +105,13 @@ class Tracer : public StepObserver {
 
   /// Reports every recorded op, with the trace's tensor ids and their storages, to `listener`
   /// (the plan executor), or to nobody when nullptr. Not owned. Set it between steps.
-  void set_listener(OpListener* listener) { listener_ = listener; }
+  void set_listener(OpListener* listener);
 
   /// Keep each recorded iteration (the default, for profiling) or only check it against the
   /// first and drop it (while executing a plan for many steps).
-  void set_keep_iterations(bool keep) { keep_iterations_ = keep; }
+  void set_keep_iterations(bool keep);
   /// Changes Options::step_end_op for the iterations that start from now on (between steps).
-  void set_step_end_op(bool on) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    options_.step_end_op = on;
-  }
+  void set_step_end_op(bool on);
 
   /// The traced tensors still alive after the last end_step, by trace id (weak references):
   /// what a plan executor made after profiling needs to know before its first step's ops have
@@ -132,106 +123,20 @@ class Tracer : public StepObserver {
   [[nodiscard]] std::uint64_t step_peak() const;
 
   /// The iterations recorded so far, in order (each one validated).
-  [[nodiscard]] const std::vector<trace::Trace>& iterations() const { return iterations_; }
+  [[nodiscard]] const std::vector<trace::Trace>& iterations() const;
 
   /// The iteration that ended last, kept or not (nullptr before the first). Valid until the
   /// next end_step.
-  [[nodiscard]] const trace::Trace* last_iteration() const { return has_last_ ? &last_ : nullptr; }
+  [[nodiscard]] const trace::Trace* last_iteration() const;
 
   /// Folds the recorded iterations: the last one, with each op's duration replaced by its median
   /// over the iterations when they are consistent. Throws tidal::Error if none was recorded.
   [[nodiscard]] ProfileResult result() const;
 
-  /// Internal: the RecordFunction callbacks (public so that the free functions can call them).
-  struct OpContext;
-  std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn);
-  void on_op_end(const at::RecordFunction& fn, at::ObserverContext* ctx);
+  class Impl;
 
  private:
-  struct Persistent {
-    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
-    std::string name;
-    trace::TensorClass cls;
-  };
-  struct PerTensor {  // bookkeeping beside trace::Tensor, same index
-    trace::Phase producer_phase = trace::Phase::kOther;
-    bool read_in_backward = false;
-    bool external = false;  // first seen as an input, origin unknown
-    trace::OpIndex first_use = trace::kNoOp;
-    bool carried = false;     // made by an op of the last iteration and first seen here as input
-    bool reproduced = false;  // carried, and made anew by the same op (and slot) here
-    c10::weak_intrusive_ptr<c10::StorageImpl> remade{c10::intrusive_ptr<c10::StorageImpl>()};
-  };
-  struct Carried {  // a storage an op made in the last iteration that outlived it
-    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
-    trace::OpIndex producer;
-    std::int32_t slot;
-  };
-  struct Live {
-    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
-    trace::TensorId id;
-  };
-
-  double now() const;
-  trace::TensorId add_tensor(const c10::Storage& storage, const c10::Device& device,
-                             std::string name, trace::TensorClass cls, bool persistent,
-                             trace::OpIndex producer, std::int32_t slot);
-  trace::TensorId lookup_or_add_input(const at::Tensor& t);
-  void collect_frees();
-  // on_op_end's stages.
-  void note_nested_outputs(const at::RecordFunction& fn);
-  std::uint64_t op_peak_bytes(const OpContext& ctx);
-  void add_output(trace::OpIndex index, std::int32_t slot, const c10::Storage& storage,
-                  const c10::Device& device);
-  std::int32_t record_outputs(const at::RecordFunction& fn, trace::OpIndex index);
-  std::vector<TensorRef> adopt_nested_outputs(trace::OpIndex index, std::int32_t slot);
-  void append_output_refs(const at::RecordFunction& fn, std::vector<TensorRef>& refs);
-  void join_carried();
-  void finish_iteration();
-
-  Options options_;
-  bool started_ = false;
-  OpListener* listener_ = nullptr;
-  bool keep_iterations_ = true;
-  std::atomic<std::uint64_t> step_peak_{0};
-  [[nodiscard]] bool measuring_workspace() const;
-  void fold_peak();
-  std::uint64_t function_handle_ = 0;
-  std::uint64_t backward_handle_ = 0;
-
-  std::vector<Persistent> persistent_;
-  std::unordered_map<const c10::StorageImpl*, std::size_t> persistent_index_;
-
-  // State of the iteration being recorded. Guarded by mutex_.
-  std::mutex mutex_;
-  std::atomic<bool> recording_{false};
-  std::atomic<bool> busy_{false};  // a recorded op is running
-  std::atomic<std::uint64_t> busy_thread_{0};
-  std::uint64_t owner_thread_ = 0;  // the thread that called start()
-  std::atomic<int> phase_{static_cast<int>(trace::Phase::kOther)};
-  std::atomic<std::int64_t> layer_{-1};
-  trace::Trace current_;
-  std::vector<PerTensor> extra_;
-  std::unordered_map<const c10::StorageImpl*, trace::TensorId> ids_;
-  std::vector<Live> live_;
-  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> nested_outputs_;
-  std::map<std::int64_t, std::int32_t> forward_seq_layer_;  // autograd seq at op start -> layer
-  std::chrono::steady_clock::time_point iteration_start_;
-  double io_wait_at_start_ = 0;  // Options::io_wait_seconds at iteration_start_
-  std::int32_t extern_count_ = 0;
-  // Tensors crossing the iteration boundary (a gradient made in backward that a deferred
-  // optimizer step reads in the next forward): what the last iteration's ops made and left
-  // alive, and this iteration's tensors for them by (producer, slot).
-  std::vector<Carried> carry_;
-  std::unordered_map<const c10::StorageImpl*, std::size_t> carry_index_;
-  std::map<std::pair<trace::OpIndex, std::int32_t>, trace::TensorId> carried_by_slot_;
-
-  std::vector<trace::Trace> iterations_;
-  trace::Trace last_;
-  bool has_last_ = false;
-  bool phase_told_ = false;  // begin_phase was called in this iteration
-  std::vector<std::string> reference_names_;
-  std::string divergence_;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace tidal::torch_layer

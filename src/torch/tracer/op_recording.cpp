@@ -1,15 +1,16 @@
-#include "tidal/torch/tracer.hpp"
-
+// The tracer's RecordFunction callbacks: each op's inputs, outputs, frees and workspace, as it
+// runs.
 #include <torch/version.h>
 
 #include <algorithm>
 #include <cstring>
 
-#include "device_sync.hpp"
-#include "ivalue_tensors.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/stats.hpp"
 #include "tidal/trace/lifetime.hpp"
+#include "torch/device_sync.hpp"
+#include "torch/ivalue_tensors.hpp"
+#include "torch/tracer/tracer_impl.hpp"
 
 namespace tidal::torch_layer {
 
@@ -18,14 +19,14 @@ using trace::Phase;
 using trace::TensorClass;
 using trace::TensorId;
 
-struct Tracer::OpContext : at::ObserverContext {
+struct Tracer::Impl::OpContext : at::ObserverContext {
   OpIndex index = 0;
   std::uint64_t bytes_before = 0;  // the meter's bytes when the op started (workspace)
 };
 
 namespace {
 
-std::atomic<Tracer*> g_tracer{nullptr};
+std::atomic<Tracer::Impl*> g_tracer{nullptr};
 std::atomic<std::uint64_t> g_next_thread_id{1};
 
 // Per thread: how deep in nested ATen calls we are, and the autograd nodes being run (their
@@ -38,7 +39,7 @@ bool transparent(const at::RecordFunction& fn);
 
 std::unique_ptr<at::ObserverContext> function_start(const at::RecordFunction& fn) {
   if (transparent(fn)) return nullptr;
-  Tracer* t = g_tracer.load(std::memory_order_acquire);
+  Tracer::Impl* t = g_tracer.load(std::memory_order_acquire);
   if (t == nullptr) {
     ++tl_depth;
     return nullptr;
@@ -48,7 +49,7 @@ std::unique_ptr<at::ObserverContext> function_start(const at::RecordFunction& fn
 
 void function_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   if (transparent(fn)) return;
-  Tracer* t = g_tracer.load(std::memory_order_acquire);
+  Tracer::Impl* t = g_tracer.load(std::memory_order_acquire);
   if (t == nullptr) {
     --tl_depth;
     return;
@@ -81,8 +82,6 @@ bool reads_inputs(const char* name) {
   return !(n >= 5 && std::strcmp(name + n - 5, "_like") == 0);
 }
 
-bool usable(const at::Tensor& t) { return t.defined() && t.has_storage(); }
-
 // In-place ops (aten::add_) and out= overloads write into a tensor they were given.
 bool writes_in_place(const at::RecordFunction& fn, const char* name) {
   const std::size_t n = std::strlen(name);
@@ -91,18 +90,14 @@ bool writes_in_place(const at::RecordFunction& fn, const char* name) {
   return op.has_value() && (op->overload_name == "out" || op->overload_name.rfind("out_", 0) == 0);
 }
 
-void push_unique(std::vector<TensorId>& ids, TensorId id) {
-  if (std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(id);
-}
-
 }  // namespace
 
-Tracer::Tracer(Options options) : options_(std::move(options)) {}
+Tracer::Impl::Impl(Options options) : options_(std::move(options)) {}
 
-Tracer::~Tracer() { stop(); }
+Tracer::Impl::~Impl() { stop(); }
 
-void Tracer::register_persistent(const torch::Tensor& tensor, const std::string& name,
-                                 TensorClass cls) {
+void Tracer::Impl::register_persistent(const torch::Tensor& tensor, const std::string& name,
+                                       TensorClass cls) {
   TIDAL_EXPECT(usable(tensor), "register_persistent: '", name, "' is not a tensor with storage");
   const auto* impl = tensor.storage().unsafeGetStorageImpl();
   if (persistent_index_.count(impl) != 0) return;
@@ -110,9 +105,9 @@ void Tracer::register_persistent(const torch::Tensor& tensor, const std::string&
   persistent_.push_back(Persistent{tensor.storage().getWeakStorageImpl(), name, cls});
 }
 
-void Tracer::start() {
+void Tracer::Impl::start() {
   if (started_) return;
-  Tracer* expected = nullptr;
+  Tracer::Impl* expected = nullptr;
   TIDAL_EXPECT(g_tracer.compare_exchange_strong(expected, this),
                "another tidal Tracer is already recording in this process; stop it first");
   owner_thread_ = tl_thread_id;
@@ -126,7 +121,7 @@ void Tracer::start() {
   started_ = true;
 }
 
-void Tracer::stop() {
+void Tracer::Impl::stop() {
   if (!started_) return;
   recording_.store(false);
   at::removeCallback(function_handle_);
@@ -135,16 +130,16 @@ void Tracer::stop() {
   started_ = false;
 }
 
-double Tracer::now() const {
+double Tracer::Impl::now() const {
   const double wall =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - iteration_start_).count();
   if (!options_.io_wait_seconds) return wall;
   return wall - (options_.io_wait_seconds() - io_wait_at_start_);
 }
 
-TensorId Tracer::add_tensor(const c10::Storage& storage, const c10::Device& device,
-                            std::string name, TensorClass cls, bool persistent, OpIndex producer,
-                            std::int32_t slot) {
+TensorId Tracer::Impl::add_tensor(const c10::Storage& storage, const c10::Device& device,
+                                  std::string name, TensorClass cls, bool persistent,
+                                  OpIndex producer, std::int32_t slot) {
   trace::Tensor t;
   t.id = static_cast<TensorId>(current_.tensors.size());
   t.name = std::move(name);
@@ -162,7 +157,7 @@ TensorId Tracer::add_tensor(const c10::Storage& storage, const c10::Device& devi
   return current_.tensors.back().id;
 }
 
-TensorId Tracer::lookup_or_add_input(const at::Tensor& t) {
+TensorId Tracer::Impl::lookup_or_add_input(const at::Tensor& t) {
   const auto* impl = t.storage().unsafeGetStorageImpl();
   auto it = ids_.find(impl);
   if (it != ids_.end()) return it->second;
@@ -194,7 +189,7 @@ TensorId Tracer::lookup_or_add_input(const at::Tensor& t) {
   return id;
 }
 
-void Tracer::collect_frees() {
+void Tracer::Impl::collect_frees() {
   const auto last = static_cast<OpIndex>(current_.ops.size()) - 1;
   std::size_t kept = 0;
   for (auto& l : live_) {
@@ -208,7 +203,7 @@ void Tracer::collect_frees() {
   live_.erase(live_.begin() + static_cast<std::ptrdiff_t>(kept), live_.end());
 }
 
-std::unique_ptr<at::ObserverContext> Tracer::on_op_start(const at::RecordFunction& fn) {
+std::unique_ptr<at::ObserverContext> Tracer::Impl::on_op_start(const at::RecordFunction& fn) {
   const int depth = tl_depth++;
   if (!recording_.load(std::memory_order_acquire) || depth > 0) return nullptr;
   // Threads that inherited the loop thread's callbacks (c10d's gloo workers copy its thread-local
@@ -274,7 +269,7 @@ std::unique_ptr<at::ObserverContext> Tracer::on_op_start(const at::RecordFunctio
   return ctx;
 }
 
-void Tracer::on_op_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
+void Tracer::Impl::on_op_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   --tl_depth;
   if (ctx == nullptr) {
     note_nested_outputs(fn);
@@ -300,7 +295,7 @@ void Tracer::on_op_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
 
 // A nested op of the recorded one: remember storages it creates, in case they outlive the
 // recorded op (saved for backward) and so belong to it.
-void Tracer::note_nested_outputs(const at::RecordFunction& fn) {
+void Tracer::Impl::note_nested_outputs(const at::RecordFunction& fn) {
   if (!busy_.load() || busy_thread_.load() != tl_thread_id) return;
   std::lock_guard<std::mutex> lock(mutex_);
   for (const auto& v : fn.outputs()) {
@@ -314,7 +309,7 @@ void Tracer::note_nested_outputs(const at::RecordFunction& fn) {
 
 // The meter's peak during the op, made into a workspace in finish_iteration (0 when the
 // workspace is not measured).
-std::uint64_t Tracer::op_peak_bytes(const OpContext& ctx) {
+std::uint64_t Tracer::Impl::op_peak_bytes(const OpContext& ctx) {
   if (!measuring_workspace()) return 0;
   const std::uint64_t op_peak = std::max(options_.peak_bytes(), ctx.bytes_before);
   fold_peak();
@@ -322,8 +317,8 @@ std::uint64_t Tracer::op_peak_bytes(const OpContext& ctx) {
 }
 
 // With mutex_ held: storage becomes output `slot` of op `index`.
-void Tracer::add_output(OpIndex index, std::int32_t slot, const c10::Storage& storage,
-                        const c10::Device& device) {
+void Tracer::Impl::add_output(OpIndex index, std::int32_t slot, const c10::Storage& storage,
+                              const c10::Device& device) {
   auto& op = current_.ops[static_cast<std::size_t>(index)];
   // A carried tensor whose last-iteration storage has died is made anew here: same tensor.
   if (auto c = carried_by_slot_.find({index, slot}); c != carried_by_slot_.end()) {
@@ -348,7 +343,7 @@ void Tracer::add_output(OpIndex index, std::int32_t slot, const c10::Storage& st
 
 // With mutex_ held: the tensors op `index` returned are new outputs, tensors it wrote in place,
 // or views of tensors it was given (inputs). Returns the number of output slots seen.
-std::int32_t Tracer::record_outputs(const at::RecordFunction& fn, OpIndex index) {
+std::int32_t Tracer::Impl::record_outputs(const at::RecordFunction& fn, OpIndex index) {
   auto& op = current_.ops[static_cast<std::size_t>(index)];
   const bool in_place = writes_in_place(fn, op.name.c_str());
   std::int32_t slot = 0;
@@ -373,7 +368,7 @@ std::int32_t Tracer::record_outputs(const at::RecordFunction& fn, OpIndex index)
 // With mutex_ held: tensors op `index`'s nested ops made that outlive it (matmul's reshaped
 // copies saved for backward) are its outputs too, from `slot` on, for the trace and for the
 // listener, which may have to move them. Returns the listener's references to them.
-std::vector<TensorRef> Tracer::adopt_nested_outputs(OpIndex index, std::int32_t slot) {
+std::vector<TensorRef> Tracer::Impl::adopt_nested_outputs(OpIndex index, std::int32_t slot) {
   std::vector<TensorRef> refs;
   for (auto& weak : nested_outputs_) {
     if (weak.expired() || ids_.count(weak._unsafe_get_target()) != 0) continue;
@@ -392,7 +387,7 @@ std::vector<TensorRef> Tracer::adopt_nested_outputs(OpIndex index, std::int32_t 
 }
 
 // With mutex_ held: appends the listener's references to the tensors the op returned.
-void Tracer::append_output_refs(const at::RecordFunction& fn, std::vector<TensorRef>& refs) {
+void Tracer::Impl::append_output_refs(const at::RecordFunction& fn, std::vector<TensorRef>& refs) {
   for (const auto& v : fn.outputs()) {
     for_each_tensor(v, [&](const at::Tensor& t) {
       if (!usable(t)) return;
@@ -402,11 +397,11 @@ void Tracer::append_output_refs(const at::RecordFunction& fn, std::vector<Tensor
   }
 }
 
-bool Tracer::measuring_workspace() const {
+bool Tracer::Impl::measuring_workspace() const {
   return keep_iterations_ && options_.current_bytes && options_.peak_bytes && options_.reset_peak;
 }
 
-void Tracer::fold_peak() {
+void Tracer::Impl::fold_peak() {
   if (!options_.peak_bytes) return;
   const std::uint64_t p = options_.peak_bytes();
   std::uint64_t seen = step_peak_.load();
@@ -414,7 +409,7 @@ void Tracer::fold_peak() {
   }
 }
 
-BoundTensors Tracer::alive_tensors() {
+BoundTensors Tracer::Impl::alive_tensors() {
   std::lock_guard<std::mutex> lock(mutex_);
   // During a step, tensors freed so far leave the trace's live set; after it (the iteration is
   // folded and current_ is empty) the ones the caller has let go since are only skipped.
@@ -435,280 +430,9 @@ BoundTensors Tracer::alive_tensors() {
   return out;
 }
 
-std::uint64_t Tracer::step_peak() const {
+std::uint64_t Tracer::Impl::step_peak() const {
   const std::uint64_t now = options_.peak_bytes ? options_.peak_bytes() : 0;
   return std::max(now, step_peak_.load());
-}
-
-void Tracer::begin_step(std::int64_t step, const std::vector<torch::Tensor>& inputs) {
-  step_peak_.store(0);
-  std::lock_guard<std::mutex> lock(mutex_);
-  current_ = trace::Trace{};
-  current_.model = options_.model;
-  current_.batch = options_.batch;
-  current_.seq = options_.seq;
-  current_.meta["tracer"] = "tidal RecordFunction tracer";
-  current_.meta["torch_version"] = TORCH_VERSION;
-  current_.meta["step"] = std::to_string(step);
-  extra_.clear();
-  ids_.clear();
-  live_.clear();
-  nested_outputs_.clear();
-  forward_seq_layer_.clear();
-  extern_count_ = 0;
-  carried_by_slot_.clear();
-  carry_index_.clear();
-  for (std::size_t i = 0; i < carry_.size(); ++i) {
-    if (!carry_[i].storage.expired()) carry_index_[carry_[i].storage._unsafe_get_target()] = i;
-  }
-  for (const auto& p : persistent_) {
-    auto strong = p.storage.lock();
-    if (!strong) continue;
-    c10::Storage storage(std::move(strong));
-    add_tensor(storage, storage.device(), p.name, p.cls, true, trace::kNoOp, -1);
-  }
-  for (std::size_t i = 0; i < inputs.size(); ++i) {
-    if (!usable(inputs[i])) continue;
-    if (ids_.count(inputs[i].storage().unsafeGetStorageImpl()) != 0) continue;
-    add_tensor(inputs[i].storage(), inputs[i].device(), "input:" + std::to_string(i),
-               TensorClass::kInput, false, trace::kNoOp, -1);
-  }
-  if (!inputs.empty()) current_.device = inputs.front().device().str();
-  phase_.store(static_cast<int>(Phase::kOther));
-  phase_told_ = false;
-  layer_.store(-1);
-  busy_.store(false);
-  iteration_start_ = std::chrono::steady_clock::now();
-  io_wait_at_start_ = options_.io_wait_seconds ? options_.io_wait_seconds() : 0;
-  recording_.store(started_, std::memory_order_release);
-}
-
-void Tracer::begin_phase(Phase phase) {
-  phase_told_ = true;
-  phase_.store(static_cast<int>(phase));
-}
-
-void Tracer::begin_layer(std::int64_t layer) { layer_.store(layer); }
-
-void Tracer::end_step(std::int64_t /*step*/) {
-  if (!recording_.exchange(false)) return;
-  fold_peak();
-  std::unique_lock<std::mutex> lock(mutex_);
-  collect_frees();
-  std::vector<TensorRef> alive;
-  OpIndex end_op = trace::kNoOp;
-  if (options_.step_end_op) {
-    // Every traced tensor still alive is the caller's once the step ends: one op uses them all.
-    trace::Op op;
-    op.index = end_op = static_cast<OpIndex>(current_.ops.size());
-    op.name = kStepEndOp;
-    op.phase = Phase::kOther;
-    op.start_s = op.end_s = now();
-    // Registered storages and the per-iteration ones are disjoint: each id comes once.
-    const auto use = [&](TensorId id, c10::StorageImpl* impl) {
-      op.inputs.push_back(id);
-      alive.push_back({id, impl});
-    };
-    for (const auto& p : persistent_) {
-      auto strong = p.storage.lock();
-      if (!strong) continue;
-      auto it = ids_.find(strong.get());
-      if (it != ids_.end()) use(it->second, strong.get());
-    }
-    for (const auto& l : live_) {
-      auto strong = l.storage.lock();
-      if (strong) use(l.id, strong.get());
-    }
-    current_.ops.push_back(std::move(op));
-  }
-  finish_iteration();
-  lock.unlock();
-  // Outside the lock: the listener waits for reads, and may throw the store's error.
-  if (listener_ != nullptr && end_op != trace::kNoOp) listener_->step_end(end_op, alive);
-}
-
-void Tracer::abort_step() {
-  if (!recording_.exchange(false)) return;
-  std::lock_guard<std::mutex> lock(mutex_);
-  current_ = trace::Trace{};
-  extra_.clear();
-  ids_.clear();
-  live_.clear();
-  // What the broken step made and left alive is not what a whole step leaves: nothing is
-  // carried into the next one.
-  carry_.clear();
-}
-
-// Carried tensors: those that died here before their producer made them anew are tensors with a
-// gap (persistent, freed after their last old use, made anew by their producer); the others are
-// what they would have been without the carry (inputs of unknown origin). Then the carry for
-// the next iteration: what this one's ops made and left alive.
-void Tracer::join_carried() {
-  for (auto& t : current_.tensors) {
-    auto& x = extra_[static_cast<std::size_t>(t.id)];
-    if (!x.carried) continue;
-    if (x.reproduced && !x.remade.expired() && t.freed_after != trace::kNoOp &&
-        t.freed_after < t.producer) {
-      t.cls =
-          x.producer_phase == Phase::kBackward ? TensorClass::kGradient : TensorClass::kTemporary;
-      continue;
-    }
-    if (x.reproduced) {  // its new storage died too: that op's output goes untracked
-      auto& outs = current_.ops[static_cast<std::size_t>(t.producer)].outputs;
-      outs.erase(std::remove(outs.begin(), outs.end(), t.id), outs.end());
-    }
-    t.persistent = false;
-    t.producer = trace::kNoOp;
-    t.output_slot = -1;
-    t.freed_after = trace::kNoOp;
-    t.cls = TensorClass::kInput;
-    t.name = "extern:" + std::to_string(extern_count_++);
-    x.external = true;
-  }
-  std::vector<Carried> next;
-  for (const auto& l : live_) {
-    const auto& t = current_.tensors[static_cast<std::size_t>(l.id)];
-    const auto& x = extra_[static_cast<std::size_t>(l.id)];
-    if (t.producer != trace::kNoOp && !x.external && !x.carried && !l.storage.expired()) {
-      next.push_back(Carried{l.storage, t.producer, t.output_slot});
-    }
-  }
-  for (const auto& t : current_.tensors) {
-    const auto& x = extra_[static_cast<std::size_t>(t.id)];
-    if (x.carried && x.reproduced && t.has_gap()) {
-      next.push_back(Carried{x.remade, t.producer, t.output_slot});
-    }
-  }
-  carry_ = std::move(next);
-}
-
-void Tracer::finish_iteration() {
-  join_carried();
-  std::vector<bool> alive(current_.tensors.size(), false);
-  for (const auto& l : live_) alive[static_cast<std::size_t>(l.id)] = true;
-  std::unordered_map<OpIndex, int> made_before;
-  for (auto& t : current_.tensors) {
-    const auto& x = extra_[static_cast<std::size_t>(t.id)];
-    if (t.persistent) continue;
-    if (x.external && alive[static_cast<std::size_t>(t.id)]) {
-      t.persistent = true;  // made before the iteration and kept: e.g. an unregistered buffer
-    } else if (x.external && x.first_use != trace::kNoOp) {
-      // Made during the iteration by code that is not a dispatched op (a scalar wrapped into a
-      // tensor inside a backward formula, say) and dead before the end: it belongs to the op
-      // that first used it. Slots from 100 up keep these names apart from real outputs.
-      auto& op = current_.ops[static_cast<std::size_t>(x.first_use)];
-      const int j = made_before[x.first_use]++;
-      t.producer = x.first_use;
-      t.output_slot = 100 + j;
-      t.name = "op" + std::to_string(x.first_use) + ":" + std::to_string(t.output_slot);
-      push_unique(op.outputs, t.id);
-      t.cls = op.phase == Phase::kForward && x.read_in_backward ? TensorClass::kActivation
-                                                                : TensorClass::kTemporary;
-    } else if (t.producer != trace::kNoOp) {
-      t.cls = x.producer_phase == Phase::kForward && x.read_in_backward ? TensorClass::kActivation
-                                                                        : TensorClass::kTemporary;
-    }
-  }
-  current_.meta["iterations_recorded_before"] = std::to_string(iterations_.size());
-  trace::validate(current_);
-  if (measuring_workspace()) {
-    // Each op's workspace: what the meter saw at its peak during the op beyond the trace's live
-    // tensors there (temporaries, memory no op of the step touches, allocator padding), so that
-    // live bytes + workspace at every op are what the meter measured.
-    std::vector<std::uint64_t> peaks(current_.ops.size());
-    for (std::size_t k = 0; k < peaks.size(); ++k) {
-      peaks[k] = current_.ops[k].workspace_bytes;
-      current_.ops[k].workspace_bytes = 0;
-    }
-    const auto live = trace::analyze_lifetimes(current_).live_bytes;
-    for (std::size_t k = 0; k < peaks.size(); ++k) {
-      current_.ops[k].workspace_bytes = peaks[k] > live[k] ? peaks[k] - live[k] : 0;
-    }
-    current_.meta["workspace_bytes"] = "meter peak per op beyond the live tensors";
-  }
-
-  std::vector<std::string> names = trace::op_names(current_);
-  if (iterations_.empty()) {
-    reference_names_ = std::move(names);
-  } else if (divergence_.empty() && names != reference_names_) {
-    std::size_t k = 0;
-    while (k < names.size() && k < reference_names_.size() && names[k] == reference_names_[k]) ++k;
-    const auto at = [](const std::vector<std::string>& v, std::size_t i) {
-      return i < v.size() ? "'" + v[i] + "'" : std::string("the end of the iteration");
-    };
-    divergence_ = "profiled iteration " + std::to_string(iterations_.size()) +
-                  " diverges from iteration 0 at op " + std::to_string(k) + ": " + at(names, k) +
-                  " instead of " + at(reference_names_, k) + " (" + std::to_string(names.size()) +
-                  " ops vs " + std::to_string(reference_names_.size()) + ")";
-  }
-  // While a plan runs, iterations are not kept: the last one is moved, not copied, each step.
-  if (keep_iterations_ || iterations_.empty()) iterations_.push_back(current_);
-  last_ = std::move(current_);
-  has_last_ = true;
-  current_ = trace::Trace{};
-}
-
-ProfileResult Tracer::result() const {
-  TIDAL_EXPECT(!iterations_.empty(),
-               "the tracer recorded no iteration; run at least one step "
-               "between start() and the call to result()");
-  ProfileResult r = fold_iterations(iterations_);
-  if (!divergence_.empty()) {
-    r.consistent = false;
-    r.divergence = divergence_;
-    r.trace.meta["consistent"] = "false";
-  }
-  return r;
-}
-
-ProfileResult fold_iterations(const std::vector<trace::Trace>& iterations) {
-  TIDAL_EXPECT(!iterations.empty(), "no iteration to fold into a profile");
-  ProfileResult r;
-  r.iterations = static_cast<std::int64_t>(iterations.size());
-  for (std::size_t i = 1; i < iterations.size() && r.consistent; ++i) {
-    const auto& a = iterations[i].ops;
-    const auto& b = iterations[0].ops;
-    if (a.size() != b.size()) {
-      r.consistent = false;
-    } else {
-      for (std::size_t k = 0; k < a.size(); ++k) {
-        if (a[k].name != b[k].name) {
-          r.consistent = false;
-          r.divergence = "iteration " + std::to_string(i) + " differs from iteration 0 at op " +
-                         std::to_string(k) + ": '" + a[k].name + "' instead of '" + b[k].name + "'";
-          break;
-        }
-      }
-    }
-    if (!r.consistent && r.divergence.empty()) {
-      r.divergence = "iteration " + std::to_string(i) + " has " + std::to_string(a.size()) +
-                     " ops, iteration 0 has " + std::to_string(b.size());
-    }
-  }
-  r.trace = iterations.back();
-  r.trace.meta["iterations"] = std::to_string(r.iterations);
-  r.trace.meta["consistent"] = r.consistent ? "true" : "false";
-  if (r.consistent && iterations.size() > 1) {
-    // Per op, the median duration and the median host time before the next op (what the
-    // simulator and the planner count, Trace::op_seconds): one slow iteration moves neither.
-    auto& ops = r.trace.ops;
-    std::vector<double> durations(iterations.size());
-    std::vector<double> gaps(iterations.size());
-    double now = ops.empty() ? 0.0 : ops.front().start_s;
-    for (std::size_t k = 0; k < ops.size(); ++k) {
-      for (std::size_t i = 0; i < iterations.size(); ++i) {
-        const trace::Trace& it = iterations[i];
-        durations[i] = std::max(0.0, it.ops[k].duration());
-        gaps[i] = it.op_seconds(k) - durations[i];
-        ops[k].workspace_bytes = std::max(ops[k].workspace_bytes, it.ops[k].workspace_bytes);
-      }
-      ops[k].start_s = now;
-      ops[k].end_s = now + median(durations);
-      now = ops[k].end_s + median(gaps);
-    }
-    r.trace.meta["op_durations"] = "median over iterations";
-  }
-  return r;
 }
 
 }  // namespace tidal::torch_layer
