@@ -15,7 +15,7 @@
 #include <string>
 
 #include "example_report.hpp"
-#include "tidal/torch/session.hpp"
+#include "tidal/tidal.hpp"
 
 namespace {
 

@@ -6,7 +6,7 @@
 #include <random>
 #include <vector>
 
-#include "tidal/io/store.hpp"
+#include "tidal/tidal.hpp"  // the umbrella header, without torch here
 
 int main(int argc, char** argv) {
   if (argc != 2) {
