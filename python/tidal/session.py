@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import sys
-import weakref
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
@@ -16,138 +15,13 @@ from . import _C
 from ._options import Size, parse_budget, parse_size, store_options
 from ._stats import traffic
 from . import _fsdp
+from ._hooks import _Hook, _unwatch_torch_save, _watch_torch_save
+# Models pickled while a session was open by a tidal whose hooks lived in this module name
+# them tidal.session._inert_hook (and, pickled again once loaded, tidal.session._inert): those
+# names stay here, so such checkpoints still load.
+from ._hooks import _inert, _inert_hook  # noqa: F401
+from ._optimizer_split import _chunks, _join_groups, _multi_tensor, _step_bytes
 from .distributed import prepare_model
-
-_MISSING = object()
-
-
-def _same(a, b) -> bool:
-    """Equal values of an optimizer's group entry (tensors element for element)."""
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                and a.shape == b.shape and bool(torch.equal(a, b)))
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001: values that cannot be compared are not the same
-        return False
-
-
-def _inert_hook():
-    return _inert
-
-
-def _inert(*_args, **_kwargs) -> None:
-    """A session's hook on a model or optimizer, once they are pickled (torch.save(model),
-    copy.deepcopy): the session does not travel with them."""
-    return None
-
-
-class _Hook:
-    """A hook the session puts on the user's model or optimizer: `fn(session, *args)` while the
-    session lives. It holds the session weakly (a hook must not keep it alive), and pickles as
-    `_inert`, so that torch.save(model) and deepcopy work while a session is open."""
-
-    __slots__ = ("_ref", "_fn")
-
-    def __init__(self, session: "Session", fn) -> None:
-        self._ref = weakref.ref(session)
-        self._fn = fn
-
-    def __call__(self, *args, **kwargs):
-        session = self._ref()
-        return None if session is None else self._fn(session, *args, **kwargs)
-
-    def __reduce__(self):
-        return (_inert_hook, ())
-
-
-def _multi_tensor(group) -> bool:
-    if group.get("fused") or group.get("foreach"):
-        return True
-    # foreach=None: torch picks foreach where every tensor is on a GPU.
-    return group.get("foreach", False) is None and group.get("fused") is None and any(
-        p.is_cuda for p in group["params"])
-
-
-def _step_bytes(p: torch.Tensor) -> int:
-    return 4 * p.numel() * p.element_size()  # the parameter, its gradient and (Adam) two moments
-
-
-def _chunks(params: list, limit: int) -> list:
-    chunks, size = [[]], 0
-    for p in params:
-        if chunks[-1] and size + _step_bytes(p) > limit:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(p)
-        size += _step_bytes(p)
-    return chunks
-
-
-def _join_groups(opt, checked: bool) -> None:
-    """Puts back the groups Session._split_groups split. checked (the step returned): what the
-    optimizer wrote into a group must be the same in each of its pieces (a step counter is); a
-    value that differs depends on which parameters a piece held, so stepping in pieces changed
-    the arithmetic: refused, not hidden."""
-    saved = getattr(opt, "_tidal_split", None)
-    if saved is None:
-        return
-    groups, whole, pieces = saved
-    opt._tidal_split = None
-    opt.param_groups[:] = groups
-    for g, params in whole:
-        g["params"] = params
-    if not checked:
-        return
-    for g, piece in pieces:
-        for key, value in piece.items():
-            if key != "params" and not _same(g.get(key, _MISSING), value):
-                raise _C.Error(
-                    f"optimizer {type(opt).__name__} wrote param_groups[...][{key!r}] "
-                    "differently for parts of one group: tidal steps a foreach/fused group in "
-                    "parts that fit the budget, and this optimizer keeps state in its group that "
-                    "depends on all of its parameters. Give it foreach=False (and fused=False), "
-                    "or a budget that holds the group whole")
-
-
-# torch.save(model) or torch.save(optimizer) reads raw storages, which no hook brings back from
-# the SSD: while a plan session is open, torch.save brings its tensors back first (between
-# steps), and an invalid storage (inside a step) is an error that says what to do.
-_sessions_watching_save: "weakref.WeakSet[Session]" = weakref.WeakSet()
-_torch_save = None
-
-
-def _save(*args, **kwargs):
-    for session in list(_sessions_watching_save):
-        session._resident_between_steps()
-    try:
-        return _torch_save(*args, **kwargs)
-    except RuntimeError as e:
-        if "invalid python storage" not in str(e):
-            raise
-        raise _C.Error(
-            "torch.save read a tensor whose bytes tidal has moved out of memory (plan mode "
-            "with the step boundary offloaded, or inside a step): save between steps, or call "
-            "session.make_resident() first") from e
-
-
-def _watch_torch_save(session: "Session") -> None:
-    global _torch_save
-    _sessions_watching_save.add(session)
-    if _torch_save is None:
-        _torch_save = torch.save
-        torch.save = _save
-
-
-def _unwatch_torch_save(session: "Session") -> None:
-    global _torch_save
-    _sessions_watching_save.discard(session)
-    if not _sessions_watching_save and _torch_save is not None and torch.save is _save:
-        torch.save = _torch_save
-        _torch_save = None
-
 
 @dataclasses.dataclass(frozen=True)
 class SessionStats:
