@@ -45,15 +45,14 @@ block_text=1MiB
 depth=16
 checksum_flag=""
 args=()
+# shellcheck source=bench/io_options.sh
+source "$(dirname "$0")/io_options.sh"
 while [ $# -gt 0 ]; do
+  io_option "$@"
+  if [ "$taken" -gt 0 ]; then shift "$taken"; continue; fi
   case "$1" in
     --two) two=1 ;;
     --json) [ $# -ge 2 ] || usage; json_out="$2"; shift ;;
-    --rounds) [ $# -ge 2 ] || usage; rounds="$2"; shift ;;
-    --pause) [ $# -ge 2 ] || usage; pause="$2"; shift ;;
-    --block) [ $# -ge 2 ] || usage; block_text="$2"; shift ;;
-    --depth) [ $# -ge 2 ] || usage; depth="$2"; shift ;;
-    --no-checksum) checksum_flag="--no-checksum" ;;
     -h|--help) usage ;;
     -*) echo "unknown option: $1" >&2; usage ;;
     *) args+=("$1") ;;

@@ -63,13 +63,12 @@ json_out=""
 train=0
 train_rounds=2
 args=()
+# shellcheck source=bench/io_options.sh
+source "$(dirname "$0")/io_options.sh"
 while [ $# -gt 0 ]; do
+  io_option "$@"
+  if [ "$taken" -gt 0 ]; then shift "$taken"; continue; fi
   case "$1" in
-    --rounds) [ $# -ge 2 ] || usage; rounds="$2"; shift ;;
-    --pause) [ $# -ge 2 ] || usage; pause="$2"; shift ;;
-    --block) [ $# -ge 2 ] || usage; block_text="$2"; shift ;;
-    --depth) [ $# -ge 2 ] || usage; depth="$2"; shift ;;
-    --no-checksum) checksum_flag="--no-checksum" ;;
     --sweep) sweep=1 ;;
     --sweep-size) [ $# -ge 2 ] || usage; sweep_size_text="$2"; shift ;;
     --sweep-rounds) [ $# -ge 2 ] || usage; sweep_rounds="$2"; shift ;;
