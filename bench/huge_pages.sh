@@ -39,11 +39,7 @@ for r in $(seq "$rounds"); do
     done
   done
 done
-"$py" - "$log" "$rounds" <<'PY'
-import json, statistics, sys
-log, rounds = sys.argv[1], int(sys.argv[2])
-def load(r, hp, mode):
-    return json.load(open(f"{log}/{r}-{hp}-{mode}.json"))
+report <<'PY'
 print(f"{'round':>5} {'pages':>6} {'plan s/step':>11} {'none s/step':>11} {'x none':>7} "
       f"{'store GB/s':>10} {'stall s':>8}")
 ratios = {1: [], 0: []}

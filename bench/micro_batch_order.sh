@@ -40,11 +40,7 @@ for r in $(seq "$rounds"); do
     done
   done
 done
-"$py" - "$log" "$rounds" <<'PY'
-import json, statistics, sys
-log, rounds = sys.argv[1], int(sys.argv[2])
-def load(r, order, mode):
-    return json.load(open(f"{log}/{r}-{order}-{mode}.json"))
+report <<'PY'
 print(f"{'round':>5} {'order':<12} {'mode':<5} {'s/step':>7} {'peak MiB':>9} {'GB/step':>8} "
       f"{'last loss':>10}")
 per = {}
