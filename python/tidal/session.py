@@ -20,8 +20,9 @@ from ._hooks import _Hook, _unwatch_torch_save, _watch_torch_save
 # them tidal.session._inert_hook (and, pickled again once loaded, tidal.session._inert): those
 # names stay here, so such checkpoints still load.
 from ._hooks import _inert, _inert_hook  # noqa: F401
-from ._optimizer_split import _chunks, _join_groups, _multi_tensor, _step_bytes
+from ._optimizer_split import OptimizerSplit, join_groups
 from .distributed import prepare_model
+
 
 @dataclasses.dataclass(frozen=True)
 class SessionStats:
@@ -208,8 +209,7 @@ class Session:
             opt.store = store_options(dirs, capacity, checksum, _faults)
         if budget is not None:  # else the device's default (SessionOptions.memory_budget)
             opt.memory_budget, opt.budget_fraction = parse_budget(budget)
-        self._byte_budget = opt.memory_budget
-        self._piece_bytes_fixed = None  # the optimizer step's pieces (_split_groups)
+        self._split = OptimizerSplit(opt.memory_budget)  # the optimizer step's pieces
         opt.budget_option = "Session(budget=...)"
         opt.between_steps_option = "Session(between_steps=\"offloaded\")"
         if host_memory is not None:  # else the machine's default
@@ -295,59 +295,21 @@ class Session:
         if not self._in_step and self._session is not None:
             self._session.make_resident()
 
-    # A foreach or fused optimizer step is one op over every parameter of a group, with its
-    # gradient and state: no plan can bring less than all of them in at once. For the step, a
-    # group larger than a piece (an eighth of the budget) steps in pieces: the user's group
-    # itself holds the first piece's parameters, and copies of it (the same hyperparameters;
-    # the state is kept by parameter) the others. The same elementwise arithmetic, bit for bit.
-    # After the step the group has all its parameters again, and what the optimizer wrote into
-    # it (a step counter) is the first piece's, checked against the others'.
-
     def _split_multi_tensor_steps(self, optimizer) -> None:
+        # A foreach or fused group larger than a piece of the budget steps in pieces
+        # (OptimizerSplit), joined again after the step.
         self._hooks.append(optimizer.register_step_pre_hook(_Hook(self, Session._split_groups)))
         self._hooks.append(optimizer.register_step_post_hook(_Hook(self, Session._after_step)))
-        self._restore_groups = lambda: _join_groups(optimizer, checked=False)
-
-    def _piece_bytes(self, opt) -> int:
-        # Fixed at the first step, so that every step (profiled or executed) has the same
-        # pieces, and so the same ops (a piece size changed after the first plan would make a
-        # new step shape, planned from what the old one measured): an eighth of a budget known
-        # then (in bytes, or already measured), else an eighth of the split groups' state, at
-        # most 64 MiB.
-        if self._piece_bytes_fixed is None:
-            budget = self._session.stats()["memory_budget"] if self._session is not None else 0
-            if not budget and not self._byte_budget:
-                state = sum(_step_bytes(p) for g in opt.param_groups if _multi_tensor(g)
-                            for p in g["params"])
-                budget = min(state, 512 << 20)
-            budget = budget or self._byte_budget
-            self._piece_bytes_fixed = max(1 << 20, budget // 8)
-        return self._piece_bytes_fixed
+        self._restore_groups = lambda: join_groups(optimizer, checked=False)
 
     def _split_groups(self, opt, _args, _kwargs) -> None:
-        if getattr(opt, "_tidal_split", None) is not None:
-            return
-        if not any(_multi_tensor(g) for g in opt.param_groups):
-            return
-        limit = self._piece_bytes(opt)
-        groups, pieces, whole = [], [], []
-        for g in opt.param_groups:
-            chunks = _chunks(g["params"], limit) if _multi_tensor(g) else [g["params"]]
-            groups.append(g)
-            if len(chunks) == 1:
-                continue
-            whole.append((g, g["params"]))
-            g["params"] = chunks[0]
-            for chunk in chunks[1:]:
-                piece = {**g, "params": chunk}
-                groups.append(piece)
-                pieces.append((g, piece))
-        if pieces:
-            opt._tidal_split = (list(opt.param_groups), whole, pieces)
-            opt.param_groups[:] = groups
+        self._split.split(opt, self._measured_budget)
+
+    def _measured_budget(self) -> int:
+        return self._session.stats()["memory_budget"] if self._session is not None else 0
 
     def _after_step(self, opt, _args, _kwargs) -> None:
-        _join_groups(opt, checked=True)
+        join_groups(opt, checked=True)
 
     # -- the session's life -----------------------------------------------------------------
 
