@@ -28,7 +28,8 @@ from .distributed import prepare_model
 class SessionStats:
     """What the session did in the last step, and overall (tidal::torch_layer::SessionStats).
 
-    Byte counts are ints, times are seconds. `str(stats)` is one line for a progress bar.
+    Byte counts are ints, times are seconds. `str(stats)` is one line for a progress bar. The
+    fields are those the binding returns, by name (tests/python/test_stats_fields.py).
     """
 
     mode: str
