@@ -25,6 +25,18 @@ import sys
 import time
 
 
+def timed_transfer(handle, what: str, op: str, tensor, path: str) -> float:
+    """handle.<op>(tensor, path) and the wait for it: its seconds. Exits saying what failed
+    unless the op returned 0 and the wait one completion."""
+    t0 = time.perf_counter()
+    rc = getattr(handle, op)(tensor, path)
+    done = handle.wait()
+    seconds = time.perf_counter() - t0
+    if rc != 0 or done != 1:
+        sys.exit(f"DeepNVMe {what}: {op} returned {rc}, wait() {done} (want 0 and 1)")
+    return seconds
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir")
@@ -82,19 +94,8 @@ def main():
         os.close(fd)
         fd = -1
 
-        t0 = time.perf_counter()
-        rc = handle.async_pwrite(src, path)
-        done = handle.wait()
-        write_s = time.perf_counter() - t0
-        if rc != 0 or done != 1:
-            sys.exit(f"DeepNVMe write: async_pwrite returned {rc}, wait() {done} (want 0 and 1)")
-
-        t0 = time.perf_counter()
-        rc = handle.async_pread(dst, path)
-        done = handle.wait()
-        read_s = time.perf_counter() - t0
-        if rc != 0 or done != 1:
-            sys.exit(f"DeepNVMe read: async_pread returned {rc}, wait() {done} (want 0 and 1)")
+        write_s = timed_transfer(handle, "write", "async_pwrite", src, path)
+        read_s = timed_transfer(handle, "read", "async_pread", dst, path)
 
         verified = bool(torch.equal(src, dst))
     finally:

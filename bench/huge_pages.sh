@@ -26,27 +26,20 @@ py=$root/.venv/bin/python
   exit 1
 }
 mkdir -p "$dir"
-log=$(mktemp -d)
-trap 'rm -rf "$log"' EXIT
+# shellcheck source=bench/train_runs.sh
+source "$root/bench/train_runs.sh"
 echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null || echo unknown)" >&2
 for r in $(seq "$rounds"); do
   for hp in 1 0; do
     for mode in plan none; do
       # shellcheck disable=SC2086  # the model flags are words
-      TIDAL_HUGE_PAGES=$hp "$bin" train $model --offload "$mode" --steps "$steps" --dir "$dir" \
-        --json >"$log/$r-$hp-$mode.log" 2>&1 || {
-        tail -5 "$log/$r-$hp-$mode.log" >&2
-        exit 1
-      }
+      TIDAL_HUGE_PAGES=$hp train_run "$r-$hp-$mode" $model --offload "$mode" --steps "$steps" \
+        --dir "$dir"
       echo "== round $r, TIDAL_HUGE_PAGES=$hp, $mode" >&2
     done
   done
 done
-"$py" - "$log" "$rounds" <<'PY'
-import json, statistics, sys
-log, rounds = sys.argv[1], int(sys.argv[2])
-def load(r, hp, mode):
-    return json.loads(open(f"{log}/{r}-{hp}-{mode}.log").read().strip().splitlines()[-1])
+report <<'PY'
 print(f"{'round':>5} {'pages':>6} {'plan s/step':>11} {'none s/step':>11} {'x none':>7} "
       f"{'store GB/s':>10} {'stall s':>8}")
 ratios = {1: [], 0: []}

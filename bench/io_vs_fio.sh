@@ -38,28 +38,15 @@ usage() {
 }
 
 two=0
-json_out=""
-rounds=4
-pause=5
-block_text=1MiB
-depth=16
-checksum_flag=""
-args=()
-while [ $# -gt 0 ]; do
+# shellcheck source=bench/io_options.sh
+source "$(dirname "$0")/io_options.sh"
+own_option() {  # --two (the shared options: bench/io_options.sh)
+  taken=0
   case "$1" in
-    --two) two=1 ;;
-    --json) [ $# -ge 2 ] || usage; json_out="$2"; shift ;;
-    --rounds) [ $# -ge 2 ] || usage; rounds="$2"; shift ;;
-    --pause) [ $# -ge 2 ] || usage; pause="$2"; shift ;;
-    --block) [ $# -ge 2 ] || usage; block_text="$2"; shift ;;
-    --depth) [ $# -ge 2 ] || usage; depth="$2"; shift ;;
-    --no-checksum) checksum_flag="--no-checksum" ;;
-    -h|--help) usage ;;
-    -*) echo "unknown option: $1" >&2; usage ;;
-    *) args+=("$1") ;;
+    --two) two=1; taken=1 ;;
   esac
-  shift
-done
+}
+read_options "$@"
 if [ ${#args[@]} -lt 1 ] || [ ${#args[@]} -gt 2 ]; then usage; fi
 [[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "--rounds must be a positive integer" >&2; exit 2; }
 [[ "$pause" =~ ^[0-9]+$ ]] || { echo "--pause must be whole seconds" >&2; exit 2; }

@@ -28,26 +28,19 @@ py=$root/.venv/bin/python
   exit 1
 }
 mkdir -p "$dir"
-log=$(mktemp -d)
-trap 'rm -rf "$log"' EXIT
+# shellcheck source=bench/train_runs.sh
+source "$root/bench/train_runs.sh"
 for r in $(seq "$rounds"); do
   for order in sequential layer-major; do
     for mode in none plan; do
       echo "== round $r, $order, $mode" >&2
       # shellcheck disable=SC2086  # the model flags are words
-      "$bin" train $model --micro-batch-order "$order" --offload "$mode" --strict-meter \
-        --steps 8 --dir "$dir" --json >"$log/$r-$order-$mode.log" 2>&1 || {
-        tail -5 "$log/$r-$order-$mode.log" >&2
-        exit 1
-      }
+      train_run "$r-$order-$mode" $model --micro-batch-order "$order" --offload "$mode" \
+        --strict-meter --steps 8 --dir "$dir"
     done
   done
 done
-"$py" - "$log" "$rounds" <<'PY'
-import json, statistics, sys
-log, rounds = sys.argv[1], int(sys.argv[2])
-def load(r, order, mode):
-    return json.loads(open(f"{log}/{r}-{order}-{mode}.log").read().strip().splitlines()[-1])
+report <<'PY'
 print(f"{'round':>5} {'order':<12} {'mode':<5} {'s/step':>7} {'peak MiB':>9} {'GB/step':>8} "
       f"{'last loss':>10}")
 per = {}

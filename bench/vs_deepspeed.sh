@@ -49,41 +49,29 @@ usage() {
 }
 
 root=$(cd "$(dirname "$0")/.." && pwd)
-rounds=4
-pause=5
-block_text=1MiB
-depth=16
-checksum_flag=""
 sweep=0
 sweep_size_text=1GiB
 sweep_rounds=2
 ds_threads=1
 memory=populated
-json_out=""
 train=0
 train_rounds=2
-args=()
-while [ $# -gt 0 ]; do
+# shellcheck source=bench/io_options.sh
+source "$(dirname "$0")/io_options.sh"
+own_option() {  # the options of this benchmark alone (the shared ones: bench/io_options.sh)
+  taken=2
   case "$1" in
-    --rounds) [ $# -ge 2 ] || usage; rounds="$2"; shift ;;
-    --pause) [ $# -ge 2 ] || usage; pause="$2"; shift ;;
-    --block) [ $# -ge 2 ] || usage; block_text="$2"; shift ;;
-    --depth) [ $# -ge 2 ] || usage; depth="$2"; shift ;;
-    --no-checksum) checksum_flag="--no-checksum" ;;
-    --sweep) sweep=1 ;;
-    --sweep-size) [ $# -ge 2 ] || usage; sweep_size_text="$2"; shift ;;
-    --sweep-rounds) [ $# -ge 2 ] || usage; sweep_rounds="$2"; shift ;;
-    --ds-threads) [ $# -ge 2 ] || usage; ds_threads="$2"; shift ;;
-    --memory) [ $# -ge 2 ] || usage; memory="$2"; shift ;;
-    --json) [ $# -ge 2 ] || usage; json_out="$2"; shift ;;
-    --train) train=1 ;;
-    --train-rounds) [ $# -ge 2 ] || usage; train_rounds="$2"; shift ;;
-    -h|--help) usage ;;
-    -*) echo "unknown option: $1" >&2; usage ;;
-    *) args+=("$1") ;;
+    --sweep) sweep=1; taken=1 ;;
+    --sweep-size) [ $# -ge 2 ] || usage; sweep_size_text="$2" ;;
+    --sweep-rounds) [ $# -ge 2 ] || usage; sweep_rounds="$2" ;;
+    --ds-threads) [ $# -ge 2 ] || usage; ds_threads="$2" ;;
+    --memory) [ $# -ge 2 ] || usage; memory="$2" ;;
+    --train) train=1; taken=1 ;;
+    --train-rounds) [ $# -ge 2 ] || usage; train_rounds="$2" ;;
+    *) taken=0 ;;
   esac
-  shift
-done
+}
+read_options "$@"
 if [ ${#args[@]} -lt 1 ] || [ ${#args[@]} -gt 2 ]; then usage; fi
 for v in rounds sweep_rounds depth ds_threads train_rounds; do
   [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || { echo "--${v//_/-} must be a positive integer" >&2; exit 2; }

@@ -14,7 +14,8 @@ from ._stats import traffic
 
 @dataclasses.dataclass(frozen=True)
 class ActivationStats:
-    """The last finished step (tidal::torch_layer::ActivationStats)."""
+    """The last finished step (tidal::torch_layer::ActivationStats). The fields are those the
+    binding returns, by name (tests/python/test_stats_fields.py)."""
 
     packed: int
     offloaded: int

@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import sys
-import weakref
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
@@ -16,144 +15,21 @@ from . import _C
 from ._options import Size, parse_budget, parse_size, store_options
 from ._stats import traffic
 from . import _fsdp
+from ._hooks import _Hook, _unwatch_torch_save, _watch_torch_save
+# Models pickled while a session was open by a tidal whose hooks lived in this module name
+# them tidal.session._inert_hook (and, pickled again once loaded, tidal.session._inert): those
+# names stay here, so such checkpoints still load.
+from ._hooks import _inert, _inert_hook  # noqa: F401
+from ._optimizer_split import OptimizerSplit, join_groups
 from .distributed import prepare_model
-
-_MISSING = object()
-
-
-def _same(a, b) -> bool:
-    """Equal values of an optimizer's group entry (tensors element for element)."""
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                and a.shape == b.shape and bool(torch.equal(a, b)))
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001: values that cannot be compared are not the same
-        return False
-
-
-def _inert_hook():
-    return _inert
-
-
-def _inert(*_args, **_kwargs) -> None:
-    """A session's hook on a model or optimizer, once they are pickled (torch.save(model),
-    copy.deepcopy): the session does not travel with them."""
-    return None
-
-
-class _Hook:
-    """A hook the session puts on the user's model or optimizer: `fn(session, *args)` while the
-    session lives. It holds the session weakly (a hook must not keep it alive), and pickles as
-    `_inert`, so that torch.save(model) and deepcopy work while a session is open."""
-
-    __slots__ = ("_ref", "_fn")
-
-    def __init__(self, session: "Session", fn) -> None:
-        self._ref = weakref.ref(session)
-        self._fn = fn
-
-    def __call__(self, *args, **kwargs):
-        session = self._ref()
-        return None if session is None else self._fn(session, *args, **kwargs)
-
-    def __reduce__(self):
-        return (_inert_hook, ())
-
-
-def _multi_tensor(group) -> bool:
-    if group.get("fused") or group.get("foreach"):
-        return True
-    # foreach=None: torch picks foreach where every tensor is on a GPU.
-    return group.get("foreach", False) is None and group.get("fused") is None and any(
-        p.is_cuda for p in group["params"])
-
-
-def _step_bytes(p: torch.Tensor) -> int:
-    return 4 * p.numel() * p.element_size()  # the parameter, its gradient and (Adam) two moments
-
-
-def _chunks(params: list, limit: int) -> list:
-    chunks, size = [[]], 0
-    for p in params:
-        if chunks[-1] and size + _step_bytes(p) > limit:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(p)
-        size += _step_bytes(p)
-    return chunks
-
-
-def _join_groups(opt, checked: bool) -> None:
-    """Puts back the groups Session._split_groups split. checked (the step returned): what the
-    optimizer wrote into a group must be the same in each of its pieces (a step counter is); a
-    value that differs depends on which parameters a piece held, so stepping in pieces changed
-    the arithmetic: refused, not hidden."""
-    saved = getattr(opt, "_tidal_split", None)
-    if saved is None:
-        return
-    groups, whole, pieces = saved
-    opt._tidal_split = None
-    opt.param_groups[:] = groups
-    for g, params in whole:
-        g["params"] = params
-    if not checked:
-        return
-    for g, piece in pieces:
-        for key, value in piece.items():
-            if key != "params" and not _same(g.get(key, _MISSING), value):
-                raise _C.Error(
-                    f"optimizer {type(opt).__name__} wrote param_groups[...][{key!r}] "
-                    "differently for parts of one group: tidal steps a foreach/fused group in "
-                    "parts that fit the budget, and this optimizer keeps state in its group that "
-                    "depends on all of its parameters. Give it foreach=False (and fused=False), "
-                    "or a budget that holds the group whole")
-
-
-# torch.save(model) or torch.save(optimizer) reads raw storages, which no hook brings back from
-# the SSD: while a plan session is open, torch.save brings its tensors back first (between
-# steps), and an invalid storage (inside a step) is an error that says what to do.
-_sessions_watching_save: "weakref.WeakSet[Session]" = weakref.WeakSet()
-_torch_save = None
-
-
-def _save(*args, **kwargs):
-    for session in list(_sessions_watching_save):
-        session._resident_between_steps()
-    try:
-        return _torch_save(*args, **kwargs)
-    except RuntimeError as e:
-        if "invalid python storage" not in str(e):
-            raise
-        raise _C.Error(
-            "torch.save read a tensor whose bytes tidal has moved out of memory (plan mode "
-            "with the step boundary offloaded, or inside a step): save between steps, or call "
-            "session.make_resident() first") from e
-
-
-def _watch_torch_save(session: "Session") -> None:
-    global _torch_save
-    _sessions_watching_save.add(session)
-    if _torch_save is None:
-        _torch_save = torch.save
-        torch.save = _save
-
-
-def _unwatch_torch_save(session: "Session") -> None:
-    global _torch_save
-    _sessions_watching_save.discard(session)
-    if not _sessions_watching_save and _torch_save is not None and torch.save is _save:
-        torch.save = _torch_save
-        _torch_save = None
 
 
 @dataclasses.dataclass(frozen=True)
 class SessionStats:
     """What the session did in the last step, and overall (tidal::torch_layer::SessionStats).
 
-    Byte counts are ints, times are seconds. `str(stats)` is one line for a progress bar.
+    Byte counts are ints, times are seconds. `str(stats)` is one line for a progress bar. The
+    fields are those the binding returns, by name (tests/python/test_stats_fields.py).
     """
 
     mode: str
@@ -335,8 +211,7 @@ class Session:
             opt.store = store_options(dirs, capacity, checksum, _faults)
         if budget is not None:  # else the device's default (SessionOptions.memory_budget)
             opt.memory_budget, opt.budget_fraction = parse_budget(budget)
-        self._byte_budget = opt.memory_budget
-        self._piece_bytes_fixed = None  # the optimizer step's pieces (_split_groups)
+        self._split = OptimizerSplit(opt.memory_budget)  # the optimizer step's pieces
         opt.budget_option = "Session(budget=...)"
         opt.between_steps_option = "Session(between_steps=\"offloaded\")"
         if host_memory is not None:  # else the machine's default
@@ -422,59 +297,21 @@ class Session:
         if not self._in_step and self._session is not None:
             self._session.make_resident()
 
-    # A foreach or fused optimizer step is one op over every parameter of a group, with its
-    # gradient and state: no plan can bring less than all of them in at once. For the step, a
-    # group larger than a piece (an eighth of the budget) steps in pieces: the user's group
-    # itself holds the first piece's parameters, and copies of it (the same hyperparameters;
-    # the state is kept by parameter) the others. The same elementwise arithmetic, bit for bit.
-    # After the step the group has all its parameters again, and what the optimizer wrote into
-    # it (a step counter) is the first piece's, checked against the others'.
-
     def _split_multi_tensor_steps(self, optimizer) -> None:
+        # A foreach or fused group larger than a piece of the budget steps in pieces
+        # (OptimizerSplit), joined again after the step.
         self._hooks.append(optimizer.register_step_pre_hook(_Hook(self, Session._split_groups)))
         self._hooks.append(optimizer.register_step_post_hook(_Hook(self, Session._after_step)))
-        self._restore_groups = lambda: _join_groups(optimizer, checked=False)
-
-    def _piece_bytes(self, opt) -> int:
-        # Fixed at the first step, so that every step (profiled or executed) has the same
-        # pieces, and so the same ops (a piece size changed after the first plan would make a
-        # new step shape, planned from what the old one measured): an eighth of a budget known
-        # then (in bytes, or already measured), else an eighth of the split groups' state, at
-        # most 64 MiB.
-        if self._piece_bytes_fixed is None:
-            budget = self._session.stats()["memory_budget"] if self._session is not None else 0
-            if not budget and not self._byte_budget:
-                state = sum(_step_bytes(p) for g in opt.param_groups if _multi_tensor(g)
-                            for p in g["params"])
-                budget = min(state, 512 << 20)
-            budget = budget or self._byte_budget
-            self._piece_bytes_fixed = max(1 << 20, budget // 8)
-        return self._piece_bytes_fixed
+        self._restore_groups = lambda: join_groups(optimizer, checked=False)
 
     def _split_groups(self, opt, _args, _kwargs) -> None:
-        if getattr(opt, "_tidal_split", None) is not None:
-            return
-        if not any(_multi_tensor(g) for g in opt.param_groups):
-            return
-        limit = self._piece_bytes(opt)
-        groups, pieces, whole = [], [], []
-        for g in opt.param_groups:
-            chunks = _chunks(g["params"], limit) if _multi_tensor(g) else [g["params"]]
-            groups.append(g)
-            if len(chunks) == 1:
-                continue
-            whole.append((g, g["params"]))
-            g["params"] = chunks[0]
-            for chunk in chunks[1:]:
-                piece = {**g, "params": chunk}
-                groups.append(piece)
-                pieces.append((g, piece))
-        if pieces:
-            opt._tidal_split = (list(opt.param_groups), whole, pieces)
-            opt.param_groups[:] = groups
+        self._split.split(opt, self._measured_budget)
+
+    def _measured_budget(self) -> int:
+        return self._session.stats()["memory_budget"] if self._session is not None else 0
 
     def _after_step(self, opt, _args, _kwargs) -> None:
-        _join_groups(opt, checked=True)
+        join_groups(opt, checked=True)
 
     # -- the session's life -----------------------------------------------------------------
 

@@ -4,10 +4,8 @@
 #
 #   tests/cli/core.sh PATH_TO_TIDAL
 set -uo pipefail
-tidal=$1
-tmp=$(mktemp -d /var/tmp/tidal-cli-core-XXXXXX)
-trap 'rm -rf "$tmp"' EXIT
-failures=0
+# shellcheck source=tests/cli/lib.sh
+source "$(dirname "$0")/lib.sh" cli-core "$@"
 
 fail() {  # fail WHAT OUTPUT
   echo "FAIL: $1"

@@ -4,10 +4,8 @@
 #
 #   tests/cli/errors.sh PATH_TO_TIDAL
 set -uo pipefail
-tidal=$1
-tmp=$(mktemp -d /var/tmp/tidal-cli-XXXXXX)
-trap 'rm -rf "$tmp"' EXIT
-failures=0
+# shellcheck source=tests/cli/lib.sh
+source "$(dirname "$0")/lib.sh" cli "$@"
 
 expect() {  # expect FRAGMENT ARGS...: `tidal ARGS...` fails cleanly and prints FRAGMENT
   local want=$1

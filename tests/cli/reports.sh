@@ -4,11 +4,8 @@
 #
 #   tests/cli/reports.sh PATH_TO_TIDAL
 set -uo pipefail
-tidal=$1
-tmp=$(mktemp -d /var/tmp/tidal-reports-XXXXXX)
-trap 'rm -rf "$tmp"' EXIT
-failures=0
-py=$(command -v /usr/bin/python3 || command -v python3)
+# shellcheck source=tests/cli/lib.sh
+source "$(dirname "$0")/lib.sh" reports "$@"
 
 # A budget that only a plan moving tensors under --min-offload (1 MiB) can keep, on a model
 # whose tensors are mostly smaller: the session moves smaller ones, says so, and keeps it under
@@ -43,8 +40,4 @@ else
   echo "FAIL a plan that ran: no measured peak"; failures=$((failures + 1))
 fi
 
-if ((failures > 0)); then
-  echo "$failures failure(s)"
-  exit 1
-fi
-echo "all report checks passed"
+finish report

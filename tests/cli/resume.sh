@@ -5,12 +5,9 @@
 #
 #   tests/cli/resume.sh PATH_TO_TIDAL
 set -uo pipefail
-tidal=$1
-tmp=$(mktemp -d /var/tmp/tidal-resume-XXXXXX)
-trap 'rm -rf "$tmp"' EXIT
+# shellcheck source=tests/cli/lib.sh
+source "$(dirname "$0")/lib.sh" resume "$@"
 mkdir -p "$tmp/store"
-failures=0
-py=$(command -v /usr/bin/python3 || command -v python3)
 
 losses() {  # the losses of a --json run's last line, one per line, exactly as printed
   tail -n 1 "$1" | "$py" -c 'import json,sys; j=json.load(sys.stdin); print(j["first_step"]); [print(repr(x)) for x in j["losses"]]'
@@ -182,8 +179,4 @@ else
   echo "ok   SIGTERM during a run says what the checkpoint holds ($(grep -o 'after step [0-9]*' "$tmp/term.err"))"
 fi
 
-if ((failures > 0)); then
-  echo "$failures failure(s)"
-  exit 1
-fi
-echo "all resume checks passed"
+finish resume

@@ -4,11 +4,8 @@
 #
 #   tests/cli/timeline.sh PATH_TO_TIDAL
 set -uo pipefail
-tidal=$1
-tmp=$(mktemp -d /var/tmp/tidal-timeline-XXXXXX)
-trap 'rm -rf "$tmp"' EXIT
-failures=0
-py=$(command -v /usr/bin/python3 || command -v python3)
+# shellcheck source=tests/cli/lib.sh
+source "$(dirname "$0")/lib.sh" timeline "$@"
 check() {  # check NAME: runs the Python on stdin, with $tmp as argv[1]
   if "$py" - "$tmp" >"$tmp/check.txt" 2>&1; then
     echo "ok   $1"
@@ -101,24 +98,23 @@ r = run["time_report"]
 assert r["steps"] == 2 and abs(r["accounted"] - 1) < 0.05 and r["limit"], r
 PY
 
-if "$tidal" train --model gpt-tiny --steps 2 --offload none --timeline "$tmp/x.json" \
-  >/dev/null 2>"$tmp/none.err"; then
-  echo "FAIL --timeline with --offload none was accepted"; failures=$((failures + 1))
-elif grep -q "it is for --offload plan or activations" "$tmp/none.err"; then
-  echo "ok   --timeline with --offload none says what it is for"
-else
-  echo "FAIL --timeline with --offload none: unclear message"; cat "$tmp/none.err"
-  failures=$((failures + 1))
-fi
-if "$tidal" train --model gpt-tiny --steps 4 --offload plan --dir "$tmp" \
-  --timeline /nonexistent-dir/t.json >/dev/null 2>"$tmp/path.err"; then
-  echo "FAIL an unwritable --timeline was accepted"; failures=$((failures + 1))
-elif grep -q "(--timeline)" "$tmp/path.err"; then
-  echo "ok   an unwritable --timeline fails before the run, naming the flag"
-else
-  echo "FAIL an unwritable --timeline: unclear message"; cat "$tmp/path.err"
-  failures=$((failures + 1))
-fi
+refused() {  # refused WHAT SAID FRAGMENT ARGS...: `tidal ARGS...` fails, saying FRAGMENT
+  local what=$1 said=$2 fragment=$3
+  shift 3
+  if "$tidal" "$@" >/dev/null 2>"$tmp/refused.err"; then
+    echo "FAIL $what was accepted"; failures=$((failures + 1))
+  elif grep -q -- "$fragment" "$tmp/refused.err"; then
+    echo "ok   $what $said"
+  else
+    echo "FAIL $what: unclear message"; cat "$tmp/refused.err"
+    failures=$((failures + 1))
+  fi
+}
+refused "--timeline with --offload none" "says what it is for" \
+  "it is for --offload plan or activations" \
+  train --model gpt-tiny --steps 2 --offload none --timeline "$tmp/x.json"
+refused "an unwritable --timeline" "fails before the run, naming the flag" "(--timeline)" \
+  train --model gpt-tiny --steps 4 --offload plan --dir "$tmp" --timeline /nonexistent-dir/t.json
 
 # The check of a --timeline path before the run creates nothing: at a dangling symlink it made
 # the link's target (an empty file), which another user may have chosen.
@@ -165,8 +161,4 @@ else
   echo "ok   a timeline that cannot be written after the run is a warning; the results are kept"
 fi
 
-if ((failures > 0)); then
-  echo "$failures failure(s)"
-  exit 1
-fi
-echo "all timeline checks passed"
+finish timeline

@@ -45,13 +45,42 @@ def make_mlp(seed: int, width: int = 1024) -> torch.nn.Module:
         torch.nn.Linear(width, 10))
 
 
+def forward_loss(model, x, y, offload=None) -> torch.Tensor:
+    """Cross entropy of model(x) against y. With `offload` (an offload_activations context) the
+    forward pass runs inside it, and some of its writes finish before this returns, so that
+    backward reads from the store."""
+    if offload is None:
+        return torch.nn.functional.cross_entropy(model(x), y)
+    writes = offload.store_stats()["writes"]
+    with offload:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+    wait_for_writes(offload, writes + 1)
+    return loss
+
+
+def loop_step(model, opt, x, y, session=None, offload=None) -> torch.Tensor:
+    """One step of an ordinary loop: zero_grad, forward_loss (inside `offload` when given),
+    backward, opt.step(), between the session's begin_step() and end_step() when a session is
+    given. Returns the loss."""
+    if session is not None:
+        session.begin_step()
+    opt.zero_grad()
+    loss = forward_loss(model, x, y, offload)
+    loss.backward()
+    opt.step()
+    if session is not None:
+        session.end_step()
+    return loss
+
+
 def train_mlp(data, session=None, seed: int = 3, device=None, before_step=None, after_step=None,
-              **adam):
+              offload=None, **adam):
     """make_mlp(seed) trained with Adam on `data`, an ordinary loop; `session` is a
     tidal.Session or a function (model, optimizer) -> Session, called once the model exists.
     `device`: where the model goes; `before_step`/`after_step`: called around each step (a
-    GPU test's peak meter). Returns the losses (a tensor), the final parameters and the
-    session's stats after each step."""
+    GPU test's peak meter); `offload`: an offload_activations context for the forward passes.
+    Returns the losses (a tensor), the final parameters and the session's stats after each
+    step."""
     model = make_mlp(seed=seed)
     if device is not None:
         model = model.to(device)
@@ -62,14 +91,8 @@ def train_mlp(data, session=None, seed: int = 3, device=None, before_step=None, 
     for x, y in data:
         if before_step is not None:
             before_step()
+        loss = loop_step(model, opt, x, y, session, offload)
         if session is not None:
-            session.begin_step()
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        if session is not None:
-            session.end_step()
             stats.append(session.stats())
         if after_step is not None:
             after_step()
@@ -81,6 +104,14 @@ def batches(seed: int, steps: int, batch: int = 128):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(batch, 256, generator=g), torch.randint(0, 10, (batch,), generator=g))
             for _ in range(steps)]
+
+
+def reference_run(train, seed: int, steps: int):
+    """batches(seed, steps) and what train(data) gives on them without tidal: the data, the
+    losses and the final parameters."""
+    data = batches(seed=seed, steps=steps)
+    losses, params, _ = train(data)
+    return data, losses, params
 
 
 def wait_for_writes(offload, at_least: int, seconds: float = 10.0) -> None:

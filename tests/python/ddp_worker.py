@@ -3,7 +3,6 @@ activation offloading and in plan mode, each with its own Session and store dire
 writes the losses. Launched with the env:// variables torchrun sets (MASTER_ADDR, MASTER_PORT,
 RANK, WORLD_SIZE, LOCAL_RANK)."""
 
-import json
 import os
 import sys
 
@@ -11,10 +10,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import tidal
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import batches, make_mlp  # noqa: E402
+from conftest import batches, loop_step, make_mlp  # noqa: E402
+from rank_worker import finish, rank_session, rank_store_dir  # noqa: E402
 
 STEPS = 6
 REPEATS = 20
@@ -23,30 +21,17 @@ REPEATS = 20
 def train(mode, store_root, wrap):
     model = wrap(make_mlp(seed=5, width=512))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    session = None
-    if mode != "none":
-        # {rank}: every rank has its own directory, store and plan.
-        plan = {"budget": "50%"} if mode == "plan" else {}  # a plan-mode option
-        session = tidal.Session(mode=mode, dirs=[os.path.join(store_root, mode + "-{rank}")],
-                                capacity="256MiB", min_bytes="64KiB", model=model, optimizer=opt,
-                                **plan)
+    session = rank_session(mode, store_root, model, opt)
     losses, written = [], 0
     for x, y in batches(seed=100 + dist.get_rank(), steps=STEPS):
+        loss = loop_step(model, opt, x, y, session)
         if session:
-            session.begin_step()
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        if session:
-            session.end_step()
             written += session.stats().bytes_written
         losses.append(loss.item())
     out = {"losses": losses, "bytes_written": written}
     if session:
         out["state"] = session.stats().state
-        out["dir"] = os.path.join(store_root, mode + "-" + str(dist.get_rank()))
-        out["dir_exists"] = os.path.isdir(out["dir"])
+        out.update(rank_store_dir(store_root, mode))
     return out
 
 
@@ -66,10 +51,7 @@ def main():
         # the executor and the backend's thread would show as a loss that differs in some run.
         result["none"] = train("none", store_root, wrap)
         result["runs"] = [train("plan", store_root, wrap) for _ in range(REPEATS)]
-    dist.barrier()
-    dist.destroy_process_group()
-    with open(out_path, "w") as f:
-        json.dump(result, f)
+    finish(result, out_path)
 
 
 if __name__ == "__main__":

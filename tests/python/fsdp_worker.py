@@ -4,7 +4,6 @@ torch.distributed.fsdp.fully_shard over a CPU device mesh (gloo), in each of the
 losses. Launched with the env:// variables torchrun sets (MASTER_ADDR, MASTER_PORT, RANK,
 WORLD_SIZE, LOCAL_RANK): fsdp_worker.py STORE_ROOT OUT_JSON MODES."""
 
-import json
 import os
 import sys
 
@@ -13,10 +12,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-import tidal
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import batches, make_mlp  # noqa: E402
+from conftest import batches, loop_step, make_mlp  # noqa: E402
+from rank_worker import finish, rank_session, rank_store_dir  # noqa: E402
 
 STEPS = 6
 WIDTH = 512
@@ -53,23 +51,11 @@ def gradient_error(mesh):
 def train(mode, store_root, mesh):
     model = make_fsdp(mesh)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    session = None
-    if mode != "none":
-        # {rank}: every rank has its own directory, store and plan.
-        plan = {"budget": "50%"} if mode == "plan" else {}  # a plan-mode option
-        session = tidal.Session(mode=mode, dirs=[os.path.join(store_root, mode + "-{rank}")],
-                                capacity="256MiB", min_bytes="64KiB", model=model, optimizer=opt,
-                                **plan)
+    session = rank_session(mode, store_root, model, opt)
     losses, written, read, misses = [], 0, 0, 0
     for x, y in rank_batches(dist.get_rank()):
+        loss = loop_step(model, opt, x, y, session)
         if session:
-            session.begin_step()
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        if session:
-            session.end_step()
             st = session.stats()
             written += st.bytes_written
             read += st.bytes_read
@@ -80,8 +66,7 @@ def train(mode, store_root, mesh):
         st = session.stats()
         out.update(state=st.state, plan_summary=st.plan_summary, notice=st.notice,
                    write_failures=st.write_failures)
-        out["dir"] = os.path.join(store_root, mode + "-" + str(dist.get_rank()))
-        out["dir_exists"] = os.path.isdir(out["dir"])
+        out.update(rank_store_dir(store_root, mode))
     return out
 
 
@@ -94,10 +79,7 @@ def main():
               "grad_error": gradient_error(mesh)}
     for mode in modes:
         result[mode] = train(mode, store_root, mesh)
-    dist.barrier()
-    dist.destroy_process_group()
-    with open(out_path, "w") as f:
-        json.dump(result, f)
+    finish(result, out_path)
 
 
 if __name__ == "__main__":

@@ -6,30 +6,15 @@ import pytest
 import torch
 
 import tidal
-from conftest import batches, make_mlp, wait_for_writes
+from conftest import batches, train_mlp, wait_for_writes
 
 STEPS = 4
 
 
 def train(data, forward_ctx=None):
     """Losses and final weights of Adam on the MLP; forward inside `forward_ctx` when given."""
-    model = make_mlp(seed=1)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    losses = []
-    for x, y in data:
-        opt.zero_grad()
-        if forward_ctx is None:
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        else:
-            writes = forward_ctx.store_stats()["writes"]
-            with forward_ctx:
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-            # Some writes finish before backward, so that it reads from the store.
-            wait_for_writes(forward_ctx, writes + 1)
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach().clone())
-    return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+    losses, params, _ = train_mlp(data, seed=1, offload=forward_ctx)
+    return losses, params
 
 
 def test_context_manager_is_bit_identical_and_uses_the_store(store_dir):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tidal
-from conftest import batches, wait_for_writes
+from conftest import batches, loop_step, reference_run
 
 STEPS = 4
 
@@ -29,30 +29,13 @@ def train(data, session_args=None, offload=None):
         session = tidal.Session(model=model, optimizer=opt, **session_args)
     losses = []
     for x, y in data:
-        if session:
-            session.begin_step()
-        opt.zero_grad()
-        if offload is not None:
-            writes = offload.store_stats()["writes"]
-            with offload:
-                loss = torch.nn.functional.cross_entropy(compiled(x), y)
-            # Some writes finish before backward, so that it reads from the store.
-            wait_for_writes(offload, writes + 1)
-        else:
-            loss = torch.nn.functional.cross_entropy(compiled(x), y)
-        loss.backward()
-        opt.step()
-        if session:
-            session.end_step()
-        losses.append(loss.item())
+        losses.append(loop_step(compiled, opt, x, y, session, offload).item())
     return losses, [p.detach().clone() for p in model.parameters()], session
 
 
 @pytest.fixture(scope="module")
 def reference():
-    data = batches(seed=4, steps=STEPS)
-    losses, params, _ = train(data)
-    return data, losses, params
+    return reference_run(train, seed=4, steps=STEPS)
 
 
 def test_offload_activations_of_a_compiled_model_is_bit_identical(reference, store_dir):

@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import tidal  # noqa: E402
-from conftest import batches, make_mlp, train_mlp, wait_for_writes  # noqa: E402
+from conftest import batches, loop_step, make_mlp, train_mlp, wait_for_writes  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -183,14 +183,8 @@ def train_deep(data, make_session=None):
         for x, y in data:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            loss = loop_step(model, opt, x, y, session)
             if session:
-                session.begin_step()
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            if session:
-                session.end_step()
                 stats.append(session.stats())
             torch.cuda.synchronize()
             peaks.append(torch.cuda.max_memory_allocated())
@@ -242,23 +236,8 @@ def test_offload_activations_on_cuda_is_bit_identical_and_uses_the_store(store_d
     data = cuda_batches(seed=2, steps=4)
 
     def run(offload=None):
-        model = make_mlp(seed=1).to(DEVICE)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        losses = []
-        for x, y in data:
-            opt.zero_grad()
-            if offload is None:
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-            else:
-                writes = offload.store_stats()["writes"]
-                with offload:
-                    loss = torch.nn.functional.cross_entropy(model(x), y)
-                # Some writes finish before backward, so that it reads from the store.
-                wait_for_writes(offload, writes + 1)
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach().clone())
-        return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+        losses, params, _ = train_mlp(data, seed=1, device=DEVICE, offload=offload)
+        return losses, params
 
     ref_losses, ref_params = run()
     offload = tidal.offload_activations(dirs=[store_dir], min_bytes="64KiB", capacity="256MiB",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tidal
-from conftest import batches, make_mlp, train_mlp
+from conftest import make_mlp, reference_run, train_mlp
 
 STEPS = 9  # plan mode: 1 warm-up + 2 profiled steps, then 6 executed
 
@@ -19,9 +19,7 @@ def train(data, session=None):
 
 @pytest.fixture(scope="module")
 def reference():
-    data = batches(seed=4, steps=STEPS)
-    losses, params, _ = train(data)
-    return data, losses, params
+    return reference_run(train, seed=4, steps=STEPS)
 
 
 def test_plan_mode_is_bit_identical_and_keeps_its_budget(reference, store_dir):

@@ -16,6 +16,12 @@ def train(data, session=None):
     return train_mlp(data, session, seed=11)
 
 
+def mlp_state_bytes() -> int:
+    """The state of train()'s model: parameters, gradients and Adam's two moments."""
+    model = make_mlp(seed=11)
+    return 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def plan_session(holder, store_dir, **options):
     """A session factory for train(): a plan-mode session under the strict meter, kept in
     `holder["s"]` (with the model and optimizer) so that the test can look at it and end it."""
@@ -95,9 +101,7 @@ def test_a_model_twice_the_budget_trains_within_it_from_step_0(store_dir):
     with the strict meter and a budget in bytes, the warm-up and profiled steps run under the
     wall too (state written out least recently used first), and every step stays within it."""
     data = batches(seed=14, steps=8)
-    model = make_mlp(seed=11)
-    state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
-    del model
+    state = mlp_state_bytes()
     ref_losses, ref_params, _ = train(data)
     # The budget is for the whole process: what it holds already (the data, the reference run's
     # parameters) plus half the model's state.
@@ -131,9 +135,7 @@ def test_the_wall_raised_as_a_gpu_raises_it(store_dir, budget_kind):
     every step within the budget: from step 0 with a budget in bytes (the model's state is
     twice the budget), from the first executed step with a share."""
     data = batches(seed=15, steps=8)
-    model = make_mlp(seed=11)
-    state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
-    del model
+    state = mlp_state_bytes()
     ref_losses, ref_params, _ = train(data)
     budget = tidal.memory_stats()["current_bytes"] + state // 2 if budget_kind == "bytes" else "50%"
     refusals = tidal.memory_stats()["refusals"]
@@ -169,9 +171,7 @@ def test_a_wall_under_the_budget_refuses_prefetches_and_training_goes_on(store_d
     escapes into the profiler's callbacks, which cannot stop an op, and the training is the same
     bit for bit, every step within the wall."""
     data = batches(seed=16, steps=8)
-    model = make_mlp(seed=11)
-    state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
-    del model
+    state = mlp_state_bytes()
     ref_losses, ref_params, _ = train(data)
     budget = tidal.memory_stats()["current_bytes"] + state // 2
     holder = {}
@@ -282,9 +282,7 @@ def test_a_foreach_optimizer_step_runs_in_pieces_that_fit(store_dir, monkeypatch
     at half the state that one op cannot fit. The session splits each group for the step, so
     the same elementwise arithmetic runs in pieces: bit-identical, within the wall."""
     data = batches(seed=17, steps=6)
-    model = make_mlp(seed=11)
-    state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
-    del model
+    state = mlp_state_bytes()
     ref_losses, ref_params, _ = train_mlp(data, seed=11, foreach=True)
     budget = tidal.memory_stats()["current_bytes"] + state // 2
     holder = {}
