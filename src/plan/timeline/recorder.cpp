@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "tidal/common/atomic_file.hpp"
+#include "tidal/common/enum_names.hpp"
 #include "tidal/plan/timeline.hpp"
 
 namespace tidal::plan {
@@ -17,31 +18,11 @@ double steady_seconds() {
 
 }  // namespace
 
-const char* to_string(TransferKind k) {
-  switch (k) {
-    case TransferKind::kPlanned:
-      return "planned";
-    case TransferKind::kMiss:
-      return "miss";
-    case TransferKind::kEviction:
-      return "eviction";
-    case TransferKind::kActivation:
-      return "activation";
-  }
-  return "?";
-}
-
-const char* to_string(StallKind k) {
-  switch (k) {
-    case StallKind::kRead:
-      return "read";
-    case StallKind::kBudget:
-      return "budget";
-    case StallKind::kDeadline:
-      return "deadline";
-  }
-  return "?";
-}
+TIDAL_ENUM_TO_STRING(TransferKind, {TransferKind::kPlanned, "planned"},
+                     {TransferKind::kMiss, "miss"}, {TransferKind::kEviction, "eviction"},
+                     {TransferKind::kActivation, "activation"})
+TIDAL_ENUM_TO_STRING(StallKind, {StallKind::kRead, "read"}, {StallKind::kBudget, "budget"},
+                     {StallKind::kDeadline, "deadline"})
 
 Timeline::Timeline(Options options)
     : opt_(std::move(options)), t0_(opt_.clock ? opt_.clock() : steady_seconds()) {}

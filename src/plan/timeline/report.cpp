@@ -1,9 +1,12 @@
 // Where the time went: the kept steps summed into a TimeReport, as text and as JSON.
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include "plan/timeline/timeline_impl.hpp"
 #include "tidal/common/units.hpp"
@@ -37,6 +40,93 @@ double covered(std::vector<std::pair<double, double>> spans, double a, double b)
   return total;
 }
 
+// The kept steps the report covers: the finished ones in state "executing", else every finished
+// one.
+std::vector<const TimelineStep*> measured_steps(const std::vector<TimelineStep>& all) {
+  std::vector<const TimelineStep*> use;
+  for (const auto& s : all) {
+    if (s.end >= 0 && s.state == "executing") use.push_back(&s);
+  }
+  if (use.empty()) {
+    for (const auto& s : all) {
+      if (s.end >= 0) use.push_back(&s);
+    }
+  }
+  return use;
+}
+
+// Adds the step's compute, time between ops and stalls (by channel for reads) to r's sums.
+void add_times(TimeReport& r, const TimelineStep& s) {
+  double in_ops = 0;
+  std::vector<std::pair<double, double>> op_spans;  // by start (ops do not overlap)
+  for (const auto& op : s.ops) {
+    in_ops += std::max(0.0, op.end - op.start);
+    if (op.end >= op.start) op_spans.emplace_back(op.start, op.end);
+  }
+  std::sort(op_spans.begin(), op_spans.end());
+  // Whether a stall lies inside a recorded op: the last op starting at or before it.
+  const auto inside_an_op = [&](const TimelineStall& st) {
+    auto it = std::upper_bound(op_spans.begin(), op_spans.end(),
+                               std::make_pair(st.start, std::numeric_limits<double>::max()));
+    if (it == op_spans.begin()) return false;
+    --it;
+    return st.end <= it->second + 1e-9;
+  };
+  double stalled_in_ops = 0;
+  double stalled_between = 0;
+  for (const auto& st : s.stalls) {
+    const double d = std::max(0.0, st.end - st.start);
+    (inside_an_op(st) ? stalled_in_ops : stalled_between) += d;
+    if (st.kind == StallKind::kRead) {
+      r.read_stall_seconds[index_of(st.channel)] += d;
+    } else {
+      r.write_stall_seconds += d;
+    }
+  }
+  // Stalls happen inside ops (the residency guard, before_op), in tidal's own step-start work
+  // (recorded as an op), or between recorded ops, where an op the tracer leaves out waited
+  // (on a GPU, one on a CPU tensor: Adam's step counts). What is left of the ops' time is
+  // compute, and of the time between them the loop's own.
+  r.compute_seconds += std::max(0.0, in_ops - stalled_in_ops);
+  r.between_ops_seconds += std::max(0.0, (s.end - s.start) - in_ops - stalled_between);
+}
+
+// Adds the step's transfers to r's sums (bytes, misses, evictions, planned bytes by channel) and
+// to `busy`, the seconds each channel had a transfer in flight.
+void add_transfers(TimeReport& r, std::array<double, kNumChannels>& busy, const TimelineStep& s) {
+  std::array<std::vector<std::pair<double, double>>, kNumChannels> spans;
+  for (const auto& t : s.transfers) {
+    if (t.between_steps) continue;  // not the step's: code between steps read it back
+    r.bytes[index_of(t.channel)] += t.failed ? 0 : t.bytes;
+    if (t.kind == TransferKind::kMiss) r.misses += 1;
+    if (t.kind == TransferKind::kEviction) r.evictions += 1;
+    spans[index_of(t.channel)].emplace_back(t.start, end_in(t, s));
+  }
+  for (std::size_t c = 0; c < kNumChannels; ++c) {
+    busy[c] += covered(spans[c], s.start, s.end >= 0 ? s.end : s.start);
+    r.planned_bytes[c] += s.planned_bytes[c];
+  }
+}
+
+// Turns r's sums over n steps (and busy's) into means per step; the store's figures are left to
+// the caller.
+void average(TimeReport& r, std::array<double, kNumChannels>& busy, double n) {
+  r.step_seconds /= n;
+  r.compute_seconds /= n;
+  r.between_ops_seconds /= n;
+  for (auto& x : r.read_stall_seconds) x /= n;
+  r.write_stall_seconds /= n;
+  for (std::size_t c = 0; c < kNumChannels; ++c) {
+    r.bytes[c] = static_cast<std::uint64_t>(static_cast<double>(r.bytes[c]) / n);
+    r.planned_bytes[c] = static_cast<std::uint64_t>(static_cast<double>(r.planned_bytes[c]) / n);
+    busy[c] /= n;
+  }
+  r.misses /= n;
+  r.evictions /= n;
+  r.planned_seconds /= n;
+  r.planned_stall_seconds /= n;
+}
+
 }  // namespace
 
 double TimeReport::stall_seconds() const {
@@ -52,15 +142,7 @@ double TimeReport::accounted() const {
 
 TimeReport Timeline::report(const ChannelRates& rates) const {
   std::vector<TimelineStep> all = steps();
-  std::vector<const TimelineStep*> use;
-  for (const auto& s : all) {
-    if (s.end >= 0 && s.state == "executing") use.push_back(&s);
-  }
-  if (use.empty()) {
-    for (const auto& s : all) {
-      if (s.end >= 0) use.push_back(&s);
-    }
-  }
+  const std::vector<const TimelineStep*> use = measured_steps(all);
   TimeReport r;
   std::array<double, kNumChannels> busy{};
   double io_busy = 0;
@@ -69,50 +151,8 @@ TimeReport Timeline::report(const ChannelRates& rates) const {
   for (const TimelineStep* s : use) {
     ++r.steps;
     r.step_seconds += s->end - s->start;
-    double in_ops = 0;
-    std::vector<std::pair<double, double>> op_spans;  // by start (ops do not overlap)
-    for (const auto& op : s->ops) {
-      in_ops += std::max(0.0, op.end - op.start);
-      if (op.end >= op.start) op_spans.emplace_back(op.start, op.end);
-    }
-    std::sort(op_spans.begin(), op_spans.end());
-    // Whether a stall lies inside a recorded op: the last op starting at or before it.
-    const auto inside_an_op = [&](const TimelineStall& st) {
-      auto it = std::upper_bound(op_spans.begin(), op_spans.end(),
-                                 std::make_pair(st.start, std::numeric_limits<double>::max()));
-      if (it == op_spans.begin()) return false;
-      --it;
-      return st.end <= it->second + 1e-9;
-    };
-    double stalled_in_ops = 0;
-    double stalled_between = 0;
-    for (const auto& st : s->stalls) {
-      const double d = std::max(0.0, st.end - st.start);
-      (inside_an_op(st) ? stalled_in_ops : stalled_between) += d;
-      if (st.kind == StallKind::kRead) {
-        r.read_stall_seconds[index_of(st.channel)] += d;
-      } else {
-        r.write_stall_seconds += d;
-      }
-    }
-    // Stalls happen inside ops (the residency guard, before_op), in tidal's own step-start work
-    // (recorded as an op), or between recorded ops, where an op the tracer leaves out waited
-    // (on a GPU, one on a CPU tensor: Adam's step counts). What is left of the ops' time is
-    // compute, and of the time between them the loop's own.
-    r.compute_seconds += std::max(0.0, in_ops - stalled_in_ops);
-    r.between_ops_seconds += std::max(0.0, (s->end - s->start) - in_ops - stalled_between);
-    std::array<std::vector<std::pair<double, double>>, kNumChannels> spans;
-    for (const auto& t : s->transfers) {
-      if (t.between_steps) continue;  // not the step's: code between steps read it back
-      r.bytes[index_of(t.channel)] += t.failed ? 0 : t.bytes;
-      if (t.kind == TransferKind::kMiss) r.misses += 1;
-      if (t.kind == TransferKind::kEviction) r.evictions += 1;
-      spans[index_of(t.channel)].emplace_back(t.start, end_in(t, *s));
-    }
-    for (std::size_t c = 0; c < kNumChannels; ++c) {
-      busy[c] += covered(spans[c], s->start, s->end >= 0 ? s->end : s->start);
-      r.planned_bytes[c] += s->planned_bytes[c];
-    }
+    add_times(r, *s);
+    add_transfers(r, busy, *s);
     r.planned_seconds += s->planned_seconds;
     r.planned_stall_seconds += s->planned_stall_seconds;
     if (s->io_busy_seconds < 0) io_known = false;
@@ -125,20 +165,7 @@ TimeReport Timeline::report(const ChannelRates& rates) const {
   }
   // Bytes over busy time before the averages (both are sums over the steps).
   const auto n = static_cast<double>(r.steps);
-  r.step_seconds /= n;
-  r.compute_seconds /= n;
-  r.between_ops_seconds /= n;
-  for (auto& x : r.read_stall_seconds) x /= n;
-  r.write_stall_seconds /= n;
-  for (std::size_t c = 0; c < kNumChannels; ++c) {
-    r.bytes[c] = static_cast<std::uint64_t>(static_cast<double>(r.bytes[c]) / n);
-    r.planned_bytes[c] = static_cast<std::uint64_t>(static_cast<double>(r.planned_bytes[c]) / n);
-    busy[c] /= n;
-  }
-  r.misses /= n;
-  r.evictions /= n;
-  r.planned_seconds /= n;
-  r.planned_stall_seconds /= n;
+  average(r, busy, n);
   r.io_busy_seconds = io_known ? io_busy / n : -1;
   r.checksum_seconds = io_known ? checksum / n : -1;
   r.limit = limit_sentence(r, busy, rates);
