@@ -1,4 +1,4 @@
-// Where a tensor's bytes go: its stripes placed round robin over the files, in extents.
+// Where a tensor's bytes go: its stripes (stripes.hpp) placed in extents of the store's files.
 #include <algorithm>
 #include <optional>
 
@@ -10,52 +10,48 @@ namespace tidal::io {
 // Places e.bytes over the files: stripe i on file (start + i) % F, one contiguous extent per
 // file when possible, else one extent per stripe on any file with room.
 bool TensorStore::Impl::layout(Entry& e) {
-  const std::uint64_t unit = opt.stripe_unit;
-  const std::uint64_t nstripes = (e.bytes + unit - 1) / unit;
   const std::size_t nfiles = files.size();
   // Continue the round robin where the previous tensor stopped, as RAID-0 does, so stripes
   // spread evenly however tensor sizes fall.
   const std::size_t start = rotate % nfiles;
-  rotate += nstripes;
-  auto stripe_len = [&](std::uint64_t i) {
-    return static_cast<std::uint32_t>(std::min(unit, e.bytes - i * unit));
-  };
-  std::vector<std::uint64_t> need(nfiles, 0);
-  for (std::uint64_t i = 0; i < nstripes; ++i) {
-    need[(start + i) % nfiles] += align_up(stripe_len(i), kBlockSize);
-  }
+  const std::vector<detail::Stripe> stripes =
+      detail::stripe_layout(e.bytes, opt.stripe_unit, nfiles, start);
+  rotate += stripes.size();
   std::vector<Extent> run(nfiles);
-  bool ok = true;
-  for (std::size_t f = 0; f < nfiles && ok; ++f) {
-    if (need[f] == 0) continue;
-    auto x = files[f]->extents->allocate(need[f]);
-    if (x) {
-      run[f] = *x;
-      e.extents.emplace_back(static_cast<int>(f), *x);
-    } else {
-      ok = false;
-    }
-  }
+  const bool ok = allocate_runs(e, detail::run_bytes(stripes, nfiles), run);
   e.pieces.clear();
   if (ok) {
-    std::vector<std::uint64_t> cursor(nfiles, 0);
-    for (std::uint64_t i = 0; i < nstripes; ++i) {
-      const std::size_t f = (start + i) % nfiles;
-      const std::uint32_t len = stripe_len(i);
-      e.pieces.push_back(Piece{static_cast<int>(f), run[f].offset + cursor[f], i * unit, len, 0});
-      cursor[f] += align_up(len, kBlockSize);
+    for (const detail::Stripe& s : stripes) {
+      e.pieces.push_back(Piece{static_cast<int>(s.file), run[s.file].offset + s.run_offset,
+                               s.tensor_offset, s.length, 0});
     }
     return true;
   }
   release_extents(e);
-  // Fragmented: one extent per stripe, preferring the round-robin file.
-  for (std::uint64_t i = 0; i < nstripes; ++i) {
-    const std::uint32_t len = stripe_len(i);
+  return place_each_stripe(e, stripes);
+}
+
+bool TensorStore::Impl::allocate_runs(Entry& e, const std::vector<std::uint64_t>& need,
+                                      std::vector<Extent>& run) {
+  for (std::size_t f = 0; f < need.size(); ++f) {
+    if (need[f] == 0) continue;
+    auto x = files[f]->extents->allocate(need[f]);
+    if (!x) return false;
+    run[f] = *x;
+    e.extents.emplace_back(static_cast<int>(f), *x);
+  }
+  return true;
+}
+
+// Fragmented: one extent per stripe, preferring the round-robin file.
+bool TensorStore::Impl::place_each_stripe(Entry& e, const std::vector<detail::Stripe>& stripes) {
+  const std::size_t nfiles = files.size();
+  for (const detail::Stripe& s : stripes) {
     std::optional<Extent> x;
-    std::size_t f = (start + i) % nfiles;
+    std::size_t f = s.file;
     for (std::size_t k = 0; k < nfiles && !x; ++k) {
-      f = (start + i + k) % nfiles;
-      x = files[f]->extents->allocate(len);
+      f = (s.file + k) % nfiles;
+      x = files[f]->extents->allocate(s.length);
     }
     if (!x) {
       release_extents(e);
@@ -63,7 +59,7 @@ bool TensorStore::Impl::layout(Entry& e) {
       return false;
     }
     e.extents.emplace_back(static_cast<int>(f), *x);
-    e.pieces.push_back(Piece{static_cast<int>(f), x->offset, i * unit, len, 0});
+    e.pieces.push_back(Piece{static_cast<int>(f), x->offset, s.tensor_offset, s.length, 0});
   }
   return true;
 }

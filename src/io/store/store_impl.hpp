@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "io/checksum_pool.hpp"
+#include "io/store/stripes.hpp"
 #include "tidal/common/aligned_buffer.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/io/backend.hpp"
@@ -160,6 +161,12 @@ struct TensorStore::Impl {
   }
   [[nodiscard]] bool fits_direct(const char* p, std::uint32_t len, bool device) const;
   bool layout(Entry& e);
+  // With mu held: one extent per file for its run of need[f] bytes (none where 0), into run and
+  // e.extents; false at the first file without room (the extents taken stay in e.extents).
+  bool allocate_runs(Entry& e, const std::vector<std::uint64_t>& need, std::vector<Extent>& run);
+  // With mu held: one extent per stripe, on its file or the next with room; false (nothing
+  // taken) when a stripe fits nowhere.
+  bool place_each_stripe(Entry& e, const std::vector<detail::Stripe>& stripes);
   void release_extents(Entry& e);
   void start_request(Entry& e, char* user, bool write, Priority prio, bool device);
   void throw_pending_error(Entry& e);
