@@ -14,7 +14,9 @@ inline double end_in(const TimelineTransfer& t, const TimelineStep& s) {
   return t.end >= 0 ? t.end : (s.end >= 0 ? s.end : t.start);
 }
 
-// The sentence: what limits this run and what would help.
+// The sentence: what limits this run and what would help. `r`: the report, averaged per step;
+// `busy`: the seconds per step each channel had a transfer in flight; `rates`: what the plan
+// assumed of each channel (0: unknown).
 std::string limit_sentence(const TimeReport& r, const std::array<double, kNumChannels>& busy,
                            const ChannelRates& rates);
 
