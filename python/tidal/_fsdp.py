@@ -7,7 +7,7 @@ FSDP2 touches tensors in two ways the plan executor cannot see:
    dispatcher: no op the tracer records, no residency guard. The plan saw those buffers as
    persistent 1 MiB inputs, offloaded one after its last use in backward, and FSDP freed the
    memory under the write in flight: SIGSEGV in the store's checksum (TensorStore::Impl::hash,
-   store.cpp) on the I/O thread, "checksum mismatch" on reading it back, or "Attempted to call
+   src/io/store/) on the I/O thread, "checksum mismatch" on reading it back, or "Attempted to call
    resize_() on an invalid python storage" when the write had already nulled the storage.
    route_storage_resizes() makes FSDP2 resize through `torch.ops.inductor.resize_storage_bytes_`
    (the same resize, as an op): the tracer first sees these buffers at 0 bytes, so the plan
