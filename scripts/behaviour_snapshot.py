@@ -7,7 +7,7 @@ Writes one file per case under OUT_DIR: `tidal simulate --json` and `tidal plan 
 plan) on the paper grid's cases (bench/paper_grid.sh's command lines, SSD-only and with host
 memory) and on the first shapes of the shape fuzz (bench/shape_fuzz.sh, seed 1), and on cases whose budget
 binds hard (on a host-rich one-SSD machine, with and without host memory). Wall-clock fields
-(planning and stage timings) are dropped, so two snapshots of the same behaviour are byte-identical:
+(planning and stage timings) and source locations in messages are dropped, so two snapshots of the same behaviour are byte-identical:
 
     scripts/behaviour_snapshot.py /tmp/before --bin /tmp/tidal-before
     scripts/behaviour_snapshot.py /tmp/after
@@ -94,7 +94,12 @@ def tight_cases():
                                        "--io-compute-cost", "0.6/0.5/0.2"]
 
 
+LOCATION = re.compile(r" \(at [\w./]+:\d+\)")  # an error's source location: a refactor moves lines
+
+
 def strip(value):
+    if isinstance(value, str):
+        return LOCATION.sub("", value)
     if isinstance(value, dict):
         return {k: strip(v) for k, v in value.items() if k not in WALL_CLOCK}
     if isinstance(value, list):
@@ -105,9 +110,7 @@ def strip(value):
 def run(cmd):
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
-        # The error without its source location (a refactor moves lines).
-        said = re.sub(r" \(at [\w./]+:\d+\)", "", (p.stderr.strip().splitlines() or [""])[-1])
-        return {"exit": p.returncode, "stderr": said}
+        return {"exit": p.returncode, "stderr": (p.stderr.strip().splitlines() or [""])[-1]}
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
