@@ -604,11 +604,10 @@ class Planner {
   // The write of c moved ahead (PlannerInternals::write_ahead): where no earlier period of c's
   // version is planned, the longest of them in compute time whose transfers fit in its own
   // buckets (the later on a tie) is planned too, and c then leaves with no write from its first op.
-  // Taken where that frees more of c's period over the target. Before session 23 only the version's
-  // first period was tried: a parameter that fits in device memory through micro-batch 0 was then
-  // written in micro-batch 1's forward pass beside its activations where the optimizer step had no
-  // room for its write (Llama3-8B b32 fp32, one SSD, no host memory: 4.9 of the 31 GiB that forward
-  // pass wrote); now it is written in a period of micro-batch 0 (docs/simulator.md, step 9).
+  // Taken where that frees more of c's period over the target. The longest period, not the
+  // version's first: a parameter that fits in device memory through micro-batch 0 would otherwise
+  // be written in micro-batch 1's forward pass beside its activations, where the optimizer step
+  // had no room for its write; the longest period is in micro-batch 0 (docs/simulator.md, step 9).
   void write_ahead(const Candidate& c, Target target, int start, Choice& ch) {
     const double score = over_time(c, 0, start - 1);
     if (ch.ok && score < ch.score) return;
@@ -1870,11 +1869,10 @@ Plan make_plan_with(const trace::Trace& trace, const Hardware& hw, const Planner
     const SimResult a = plain.sim ? std::move(*plain.sim) : simulate(trace, &plain.plan, hw);
     return finish(faster(a, *best.sim) ? std::move(plain.plan) : std::move(best.plan));
   }
-  // The plan of the trace first (before session 19): then, where it stalls, the plan into the
-  // bound's stalls with the host-memory way that the first plan kept (planning the three ways
-  // again there gained nothing on the shape fuzz, lost 0.4-1.3 points of the bound on two Figure
-  // 9 cells and took about a quarter more time), and rounds of simulated waits; the fastest in
-  // simulation is kept.
+  // Without waits_first: the plan of the trace first; then, where it stalls, the plan into the
+  // bound's stalls with the host-memory way that the first plan kept (planning the ways again
+  // there gains nothing and takes about a quarter more time), and rounds of simulated waits; the
+  // fastest in simulation is kept.
   WayPlan first = plan_ways(trace, trace, hw, options, internals);
   if (first.plan.summary.planned_stall_seconds <= 0) return finish(std::move(first.plan));
   const StallBound full = stall_lower_bound_and_windows(trace, hw, {}, nullptr, &bound);
