@@ -36,6 +36,41 @@ struct WayPlan {
   std::optional<SimResult> sim;  // on the trace the plan is for
 };
 
+// Whether the machine makes the second host-memory way worth planning. It is planned where host
+// memory was short (a migration went to the SSDs for want of room in it), the SSDs are the scarce
+// channel (under half of the host channel's rate) and the plan stalls: plan again with host
+// memory promised to the periods that save the most SSD traffic per byte held, and keep the plan
+// whose simulated iteration is shorter (the planned stall is only an upper bound of it, and can
+// rank the two wrongly). Where the SSDs carry half the link or more the second plan gains little
+// and doubles the planning time.
+bool ways_may_help(const Hardware& hw, const PlannerOptions& options) {
+  const ChannelRates rates = hw.channels();
+  const bool ssds_scarce = rates[Channel::kSsdRead] < 0.5 * rates[Channel::kHostRead] ||
+                           rates[Channel::kSsdWrite] < 0.5 * rates[Channel::kHostWrite];
+  return options.choose_host_by_density && options.use_host && hw.host_memory > 0 && ssds_scarce;
+}
+
+// The host-memory ways, the first by score. A third where host memory is short: the SSDs only
+// for the periods over the ops where host memory cannot hold what must leave
+// (HostChoice::kSsdWhereNeeded). The fastest plan that fits is kept.
+std::vector<HostChoice> ways_of(const PlannerInternals& internals) {
+  std::vector<HostChoice> ways = {HostChoice::kByScore, HostChoice::kDensest};
+  if (internals.ssd_where_needed) ways.push_back(HostChoice::kSsdWhereNeeded);
+  return ways;
+}
+
+// The plan whose simulated iteration is shortest among those that fit (the first where none
+// fits); every plan has its simulation.
+WayPlan fastest(std::vector<WayPlan> plans) {
+  std::size_t best = 0;
+  for (std::size_t i = 1; i < plans.size(); ++i) {
+    const SimResult& r = *plans[i].sim;
+    const SimResult& b = *plans[best].sim;
+    if (r.fits && (!b.fits || r.iteration_seconds < b.iteration_seconds)) best = i;
+  }
+  return std::move(plans[best]);
+}
+
 // The planner's ways of making a plan for `trace`, the fastest kept (simulated on `real`, the
 // trace the plan is for: `trace` itself, or the same ops with waits as time). With `only`, the
 // one way given.
@@ -43,23 +78,8 @@ WayPlan plan_ways(const trace::Trace& trace, const trace::Trace& real, const Har
                   const PlannerOptions& options, const PlannerInternals& internals,
                   std::optional<HostChoice> only = std::nullopt) {
   if (only) return {Planner(trace, hw, options, internals, *only).run(), *only, std::nullopt};
-  // Host memory was short (a migration went to the SSDs for want of room in it), the SSDs are
-  // the scarce channel (under half of the host channel's rate) and the plan stalls: plan again
-  // with host memory promised to the periods that save the most SSD traffic per byte held, and
-  // keep the plan whose simulated iteration is shorter (the planned stall is only an upper bound
-  // of it, and ranked the two wrongly on Llama3-70B with 2 SSDs and 128 GB). Where the SSDs
-  // carry half the link or more (the h100-4ssd preset) the second plan gained at most a point
-  // and doubled the planning time.
-  const ChannelRates rates = hw.channels();
-  const bool ssds_scarce = rates[Channel::kSsdRead] < 0.5 * rates[Channel::kHostRead] ||
-                           rates[Channel::kSsdWrite] < 0.5 * rates[Channel::kHostWrite];
-  const bool may_need_ways =
-      options.choose_host_by_density && options.use_host && hw.host_memory > 0 && ssds_scarce;
-  // A third way where host memory is short: the SSDs only for the periods over the ops where
-  // host memory cannot hold what must leave (HostChoice::kSsdWhereNeeded). The fastest plan
-  // that fits is kept.
-  std::vector<HostChoice> ways = {HostChoice::kByScore, HostChoice::kDensest};
-  if (internals.ssd_where_needed) ways.push_back(HostChoice::kSsdWhereNeeded);
+  const bool may_need_ways = ways_may_help(hw, options);
+  const std::vector<HostChoice> ways = ways_of(internals);
   // The ways after the first start on threads of their own at once, where the machine says they
   // may be needed (the first plan says whether they are): a Planner only reads the trace, and
   // on two cores the three ways then take about the time of the slowest and a half instead of
@@ -113,13 +133,7 @@ WayPlan plan_ways(const trace::Trace& trace, const trace::Trace& real, const Har
     TIDAL_EXPECT(w.has_value(), "planner: a host-memory way was cancelled; this is a bug");
     plans.push_back(std::move(*w));
   }
-  std::size_t best = 0;
-  for (std::size_t i = 1; i < plans.size(); ++i) {
-    const SimResult& r = *plans[i].sim;
-    const SimResult& b = *plans[best].sim;
-    if (r.fits && (!b.fits || r.iteration_seconds < b.iteration_seconds)) best = i;
-  }
-  return std::move(plans[best]);
+  return fastest(std::move(plans));
 }
 
 // The waits the stall bound says no plan avoids, per op: each window's stall spread over the
@@ -193,6 +207,119 @@ Plan plan_with_waits(const trace::Trace& trace, const std::vector<double>& wait,
   return p;
 }
 
+// What every planning pass of make_plan_with shares.
+struct Inputs {
+  const trace::Trace& trace;
+  const Hardware& hw;
+  const PlannerOptions& options;
+  const PlannerInternals& internals;
+};
+
+// A plan within 1% of the bound is kept as it is: another round would gain at most that.
+bool near_bound(const SimResult& x, const StallBound& bound) {
+  return x.fits && x.iteration_seconds <= bound.iteration_seconds * 1.01;
+}
+
+// A later plan only where it is faster by more than a rounding error.
+bool faster(const SimResult& x, const SimResult& than) {
+  return x.fits && (!than.fits || x.iteration_seconds < than.iteration_seconds * (1 - 1e-9));
+}
+
+// Rounds with the best plan's own simulated waits (where it really waits, which the bound only
+// bounds), while each is faster than the best so far. `best.sim` is its simulation.
+WayPlan with_simulated_waits(const Inputs& in, const StallBound& bound, WayPlan best) {
+  for (int r = 0; r < in.internals.wait_rounds; ++r) {
+    const SimResult& best_sim = *best.sim;
+    if (best_sim.stall_seconds <= 0 || near_bound(best_sim, bound)) break;
+    Plan again = plan_with_waits(in.trace, simulated_waits(best_sim, in.trace.ops.size()), in.hw,
+                                 in.options, in.internals, best.way);
+    SimResult c = simulate(in.trace, &again, in.hw);
+    if (!faster(c, best_sim)) break;
+    best.plan = std::move(again);
+    best.sim = std::move(c);
+  }
+  return best;
+}
+
+// The plan into the waits of `from` (bound_waits), with the host-memory ways chosen there, and
+// its simulation.
+WayPlan into_waits(const Inputs& in, const StallBound& from) {
+  WayPlan w;
+  w.plan = plan_with_waits(in.trace, bound_waits(in.trace, from), in.hw, in.options, in.internals,
+                           std::nullopt, &w.way);
+  w.sim = simulate(in.trace, &w.plan, in.hw);
+  return w;
+}
+
+// PlannerInternals::waits_first: the bound first. Where it says the iteration waits, the plan of
+// the trace as it is (whose least-stall fallback is most of the planning time where a plan
+// stalls long) is not made; the plan into the bound's stalls takes its place, with the
+// host-memory ways chosen there, and then up to wait_rounds rounds of its simulated waits.
+// The planner plans into the bound's windows without its peaks between a write and a read
+// (docs/simulator.md): each of those is a bound only with its other half, and planning into
+// them made plans slower.
+Plan plan_bound_first(const Inputs& in, std::optional<StallBound>* bound_out) {
+  const trace::Trace& trace = in.trace;
+  StallBound bound;
+  StallBound one_iteration;  // the windows of one iteration, which the bound computes first
+  const StallBound full = stall_lower_bound_and_windows(trace, in.hw, {}, &one_iteration, &bound);
+  if (bound_out != nullptr) *bound_out = full;
+  if (bound.stall_seconds <= 0) {
+    WayPlan plain = plan_ways(trace, trace, in.hw, in.options, in.internals);
+    if (plain.plan.summary.planned_stall_seconds <= 0) return std::move(plain.plan);
+    if (!plain.sim) plain.sim = simulate(trace, &plain.plan, in.hw);
+    return with_simulated_waits(in, bound, std::move(plain)).plan;
+  }
+  // Where the bound's windows run over the iteration's end (docs/simulator.md, "Windows over
+  // the iteration's end"), the plan goes into the waits of the windows of one iteration first
+  // (usually the faster of the two), and into the bound's own only where that plan is still
+  // over far_from_bound times the bound, the faster kept.
+  const bool wraps = std::any_of(bound.windows.begin(), bound.windows.end(),
+                                 [](const StallWindow& w) { return w.last < w.first; });
+  const StallBound linear = wraps ? std::move(one_iteration) : StallBound{};
+  WayPlan into = into_waits(in, wraps && linear.stall_seconds > 0 ? linear : bound);
+  if (wraps && linear.stall_seconds > 0 && in.internals.far_from_bound > 0 &&
+      (!into.sim->fits ||
+       into.sim->iteration_seconds > in.internals.far_from_bound * bound.iteration_seconds)) {
+    WayPlan other = into_waits(in, bound);
+    if (faster(*other.sim, *into.sim)) into = std::move(other);
+  }
+  WayPlan best = with_simulated_waits(in, bound, std::move(into));
+  // Far from the bound (over twice it), where the bound's waits say little about where a plan
+  // waits, or where it does not fit, the plan of the trace as it is is made too, and the faster
+  // kept (PlannerFuzz.PlanningIntoTheWaitsFirstFitsAndKeepsPace: random traces whose stall is
+  // tens of times their compute).
+  if (best.sim->fits && best.sim->iteration_seconds <= 2 * bound.iteration_seconds) {
+    return std::move(best.plan);
+  }
+  WayPlan plain = plan_ways(trace, trace, in.hw, in.options, in.internals);
+  const SimResult a = plain.sim ? std::move(*plain.sim) : simulate(trace, &plain.plan, in.hw);
+  return faster(a, *best.sim) ? std::move(plain.plan) : std::move(best.plan);
+}
+
+// Without PlannerInternals::waits_first: the plan of the trace first; then, where it stalls, the
+// plan into the bound's stalls with the host-memory way that the first plan kept (planning the
+// ways again there gains nothing and takes about a quarter more time), and rounds of simulated
+// waits; the fastest in simulation is kept.
+Plan plan_trace_first(const Inputs& in, std::optional<StallBound>* bound_out) {
+  const trace::Trace& trace = in.trace;
+  WayPlan first = plan_ways(trace, trace, in.hw, in.options, in.internals);
+  if (first.plan.summary.planned_stall_seconds <= 0) return std::move(first.plan);
+  StallBound bound;
+  const StallBound full = stall_lower_bound_and_windows(trace, in.hw, {}, nullptr, &bound);
+  if (bound_out != nullptr) *bound_out = full;
+  if (bound.stall_seconds <= 0) return std::move(first.plan);
+  if (!first.sim) first.sim = simulate(trace, &first.plan, in.hw);
+  if (near_bound(*first.sim, bound)) return std::move(first.plan);
+  WayPlan into{
+      plan_with_waits(trace, bound_waits(trace, bound), in.hw, in.options, in.internals, first.way),
+      first.way, std::nullopt};
+  into.sim = simulate(trace, &into.plan, in.hw);
+  return with_simulated_waits(in, bound,
+                              faster(*into.sim, *first.sim) ? std::move(into) : std::move(first))
+      .plan;
+}
+
 }  // namespace
 
 Plan make_plan_with(const trace::Trace& trace, const Hardware& hw, const PlannerOptions& options,
@@ -201,115 +328,24 @@ Plan make_plan_with(const trace::Trace& trace, const Hardware& hw, const Planner
   TIDAL_EXPECT_AS(InvalidArgument, hw.device_memory > 0,
                   "the hardware model has no device memory capacity; give it one");
   const auto t0 = std::chrono::steady_clock::now();
-  const auto finish = [&](Plan p) {
-    p.summary.planning_seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    return p;
-  };
+  const Inputs in{trace, hw, options, internals};
+  Plan plan;
   if (!internals.plan_into_waits) {
-    return finish(plan_ways(trace, trace, hw, options, internals).plan);
+    plan = plan_ways(trace, trace, hw, options, internals).plan;
+  } else if (internals.waits_first) {
+    // Planning into the stalls no plan avoids (docs/simulator.md, planner step 8): the greedy
+    // books each transfer in per-op buckets of rate x op time, so where the bound says the
+    // iteration must wait (the optimizer step, which reads and writes the whole model state in
+    // milliseconds of compute) the buckets are nearly empty, and the reads it needs land in the
+    // ops before it and its writes in the ops after it, while in the wait itself one channel
+    // idles. Given the wait as time, both channels book it.
+    plan = plan_bound_first(in, bound_out);
+  } else {
+    plan = plan_trace_first(in, bound_out);
   }
-  // Planning into the stalls no plan avoids (docs/simulator.md, planner step 8): the greedy books
-  // each transfer in per-op buckets of rate x op time, so where the bound says the iteration
-  // must wait (the optimizer step, which reads and writes the whole model state in milliseconds
-  // of compute) the buckets are nearly empty, and the reads it needs land in the ops before it
-  // and its writes in the ops after it, while in the wait itself one channel idles. Given the
-  // wait as time, both channels book it.
-  //
-  // A plan within 1% of the bound is kept as it is: another round would gain at most that.
-  StallBound bound;
-  const auto near_bound = [&](const SimResult& x) {
-    return x.fits && x.iteration_seconds <= bound.iteration_seconds * 1.01;
-  };
-  // A later plan only where it is faster by more than a rounding error.
-  const auto faster = [](const SimResult& x, const SimResult& than) {
-    return x.fits && (!than.fits || x.iteration_seconds < than.iteration_seconds * (1 - 1e-9));
-  };
-  // Rounds with the best plan's own simulated waits (where it really waits, which the bound only
-  // bounds), while each is faster than the best so far. `best.sim` is its simulation.
-  const auto with_simulated_waits = [&](WayPlan best) {
-    for (int r = 0; r < internals.wait_rounds; ++r) {
-      const SimResult& best_sim = *best.sim;
-      if (best_sim.stall_seconds <= 0 || near_bound(best_sim)) break;
-      Plan again = plan_with_waits(trace, simulated_waits(best_sim, trace.ops.size()), hw, options,
-                                   internals, best.way);
-      SimResult c = simulate(trace, &again, hw);
-      if (!faster(c, best_sim)) break;
-      best.plan = std::move(again);
-      best.sim = std::move(c);
-    }
-    return best;
-  };
-  if (internals.waits_first) {
-    // The bound first: where it says the iteration waits, the plan of the trace as it is (whose
-    // least-stall fallback is most of the planning time where a plan stalls long: 0.5-1 s of
-    // the 0.6-1.3 s per order of Llama3-70B's one-SSD cells) is not made; the plan into the
-    // bound's stalls takes its place, with the host-memory ways chosen there, and then up to
-    // wait_rounds rounds of its simulated waits.
-    // The planner plans into the bound's windows without its peaks between a write and a read
-    // (docs/simulator.md): each of those is a bound only with its other half, and planning into
-    // them lost 4% on fuzz shape 52 and 1% on 147 for 0.5% on 100.
-    StallBound one_iteration;  // the windows of one iteration, which the bound computes first
-    const StallBound full = stall_lower_bound_and_windows(trace, hw, {}, &one_iteration, &bound);
-    if (bound_out != nullptr) *bound_out = full;
-    if (bound.stall_seconds <= 0) {
-      WayPlan plain = plan_ways(trace, trace, hw, options, internals);
-      if (plain.plan.summary.planned_stall_seconds <= 0) return finish(std::move(plain.plan));
-      if (!plain.sim) plain.sim = simulate(trace, &plain.plan, hw);
-      return finish(with_simulated_waits(std::move(plain)).plan);
-    }
-    const auto into_waits = [&](const StallBound& from) {
-      WayPlan w;
-      w.plan = plan_with_waits(trace, bound_waits(trace, from), hw, options, internals,
-                               std::nullopt, &w.way);
-      w.sim = simulate(trace, &w.plan, hw);
-      return w;
-    };
-    // Where the bound's windows run over the iteration's end (docs/simulator.md, "Windows over
-    // the iteration's end"), the plan goes into the waits of the windows of one iteration first
-    // (on Llama3-70B's Figure 9 cells it was the faster of the two wherever both were made),
-    // and into the bound's own only where that plan is still over far_from_bound times the
-    // bound, the faster kept.
-    const bool wraps = std::any_of(bound.windows.begin(), bound.windows.end(),
-                                   [](const StallWindow& w) { return w.last < w.first; });
-    const StallBound linear = wraps ? std::move(one_iteration) : StallBound{};
-    WayPlan into = into_waits(wraps && linear.stall_seconds > 0 ? linear : bound);
-    if (wraps && linear.stall_seconds > 0 && internals.far_from_bound > 0 &&
-        (!into.sim->fits ||
-         into.sim->iteration_seconds > internals.far_from_bound * bound.iteration_seconds)) {
-      WayPlan other = into_waits(bound);
-      if (faster(*other.sim, *into.sim)) into = std::move(other);
-    }
-    WayPlan best = with_simulated_waits(std::move(into));
-    // Far from the bound (over twice it), where the bound's waits say little about where a plan
-    // waits, or where it does not fit (never seen), the plan of the trace as it is is made too,
-    // and the faster kept: random traces whose stall is tens of times their compute lost 1.7% in
-    // the geometric mean without it (PlannerFuzz.PlanningIntoTheWaitsFirstFitsAndKeepsPace); no
-    // cell of the Figure 9 sweep, the grids or the shape fuzz is that far from its bound.
-    if (best.sim->fits && best.sim->iteration_seconds <= 2 * bound.iteration_seconds) {
-      return finish(std::move(best.plan));
-    }
-    WayPlan plain = plan_ways(trace, trace, hw, options, internals);
-    const SimResult a = plain.sim ? std::move(*plain.sim) : simulate(trace, &plain.plan, hw);
-    return finish(faster(a, *best.sim) ? std::move(plain.plan) : std::move(best.plan));
-  }
-  // Without waits_first: the plan of the trace first; then, where it stalls, the plan into the
-  // bound's stalls with the host-memory way that the first plan kept (planning the ways again
-  // there gains nothing and takes about a quarter more time), and rounds of simulated waits; the
-  // fastest in simulation is kept.
-  WayPlan first = plan_ways(trace, trace, hw, options, internals);
-  if (first.plan.summary.planned_stall_seconds <= 0) return finish(std::move(first.plan));
-  const StallBound full = stall_lower_bound_and_windows(trace, hw, {}, nullptr, &bound);
-  if (bound_out != nullptr) *bound_out = full;
-  if (bound.stall_seconds <= 0) return finish(std::move(first.plan));
-  if (!first.sim) first.sim = simulate(trace, &first.plan, hw);
-  if (near_bound(*first.sim)) return finish(std::move(first.plan));
-  WayPlan into{plan_with_waits(trace, bound_waits(trace, bound), hw, options, internals, first.way),
-               first.way, std::nullopt};
-  into.sim = simulate(trace, &into.plan, hw);
-  return finish(
-      with_simulated_waits(faster(*into.sim, *first.sim) ? std::move(into) : std::move(first))
-          .plan);
+  plan.summary.planning_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return plan;
 }
 
 }  // namespace detail
