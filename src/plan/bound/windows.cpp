@@ -337,52 +337,10 @@ class WindowSweep {
       // window takes.
       const bool starts = j >= lo;
       if (starts) tree.activate(j, at(best, j) + at(p, j));
-      const auto& op = at(trace_.ops, j);
-      auto read = [&](TensorId x) {
-        OpIndex& prev = at(prev_use, x);
-        if (prev == j) return;  // an op that lists a tensor twice uses it once
-        const auto& ten = at(trace_.tensors, x);
-        const auto bytes = static_cast<double>(ten.bytes);
-        if (starts && ten.has_gap()) {  // existed before i: i <= freed_after or i > producer
-          tree.add(prev + 1, std::min(j, ten.freed_after), bytes, false);
-          tree.add(std::max(prev + 1, ten.producer + 1), j, bytes, false);
-        } else if (starts) {
-          tree.add(std::max(prev + 1, at(spans_.begin, x) + 1), j, bytes, false);
-        }
-        prev = j;
-      };
-      for (const TensorId x : op.inputs) read(x);
-      for (const TensorId x : op.outputs) read(x);
-      for (const TensorId x : op.outputs) {
-        const auto& ten = at(trace_.tensors, x);
-        const bool needed =
-            ten.has_gap() ? j >= ten.producer : ten.persistent || at(spans_.last_use, x) > j;
-        OpIndex& prev = at(prev_write, x);
-        if (!needed || prev == j) continue;
-        if (starts) tree.add(prev + 1, j, static_cast<double>(ten.bytes), true);
-        prev = j;
-      }
-      for (const TensorId x : at(spans_.dies_at, j)) {
-        OpIndex& prev = at(prev_write, x);
-        if (prev < 0) continue;
-        if (starts) tree.add(0, prev, -static_cast<double>(at(trace_.tensors, x).bytes), true);
-        prev = -1;
-      }
+      follow_uses(tree, j, starts, prev_use, prev_write);
       if (!starts) continue;
-      // The best window ending at j over the four terms; on a tie the earliest start.
-      WindowTree::Leaf top{-1, 0, 0, 0};
-      double value = -std::numeric_limits<double>::infinity();
-      for (int t = 0; t < kTerms; ++t) {
-        const auto term = static_cast<Term>(t);
-        const double v = tree.max(term) - threshold_[t] / rate_[t] - at(p, j + 1);
-        if (v < value) continue;
-        const WindowTree::Leaf leaf = tree.argmax(term);
-        const double lv = leaf.value - threshold_[t] / rate_[t] - at(p, j + 1);
-        if (lv > value || (lv == value && leaf.start < top.start)) {
-          value = lv;
-          top = leaf;
-        }
-      }
+      double value = 0;
+      const WindowTree::Leaf top = best_ending_at(tree, at(p, j + 1), value);
       // As WindowSearch: a window that stalls ties with best[j] and wins when it starts before j.
       const double stall = value - at(best, top.start);
       const bool take = stall > 0 && (top.start < j ? value >= at(best, j) : value > at(best, j));
@@ -415,6 +373,63 @@ class WindowSweep {
   }
 
  private:
+  // The uses of op j in the tree: its reads add to E of every start after the tensor's previous
+  // use (that it existed before), its writes of a tensor needed later to W, and a tensor that
+  // dies at j leaves W. Before lo (`starts` false) only the uses are followed.
+  void follow_uses(WindowTree& tree, OpIndex j, bool starts, std::vector<OpIndex>& prev_use,
+                   std::vector<OpIndex>& prev_write) const {
+    const auto& op = at(trace_.ops, j);
+    auto read = [&](TensorId x) {
+      OpIndex& prev = at(prev_use, x);
+      if (prev == j) return;  // an op that lists a tensor twice uses it once
+      const auto& ten = at(trace_.tensors, x);
+      const auto bytes = static_cast<double>(ten.bytes);
+      if (starts && ten.has_gap()) {  // existed before i: i <= freed_after or i > producer
+        tree.add(prev + 1, std::min(j, ten.freed_after), bytes, false);
+        tree.add(std::max(prev + 1, ten.producer + 1), j, bytes, false);
+      } else if (starts) {
+        tree.add(std::max(prev + 1, at(spans_.begin, x) + 1), j, bytes, false);
+      }
+      prev = j;
+    };
+    for (const TensorId x : op.inputs) read(x);
+    for (const TensorId x : op.outputs) read(x);
+    for (const TensorId x : op.outputs) {
+      const auto& ten = at(trace_.tensors, x);
+      const bool needed =
+          ten.has_gap() ? j >= ten.producer : ten.persistent || at(spans_.last_use, x) > j;
+      OpIndex& prev = at(prev_write, x);
+      if (!needed || prev == j) continue;
+      if (starts) tree.add(prev + 1, j, static_cast<double>(ten.bytes), true);
+      prev = j;
+    }
+    for (const TensorId x : at(spans_.dies_at, j)) {
+      OpIndex& prev = at(prev_write, x);
+      if (prev < 0) continue;
+      if (starts) tree.add(0, prev, -static_cast<double>(at(trace_.tensors, x).bytes), true);
+      prev = -1;
+    }
+  }
+
+  // The best window ending at the op before `p_next` (the compute before the next op) over the
+  // four terms; on a tie the earliest start. Its value (best[i] + need - compute) in `value`.
+  WindowTree::Leaf best_ending_at(WindowTree& tree, double p_next, double& value) const {
+    WindowTree::Leaf top{-1, 0, 0, 0};
+    value = -std::numeric_limits<double>::infinity();
+    for (int t = 0; t < kTerms; ++t) {
+      const auto term = static_cast<Term>(t);
+      const double v = tree.max(term) - threshold_[t] / rate_[t] - p_next;
+      if (v < value) continue;
+      const WindowTree::Leaf leaf = tree.argmax(term);
+      const double lv = leaf.value - threshold_[t] / rate_[t] - p_next;
+      if (lv > value || (lv == value && leaf.start < top.start)) {
+        value = lv;
+        top = leaf;
+      }
+    }
+    return top;
+  }
+
   const trace::Trace& trace_;
   const trace::LifetimeAnalysis la_;
   const Lifespans spans_;
