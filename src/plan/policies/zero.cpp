@@ -173,6 +173,75 @@ double parameter_element_bytes(const trace::Trace& t) {
   return it != t.meta.end() && it->second == "bf16" ? 2.0 : 4.0;
 }
 
+// Whether ZeRO-3 moves parameter `x`: one above the persistence threshold.
+bool managed(const trace::Tensor& x, const PolicyOptions& opt) {
+  return x.cls == TensorClass::kParameter && x.persistent && x.bytes >= opt.zero_persistence_bytes;
+}
+
+// The ops of one forward pass of one layer (4 without layer information), at least 1: how far
+// ahead a read starts without a prefetch bucket.
+OpIndex block_ops_of(const trace::Trace& t, const std::vector<int>& pass) {
+  int layers = 0;
+  OpIndex fwd_ops = 0;
+  for (const auto& op : t.ops) {
+    layers = std::max(layers, op.layer + 1);
+    if (op.phase == Phase::kForward) ++fwd_ops;
+  }
+  const auto passes = static_cast<OpIndex>(pass.back() + 1);
+  return std::max<OpIndex>(1, layers > 0 ? fwd_ops / (static_cast<OpIndex>(layers) * passes) : 4);
+}
+
+// The ops that use managed parameters, in order, with the elements they use, and each op's
+// place among them (-1: it uses none).
+struct ParameterUses {
+  std::vector<OpIndex> ops;
+  std::vector<double> elements;
+  std::vector<std::int64_t> index;
+};
+
+ParameterUses parameter_uses(const trace::Trace& t, const PolicyOptions& opt) {
+  const double element_bytes = parameter_element_bytes(t);
+  ParameterUses u;
+  u.index.assign(t.ops.size(), -1);
+  for (const auto& op : t.ops) {
+    double elements = 0;
+    std::vector<TensorId> seen;
+    for (const auto* ids : {&op.inputs, &op.outputs}) {
+      for (TensorId id : *ids) {
+        const auto& x = t.tensors[static_cast<std::size_t>(id)];
+        if (!managed(x, opt) || std::find(seen.begin(), seen.end(), id) != seen.end()) continue;
+        seen.push_back(id);
+        elements += static_cast<double>(x.bytes) / element_bytes;
+      }
+    }
+    if (seen.empty()) continue;
+    u.index[static_cast<std::size_t>(op.index)] = static_cast<std::int64_t>(u.ops.size());
+    u.ops.push_back(op.index);
+    u.elements.push_back(elements);
+  }
+  return u;
+}
+
+// The op after which the read of a parameter used at op b is issued, with a prefetch bucket of
+// `bucket` elements (cpu_op: when the step before the iteration ends).
+OpIndex prefetch_trigger(const ParameterUses& u, const std::vector<int>& pass, double bucket,
+                         OpIndex cpu_op, OpIndex b) {
+  std::int64_t i = u.index[static_cast<std::size_t>(b)];
+  const int pass_b = pass[static_cast<std::size_t>(b)];
+  if (i > 0 && pass[static_cast<std::size_t>(u.ops[static_cast<std::size_t>(i - 1)])] == pass_b) {
+    --i;  // the module before starts the read
+    double between = 0;
+    while (i > 0 &&
+           pass[static_cast<std::size_t>(u.ops[static_cast<std::size_t>(i - 1)])] == pass_b &&
+           between + u.elements[static_cast<std::size_t>(i)] < bucket) {
+      between += u.elements[static_cast<std::size_t>(i)];
+      --i;
+    }
+  }
+  const OpIndex start = u.ops[static_cast<std::size_t>(i)];
+  return start == 0 ? cpu_op : start - 1;
+}
+
 // ZeRO-3 style movement: parameters (above the persistence threshold) come in before each use
 // and leave right after (a release: the SSD or host copy is current, so no write); gradients
 // leave after their last use and must be out before the CPU step.
@@ -190,64 +259,13 @@ Plan zero_plan(const trace::Trace& t, const Hardware& hw, Target target, const P
   const auto n = static_cast<OpIndex>(t.ops.size());
   const OpIndex cpu_op = n - 1;
   const std::vector<int> pass = pass_of_ops(t);
-  int layers = 0;
-  OpIndex fwd_ops = 0;
-  for (const auto& op : t.ops) {
-    layers = std::max(layers, op.layer + 1);
-    if (op.phase == Phase::kForward) ++fwd_ops;
-  }
-  const auto passes = static_cast<OpIndex>(pass.back() + 1);
-  const OpIndex block_ops =
-      std::max<OpIndex>(1, layers > 0 ? fwd_ops / (static_cast<OpIndex>(layers) * passes) : 4);
-  auto managed = [&](const trace::Tensor& x) {
-    return x.cls == TensorClass::kParameter && x.persistent &&
-           x.bytes >= opt.zero_persistence_bytes;
-  };
-  // The ops that use managed parameters, in order, with the elements they use.
-  const double element_bytes = parameter_element_bytes(t);
-  std::vector<OpIndex> use_ops;
-  std::vector<double> use_elements;
-  std::vector<std::int64_t> use_index(static_cast<std::size_t>(n), -1);
-  for (const auto& op : t.ops) {
-    double elements = 0;
-    std::vector<TensorId> seen;
-    for (const auto* ids : {&op.inputs, &op.outputs}) {
-      for (TensorId id : *ids) {
-        const auto& x = t.tensors[static_cast<std::size_t>(id)];
-        if (!managed(x) || std::find(seen.begin(), seen.end(), id) != seen.end()) continue;
-        seen.push_back(id);
-        elements += static_cast<double>(x.bytes) / element_bytes;
-      }
-    }
-    if (seen.empty()) continue;
-    use_index[static_cast<std::size_t>(op.index)] = static_cast<std::int64_t>(use_ops.size());
-    use_ops.push_back(op.index);
-    use_elements.push_back(elements);
-  }
+  const OpIndex block_ops = block_ops_of(t, pass);
+  const ParameterUses uses = parameter_uses(t, opt);
   const auto bucket = static_cast<double>(opt.zero_prefetch_bucket_elements);
-  // The op after which the read of a parameter used at op b is issued (cpu_op: when the step
-  // before the iteration ends).
-  auto prefetch_trigger = [&](OpIndex b) {
-    std::int64_t i = use_index[static_cast<std::size_t>(b)];
-    const int pass_b = pass[static_cast<std::size_t>(b)];
-    if (i > 0 &&
-        pass[static_cast<std::size_t>(use_ops[static_cast<std::size_t>(i - 1)])] == pass_b) {
-      --i;  // the module before starts the read
-      double between = 0;
-      while (i > 0 &&
-             pass[static_cast<std::size_t>(use_ops[static_cast<std::size_t>(i - 1)])] == pass_b &&
-             between + use_elements[static_cast<std::size_t>(i)] < bucket) {
-        between += use_elements[static_cast<std::size_t>(i)];
-        --i;
-      }
-    }
-    const OpIndex start = use_ops[static_cast<std::size_t>(i)];
-    return start == 0 ? cpu_op : start - 1;
-  };
   for (const auto& tensor : t.tensors) {
     const auto& life = la.tensors[static_cast<std::size_t>(tensor.id)];
     if (life.uses.empty() || tensor.bytes == 0) continue;
-    if (managed(tensor)) {
+    if (managed(tensor, opt)) {
       for (const auto& period : life.periods) {
         const OpIndex a = period.last_use;
         const OpIndex b = period.next_use;
@@ -257,7 +275,7 @@ Plan zero_plan(const trace::Trace& t, const Hardware& hw, Target target, const P
         set_action(off, tensor.id, tensor.bytes, ActionKind::kOffload, a, (a + 1) % n, target);
         OpIndex trigger = 0;
         if (bucket > 0) {
-          trigger = prefetch_trigger(b);
+          trigger = prefetch_trigger(uses, pass, bucket, cpu_op, b);
           // Not before the release: a read issued earlier starts when the period does.
           const bool after_release =
               period.wraps ? (trigger == cpu_op || trigger < b) : (trigger > a && trigger < b);
