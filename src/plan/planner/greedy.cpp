@@ -130,9 +130,9 @@ Choice Planner::evaluate(const Candidate& c) {
   }
   // Staged where it frees more than either: it takes host memory for part of the period only,
   // and two channels' bandwidth. Only in the way that promises host memory by density, where
-  // a stage takes only what the promises leave (evaluate_staged): in the other two ways the
-  // stages took host memory the denser periods needed (on the shape fuzz -1.3 to -3.1 points
-  // of the bound on shapes 48, 94, 119), and the pass after the fallback stages there.
+  // a stage takes only what the promises leave (evaluate_staged): in the other two ways stages
+  // in the greedy take host memory the denser periods need, and the pass after the fallback
+  // stages there.
   // (The over-target time of the whole period bounds any choice's score.)
   if (staging() && host_choice_ == HostChoice::kDensest &&
       (!best.ok || over_time(c, 0, c.len - 1) > best.score)) {

@@ -84,8 +84,8 @@ WayPlan plan_ways(const trace::Trace& trace, const trace::Trace& real, const Har
   // may be needed (the first plan says whether they are): a Planner only reads the trace, and
   // on two cores the three ways then take about the time of the slowest and a half instead of
   // the first's and the slowest's. Where the first plan does not need them they are cancelled.
-  // Only this thread reports progress (PlannerOptions::progress is called on the planner's
-  // thread).
+  // Only this thread reports progress (PlannerOptions::progress is called only on the thread
+  // that called make_plan).
   std::atomic<bool> cancel{false};
   const auto plan_way = [&](HostChoice way) -> std::optional<WayPlan> {
     PlannerOptions o = options;

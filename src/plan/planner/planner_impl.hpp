@@ -231,9 +231,9 @@ class Planner {
     return in_.retarget_to_host && rates_.usable(Target::kSsd) && rates_.usable(Target::kHost);
   }
 
-  // Stages where the host link reads more than twice as fast as the SSDs: on the shape fuzz's
-  // machines with three or four SSDs (the host link's rest about as fast as the SSDs) staged
-  // plans won on 2 shapes and lost on 8, by up to 1.3 points of the bound.
+  // Stages where the host link reads more than twice as fast as the SSDs: where the SSDs read
+  // about as fast as the host link's rest, a stage's host memory and second transfer cost more
+  // than its faster read gains.
   [[nodiscard]] bool staging() const {
     return in_.stage_via_host && opt_.stage_via_host && rates_.usable(Target::kSsd) &&
            rates_.usable(Target::kHost) &&

@@ -125,10 +125,9 @@ void Planner::promise_host() {
   promised_ = std::make_unique<RangeTree>(std::vector<std::int64_t>(ops(), 0));
   RangeTree& promised = *promised_;
   // More is promised than host memory holds (room() still holds the commits to it): the greedy
-  // commits only some of the promised periods, and pruning drops some of those. On Llama3-70B
-  // b16 TP 2 with 1 SSD, promising 1.25x gave 44.8 -> 46.9% of ideal with 256 GB, 36.4 -> 37.0%
-  // with 128 GB and 68.2 -> 68.9% with 512 GB; 1.5x and 2x helped some of the three and hurt
-  // others.
+  // commits only some of the promised periods, and pruning drops some of those, so promising
+  // exactly host memory would leave part of it unused; promising much more gives it back to the
+  // periods that save the least.
   constexpr double kOverPromise = 1.25;
   const auto cap = static_cast<std::int64_t>(kOverPromise * static_cast<double>(hw_.host_memory));
   for (const auto& [seconds, i] : order) {
@@ -143,9 +142,10 @@ void Planner::promise_host() {
 // HostChoice::kSsdWhereNeeded: where the live bytes exceed the target and host memory
 // together, the SSDs must hold the rest; the longest periods (in compute time) over those ops
 // may go to the SSDs until they cover kSsdCover times that at every op, the others only to
-// host memory. With one SSD and 256 GB on a bf16 model of 18e9 parameters (fuzz shape 94),
-// the by-score plan put 64 GB of Adam states on the SSD, 9.6 s of reads in an optimizer step
-// of 0.08 s while the host link idled; 3x cover gave 0.68 of the bound against 0.39 (1x 0.59).
+// host memory. The cover is three times the need, not once: not every admitted period is
+// committed (its transfers may not fit in the buckets). This way exists because a plan by score
+// can put the optimizer states on one SSD and read them in a step of milliseconds while the
+// host link idles.
 void Planner::admit_ssd(const trace::LifetimeAnalysis& la) {
   if (!rates_.usable(Target::kHost)) return;
   constexpr double kSsdCover = 3.0;
