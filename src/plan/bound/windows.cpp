@@ -16,6 +16,25 @@ namespace tidal::plan::detail::bounding {
 
 namespace {
 
+// The windows of the dynamic programme's best set within ops lo..end-1, in order: from[k] is the
+// first op of the last window of the best set before op k (-1: op k - 1 ends none), and
+// window_at[k] that window.
+std::vector<StallWindow> chosen_windows(const std::vector<OpIndex>& from,
+                                        const std::vector<StallWindow>& window_at, OpIndex lo,
+                                        OpIndex end) {
+  std::vector<StallWindow> out;
+  for (OpIndex k = end; k > lo;) {
+    if (at(from, k) < 0) {
+      --k;
+      continue;
+    }
+    out.push_back(at(window_at, k));
+    k = at(from, k);
+  }
+  std::reverse(out.begin(), out.end());
+  return out;
+}
+
 // When each tensor comes to exist (as the simulator counts it: persistent ones before the
 // iteration, the others at their producer or first use), its last use, and the tensors whose
 // last use is op k.
@@ -95,15 +114,7 @@ class WindowSearch {
     StallBound out;
     out.stall_seconds = at(best_, n_);
     out.iteration_seconds = trace_.compute_seconds() + out.stall_seconds;
-    for (OpIndex k = n_; k > 0;) {
-      if (at(from_, k) < 0) {
-        --k;
-        continue;
-      }
-      out.windows.push_back(at(window_at_, k));
-      k = at(from_, k);
-    }
-    std::reverse(out.windows.begin(), out.windows.end());
+    out.windows = chosen_windows(from_, window_at_, 0, n_);
     return out;
   }
 
@@ -360,15 +371,7 @@ class WindowSweep {
     StallBound out;
     out.stall_seconds = at(best, hi + 1);
     out.iteration_seconds = at(p, hi + 1) - at(p, lo) + out.stall_seconds;
-    for (OpIndex k = hi + 1; k > lo;) {
-      if (at(from, k) < 0) {
-        --k;
-        continue;
-      }
-      out.windows.push_back(at(window_at, k));
-      k = at(from, k);
-    }
-    std::reverse(out.windows.begin(), out.windows.end());
+    out.windows = chosen_windows(from, window_at, lo, hi + 1);
     return out;
   }
 
