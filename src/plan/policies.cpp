@@ -32,10 +32,9 @@ constexpr EnumName<Policy> kPolicyNames[] = {
 
 }  // namespace
 
+// The helpers policies_impl.hpp declares.
 namespace detail::policy {
 
-// The same trace with the host time before each next op folded into the op's duration, so
-// that a rewrite which copies or reorders ops and then retimes them keeps the iteration's time.
 trace::Trace gaps_in_durations(const trace::Trace& t) {
   trace::Trace out = t;
   for (std::size_t k = 0; k < out.ops.size(); ++k) {
@@ -44,7 +43,6 @@ trace::Trace gaps_in_durations(const trace::Trace& t) {
   return out;
 }
 
-// Recomputes start/end times from durations, back to back.
 void retime(trace::Trace& t) {
   double now = 0;
   for (auto& op : t.ops) {
@@ -85,8 +83,6 @@ void sort_actions(Plan& p) {
   });
 }
 
-// The forward/backward pass of each op: a pass starts at the first forward op after a backward
-// op (with gradient accumulation, one pass per micro-batch). Never empty.
 std::vector<int> pass_of_ops(const trace::Trace& t) {
   std::vector<int> pass_of(std::max<std::size_t>(1, t.ops.size()), 0);
   int pass = 0;
