@@ -1,6 +1,6 @@
-// How the planner runs its stages (private to plan/): make_plan's settings, and the planner as
-// it was before its least-stall fallback was made linear (issue 27), kept as the reference the
-// tests compare plans with. Torch-free.
+// How the planner runs its stages (private to plan/): make_plan's settings, and the reference
+// settings (a least-stall fallback that scans every candidate, the exact greedy) that the tests
+// compare plans with. Torch-free.
 #pragma once
 
 #include "tidal/plan/hardware.hpp"
@@ -23,15 +23,13 @@ struct PlannerInternals {
   bool index_candidates = true;
   /// The greedy commits a re-scored candidate when its score is within this share of the best
   /// score still queued (a (1 - tolerance)-approximate lazy greedy); 1e-12: exact up to
-  /// rounding. On Llama3-70B with 400 blocks the exact one re-scored each candidate about 90
-  /// times (2.8 million re-scores, 2 s); with 1e-3, 0.5 million. 1e-2 since session 17: the
-  /// Figure 9 sweep, the grids and the shape fuzz within noise of 1e-3, a quarter less time on
-  /// Llama3-70B's one-SSD cells.
+  /// rounding, but it re-scores each candidate many times on a long trace; 1e-2 re-scores far
+  /// fewer for plans as good (docs/simulator.md, planner step 4).
   double greedy_tolerance = 1e-2;
   /// Where make_plan plans a second time (host memory short, SSDs scarce, a stall), it also
-  /// plans a third time with the SSDs only where host memory cannot hold what must leave. Off
-  /// since session 19: with waits_first it changed no plan kept on the Figure 9 sweep or the
-  /// shape fuzz, and took a third of the planning time where it ran.
+  /// plans a third time with the SSDs only where host memory cannot hold what must leave. Off:
+  /// with waits_first the third plan is rarely the one kept, and it takes a third of the
+  /// planning time where it runs.
   bool ssd_where_needed = false;
   /// Where the plan of the trace as it is stalls, plan it again with each window of the stall
   /// bound (bound.hpp) given its stall as time, then once more with the faster plan's own
@@ -40,28 +38,27 @@ struct PlannerInternals {
   /// With plan_into_waits, where the stall bound is positive, the plan of the trace as it is is
   /// not made: the plan into the bound's stalls comes first, with the host-memory ways chosen
   /// there (docs/simulator.md, planner step 8). false: the plan of the trace first, the others
-  /// only where it stalls, the fastest kept (before session 19: never slower than the plan of
-  /// the trace, and about twice the time where it stalls long).
+  /// only where it stalls, the fastest kept (never slower than the plan of the trace, and about
+  /// twice the time where it stalls long).
   bool waits_first = true;
   /// With plan_into_waits, rounds of planning again with the best plan's own simulated waits,
-  /// each kept only where faster, stopping at the first that is not (1 before session 19).
+  /// each kept only where faster, stopping at the first that is not (the reference: 1).
   int wait_rounds = 3;
   /// With waits_first, where the stall bound's windows run over the iteration's end: the plan
   /// into the waits of the windows of one iteration comes first, and where it is over this many
   /// times the bound, a second plan into the bound's own waits, the faster kept (0: never).
-  /// On the shape fuzz 1.0 (always both) and 1.12 kept the same plans but one (0.4 points
-  /// lower), and 1.2 lost 4-9 points on three shapes; on the Llama3-70B cells the second plan
-  /// never won and 1.12 never makes it.
+  /// A lower factor makes the second plan more often for little gain; a higher one misses the
+  /// traces where it wins.
   double far_from_bound = 1.12;
   /// A period of a tensor unchanged since an earlier planned migration of it to the same tier
   /// (and none to the other tier since) books no write: the tier still holds that version,
   /// and the simulator drops the tensor without writing it (SimOptions::skip_clean_writes).
-  /// false: every offload books its write, as before session 16.
+  /// false: every offload books its write.
   bool clean_copies = true;
   /// With clean_copies: where a period's write would keep it in device memory over ops above
   /// the target, an earlier period of the version (none of them planned; the longest in compute
-  /// time whose transfers fit, before session 23 the first) is planned too, so that the write
-  /// runs there and the period leaves at once with no write.
+  /// time whose transfers fit) is planned too, so that the write runs there and the period
+  /// leaves at once with no write.
   bool write_ahead = true;
   /// Where the machine makes the second and third host-memory ways possible, they start beside
   /// the first and are cancelled where it does not need them; false: they start once the first
@@ -69,20 +66,21 @@ struct PlannerInternals {
   bool ways_together = true;
   /// The greedy re-queues a popped candidate without evaluating it where the over-target time
   /// of its whole period (an upper bound of its score) is already under the next entry's key;
-  /// false: every popped candidate is evaluated (before session 17). Still a (1 - tolerance)
-  /// approximate lazy greedy, but near-ties may be committed in another order.
+  /// false: every popped candidate is evaluated. Still a (1 - tolerance)-approximate lazy
+  /// greedy, but near-ties may be committed in another order.
   bool greedy_bound_skip = true;
   /// Periods on the SSDs may come back through host memory (PlannerOptions::stage_via_host, which
-  /// must be on too); false: as before session 18.
+  /// must be on too); false: every prefetch reads the tier written to.
   bool stage_via_host = true;
   /// After the greedy and the fallback, periods on the SSDs move to host memory where it has
   /// room and the host link does their transfers no later (docs/simulator.md, planner step 11);
-  /// false: as before session 20.
+  /// false: a period stays on the tier the greedy or the fallback chose.
   bool retarget_to_host = true;
 };
 
-/// The planner before issue 27: nominal moves, a scan of every candidate, the exact greedy, two
-/// ways where host memory is short.
+/// The reference settings: nominal moves, a scan of every candidate, the exact greedy, two ways
+/// where host memory is short, and none of the later stages (waits, clean copies, write ahead,
+/// bound skip, staging, retargeting).
 inline PlannerInternals reference_internals() {
   return {false, false, 1e-12, false, false, false, 1,
           0.0,   false, false, false, false, false, false};

@@ -29,11 +29,12 @@ struct PlannerOptions {
   /// unnecessary (memory stays at or under the target without it over the ops it frees): fewer
   /// bytes written to SSD for the same fit, and never more stall.
   bool prune = true;
-  /// When host memory fills up and the plan stalls, plan a second time with host memory promised
-  /// to the inactive periods that save the most SSD traffic per byte-second held (the shortest),
-  /// and a third time with the SSDs only for the periods over the ops where host memory cannot
-  /// hold what must leave; simulate all three and keep the fastest that fits (docs/simulator.md,
-  /// "Host memory against SSD bandwidth"). Triples the planning time where it runs.
+  /// When host memory fills up, the SSDs are the scarce channel (under half the host link's rate)
+  /// and the plan stalls, plan a second time with host memory promised to the inactive periods
+  /// that save the most SSD traffic per byte-second held (the shortest); simulate both and keep
+  /// the faster that fits (docs/simulator.md, "Host memory against SSD bandwidth"). The second
+  /// plan runs on a thread of its own beside the first wherever the hardware makes it possible,
+  /// and is cancelled where the first plan does not need it: about twice the CPU time there.
   bool choose_host_by_density = true;
   /// A tier keeps its copy of a tensor until the tensor changes, so a period of a tensor
   /// unchanged since an earlier planned migration of it to the same tier books no write, and
@@ -54,8 +55,9 @@ struct PlannerOptions {
   /// How the error for a plan that cannot fit tells the user to give more memory (the CLI's
   /// flag by default; a training session names its budget option instead).
   std::string more_memory_hint = "more device memory (--gpu-mem)";
-  /// Called now and then with the share of over-capacity time already resolved (0..1). Called
-  /// on the planner's thread.
+  /// Called now and then with the share of over-capacity time already resolved (0..1), from 0 to
+  /// 1 once per planning pass (planning into the waits makes several). Called only on the thread
+  /// that called make_plan, never on the second plan's thread.
   std::function<void(double)> progress;
 };
 
@@ -69,21 +71,36 @@ struct PlannerOptions {
 /// gone for the ops e+1 .. p-1. The score of a candidate is the compute time of the ops in that
 /// span whose memory still exceeds the target; the best is committed (SSD first, then host
 /// memory within its cap), scores are re-evaluated lazily when popped (they only shrink; a
-/// candidate within 0.1% of the best queued score is taken).
+/// candidate within 1% of the best queued score is taken).
 /// When nothing feasible is left and an op still exceeds the target, the candidate covering it
-/// with the least added stall is committed together with that stall. Last (options.prune),
-/// the committed migrations that the others make unnecessary are dropped, SSD ones first.
-/// Where host memory was short, the SSDs are the scarce channel and the plan stalls
-/// (options.choose_host_by_density), a second plan promises host memory to the shortest periods
-/// first, a third admits to the SSDs only the periods that host memory cannot hold, and the
-/// plan whose simulated iteration (plan/simulator.hpp) is shortest is returned.
+/// with the least added stall is committed together with that stall. Then periods on the SSDs
+/// move to host memory or come back through it where that frees as much (options.stage_via_host),
+/// and last (options.prune) the committed migrations that the others make unnecessary are
+/// dropped, SSD ones first.
 ///
-/// Thread-safe for distinct arguments; runs on the calling thread. Throws
-/// tidal::InvalidArgument when even the tensors that cannot leave (the active ones) exceed the
-/// capacity at some op, naming the op and the shortfall.
-/// `bound`, when given, receives the stall bound of `trace` on `hw` (plan/bound.hpp) where the
-/// planner computed it (it does where it plans into the waits), so that a caller that reports
-/// it need not compute it again; it is left empty otherwise.
+/// Planning into the waits (docs/simulator.md, planner step 8): make_plan first computes the
+/// stall lower bound of `trace` on `hw` (plan/bound.hpp). Where it is positive, the trace is
+/// planned as if each window of the bound took its stall as extra time (spread over the window's
+/// ops by the bytes they use), so that both channels' buckets hold the transfers the iteration
+/// can run while it waits; then up to three rounds plan again with the best plan's own
+/// simulated waits, each kept only where it is faster. Where the bound's windows run over the
+/// iteration's end, the waits of one iteration's windows come first, and the bound's own are
+/// tried too where that plan is over 1.12 times the bound. Where the result is over twice the
+/// bound or does not fit, the plan of the trace as it is is made too, and the faster kept. Where
+/// the bound is zero, the plan of the trace as it is, with rounds of its simulated waits where
+/// it stalls. Each plan chooses between the host-memory ways of
+/// PlannerOptions::choose_host_by_density by simulating them (plan/simulator.hpp).
+///
+/// Thread-safe for distinct arguments (it only reads `trace` and `hw`). Runs on the calling
+/// thread, plus one thread of its own per planning pass where the second host-memory way may be
+/// needed (PlannerOptions::choose_host_by_density); those threads are joined before it returns,
+/// an error included. Throws tidal::InvalidArgument when `hw` has no device memory, when even
+/// the tensors that cannot leave (the active ones) exceed the capacity at some op (naming the op
+/// and the shortfall), or when a bounded SSD store and host memory are both full where an op
+/// must free memory.
+/// `bound`, when given, receives the stall bound of `trace` on `hw` that make_plan computed to
+/// plan into its waits, so that a caller that reports it need not compute it again (it is left
+/// empty where the planner computed none).
 Plan make_plan(const trace::Trace& trace, const Hardware& hw, const PlannerOptions& options = {},
                std::optional<StallBound>* bound = nullptr);
 

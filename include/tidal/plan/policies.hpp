@@ -46,7 +46,8 @@ struct PolicyOptions {
   /// ZeRO-3 fetches parameters ahead of their use only up to this many elements in flight
   /// (DeepSpeed's stage3_prefetch_bucket_size, default 5e7): a parameter's read starts at the
   /// use of the parameter before it, or earlier only while the parameters used in between stay
-  /// under the bucket. 0: one block of ops ahead (the model before issue 26).
+  /// under the bucket. 0: no bucket; each read starts one block of ops (a layer's forward ops)
+  /// before its use.
   std::uint64_t zero_prefetch_bucket_elements = 50'000'000;
   /// ZeRO-Infinity's optimizer step on NVMe: false (DeepSpeed's default, pipeline_read and
   /// pipeline_write off) runs each sub-group's swap-in, CPU Adam and swap-out one after the
