@@ -46,7 +46,7 @@ struct Truth {
 // (times on the timeline's clock, which starts at 0 where the test's starts at 100), transfers
 // that start inside ops and end some ops later (or after the step).
 Truth random_step(Timeline& tl, FakeClock& clock, std::mt19937_64& rng, std::int64_t step, int ops,
-                  const std::string& state = "executing") {
+                  StepState state = StepState::kExecuting) {
   std::uniform_real_distribution<double> u(0.0, 1.0);
   Truth truth;
   const double start = clock.t;
@@ -191,9 +191,9 @@ TEST(Timeline, OnlyExecutingStepsAreReportedWhenThereAreAny) {
   o.clock = clock.fn();
   o.last_steps = 5;
   Timeline tl(o);
-  random_step(tl, clock, rng, 0, 10, "warmup");
-  random_step(tl, clock, rng, 1, 10, "profiling");
-  const Truth t = random_step(tl, clock, rng, 2, 10, "executing");
+  random_step(tl, clock, rng, 0, 10, StepState::kWarmup);
+  random_step(tl, clock, rng, 1, 10, StepState::kProfiling);
+  const Truth t = random_step(tl, clock, rng, 2, 10, StepState::kExecuting);
   const TimeReport r = tl.report();
   EXPECT_EQ(r.steps, 1);
   EXPECT_NEAR(r.step_seconds, t.step, 1e-9);
@@ -201,7 +201,7 @@ TEST(Timeline, OnlyExecutingStepsAreReportedWhenThereAreAny) {
   FakeClock c2;
   o.clock = c2.fn();
   Timeline none(o);
-  random_step(none, c2, rng, 0, 10, "warmup");
+  random_step(none, c2, rng, 0, 10, StepState::kWarmup);
   EXPECT_EQ(none.report().steps, 1);
   EXPECT_EQ(Timeline(o).report().steps, 0);
   EXPECT_NE(Timeline(o).report().limit.find("not measured"), std::string::npos);
@@ -212,11 +212,11 @@ TEST(Timeline, TransferEndingInALaterStepEndsInItsOwn) {
   Timeline::Options o;
   o.clock = clock.fn();
   Timeline tl(o);
-  tl.begin_step(0, "executing", 0, 0);
+  tl.begin_step(0, StepState::kExecuting, 0, 0);
   const std::size_t h = tl.transfer_start(Channel::kSsdWrite, TransferKind::kPlanned, "w", 10, -1);
   clock.t += 1;
   tl.end_step({});
-  tl.begin_step(1, "executing", 0, 0);
+  tl.begin_step(1, StepState::kExecuting, 0, 0);
   clock.t += 2;
   tl.transfer_end(h, false);
   // The handle is reused for the next transfer.
@@ -241,7 +241,7 @@ TimeReport one_sided(FakeClock& clock, StallKind kind, Channel channel, double s
   Timeline::Options o;
   o.clock = clock.fn();
   Timeline tl(o);
-  tl.begin_step(0, "executing", 100, 100);
+  tl.begin_step(0, StepState::kExecuting, 100, 100);
   tl.op_start(0, "op", 0);
   const std::size_t h = tl.transfer_start(channel, TransferKind::kPlanned, "x", bytes, -1);
   clock.t += 0.01;
@@ -290,7 +290,7 @@ TEST(Timeline, ReadsThatHadTheBandwidthButStartedLateAreSaidSo) {
   Timeline::Options o;
   o.clock = clock.fn();
   Timeline tl(o);
-  tl.begin_step(0, "executing", 100, 100);
+  tl.begin_step(0, StepState::kExecuting, 100, 100);
   tl.op_start(0, "op", 0);
   clock.t += 0.1;  // compute
   // The read starts only when the op needs it, and takes 10 ms: 1 MiB at 0.1 GB/s, where the

@@ -69,10 +69,15 @@ struct TimelineStall {
   double end = 0;
 };
 
+/// What a step was when it ran: the session's state then, or aborted (an exception left it).
+enum class StepState : std::uint8_t { kOff, kWarmup, kProfiling, kExecuting, kAborted };
+/// "off", "warmup", "profiling", "executing", "aborted" (the exporters' words).
+const char* to_string(StepState s);
+
 /// One step as it ran.
 struct TimelineStep {
   std::int64_t step = 0;
-  std::string state;  ///< "warmup", "profiling", "executing", ...
+  StepState state = StepState::kOff;
   double start = 0;
   double end = -1;
   std::uint64_t budget = 0;  ///< the memory budget asked for; 0: none
@@ -144,10 +149,9 @@ class Timeline {
 
   [[nodiscard]] double now() const;
 
-  void begin_step(std::int64_t step, const std::string& state, std::uint64_t budget,
-                  std::uint64_t wall);
+  void begin_step(std::int64_t step, StepState state, std::uint64_t budget, std::uint64_t wall);
   /// Relabels the running step (its state changed as it started: profiling, say).
-  void label_step(const std::string& state, std::uint64_t budget, std::uint64_t wall);
+  void label_step(StepState state, std::uint64_t budget, std::uint64_t wall);
   /// Closes the step with what the owner knows of it: `facts`' peak, misses, io_busy_seconds and
   /// checksum_seconds, and the plan's view (planned_memory, planned_seconds,
   /// planned_stall_seconds, planned_bytes; empty/0 without a plan). Its other fields are ignored.
@@ -167,7 +171,7 @@ class Timeline {
 
   /// The steps kept, oldest first (a copy).
   [[nodiscard]] std::vector<TimelineStep> steps() const;
-  /// Where the time went over the kept steps in state "executing" (all kept steps when none).
+  /// Where the time went over the kept steps in state kExecuting (all kept steps when none).
   /// `rates`: what the plan assumed of each channel, bytes/s (0: unknown), for the sentence.
   [[nodiscard]] TimeReport report(const ChannelRates& rates = {}) const;
 

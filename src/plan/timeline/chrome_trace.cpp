@@ -99,10 +99,10 @@ class ChromeTrace {
   }
 
   void add_step_slice(const TimelineStep& s, double end) {
-    add_slice("step " + std::to_string(s.step) + " (" + s.state + ")", "step", s.start,
+    add_slice("step " + std::to_string(s.step) + " (" + to_string(s.state) + ")", "step", s.start,
               end - s.start, kStepsTid,
               {{"step", s.step},
-               {"state", s.state},
+               {"state", to_string(s.state)},
                {"peak_bytes", s.peak},
                {"misses", s.misses},
                {"budget_bytes", s.budget},

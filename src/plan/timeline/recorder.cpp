@@ -23,6 +23,9 @@ TIDAL_ENUM_TO_STRING(TransferKind, {TransferKind::kPlanned, "planned"},
                      {TransferKind::kActivation, "activation"})
 TIDAL_ENUM_TO_STRING(StallKind, {StallKind::kRead, "read"}, {StallKind::kBudget, "budget"},
                      {StallKind::kDeadline, "deadline"})
+TIDAL_ENUM_TO_STRING(StepState, {StepState::kOff, "off"}, {StepState::kWarmup, "warmup"},
+                     {StepState::kProfiling, "profiling"}, {StepState::kExecuting, "executing"},
+                     {StepState::kAborted, "aborted"})
 
 Timeline::Timeline(Options options)
     : opt_(std::move(options)), t0_(opt_.clock ? opt_.clock() : steady_seconds()) {}
@@ -31,7 +34,7 @@ double Timeline::now() const { return (opt_.clock ? opt_.clock() : steady_second
 
 TimelineStep* Timeline::current_locked() { return open_ ? &steps_.back() : nullptr; }
 
-void Timeline::begin_step(std::int64_t step, const std::string& state, std::uint64_t budget,
+void Timeline::begin_step(std::int64_t step, StepState state, std::uint64_t budget,
                           std::uint64_t wall) {
   std::lock_guard<std::mutex> lock(mu_);
   if (open_) steps_.back().end = now();  // a step that never ended: closed here
@@ -45,7 +48,7 @@ void Timeline::begin_step(std::int64_t step, const std::string& state, std::uint
   open_ = true;
 }
 
-void Timeline::label_step(const std::string& state, std::uint64_t budget, std::uint64_t wall) {
+void Timeline::label_step(StepState state, std::uint64_t budget, std::uint64_t wall) {
   std::lock_guard<std::mutex> lock(mu_);
   if (TimelineStep* s = current_locked()) {
     s->state = state;

@@ -45,7 +45,7 @@ double covered(std::vector<std::pair<double, double>> spans, double a, double b)
 std::vector<const TimelineStep*> measured_steps(const std::vector<TimelineStep>& all) {
   std::vector<const TimelineStep*> use;
   for (const auto& s : all) {
-    if (s.end >= 0 && s.state == "executing") use.push_back(&s);
+    if (s.end >= 0 && s.state == StepState::kExecuting) use.push_back(&s);
   }
   if (use.empty()) {
     for (const auto& s : all) {

@@ -75,7 +75,7 @@ class StepPicture {
   void axes() {
     char b[256];
     o_ << R"(<text x=")" << kLeft << R"(" y="20" font-size="15">step )" << s_.step << " ("
-       << s_.state << "): memory against the budget, and the I/O under it</text>\n";
+       << to_string(s_.state) << "): memory against the budget, and the I/O under it</text>\n";
     o_ << "<line x1=\"" << kLeft << "\" y1=\"" << kTop + kMemH << "\" x2=\"" << kW - kRight
        << "\" y2=\"" << kTop + kMemH << "\" stroke=\"#444\"/>\n"
        << "<line x1=\"" << kLeft << "\" y1=\"" << kTop << "\" x2=\"" << kLeft << "\" y2=\""

@@ -27,6 +27,25 @@ OffloadMode offload_mode_from_string(const std::string& s) {
   return enum_value(kModeNames, s, "offload mode");
 }
 
+namespace {
+
+// The timeline's word for a step the session runs in state `s`.
+plan::StepState step_state(SessionState s) {
+  switch (s) {
+    case SessionState::kOff:
+      return plan::StepState::kOff;
+    case SessionState::kWarmup:
+      return plan::StepState::kWarmup;
+    case SessionState::kProfiling:
+      return plan::StepState::kProfiling;
+    case SessionState::kExecuting:
+      return plan::StepState::kExecuting;
+  }
+  return plan::StepState::kOff;
+}
+
+}  // namespace
+
 Session::Session(SessionOptions options) : impl_(std::make_unique<Impl>()) {
   impl_->opt = std::move(options);
   Impl& m = *impl_;
@@ -142,7 +161,7 @@ void Session::begin_step(std::int64_t step, const std::vector<torch::Tensor>& in
     m.executor->note_inputs(state, /*recent=*/false);
   }
   if (m.timeline) {
-    m.timeline->begin_step(step, to_string(m.state), m.stats.memory_budget, m.wall);
+    m.timeline->begin_step(step, step_state(m.state), m.stats.memory_budget, m.wall);
     m.io_at_step_start = m.io_seconds();
   }
   // A step starts within the budget (the first one after profiling holds everything).
@@ -159,7 +178,7 @@ void Session::begin_step(std::int64_t step, const std::vector<torch::Tensor>& in
   // The warm-up steps and one more run without offloading; the last of them is the reference
   // (after the warm-up, lazily made state such as Adam's exists, as in every later step).
   if (m.timeline) {
-    m.timeline->label_step(to_string(m.state), m.stats.memory_budget, m.wall);
+    m.timeline->label_step(step_state(m.state), m.stats.memory_budget, m.wall);
     m.timeline->memory(m.current_now());
   }
   m.offloading = m.offloader && m.reference_peak > 0 && !m.offloading_off;
@@ -316,7 +335,7 @@ void Session::abort_step() {
   if (m.offloading) m.offloader->end_step(step_);
   s.step_peak = m.tracer ? std::max(m.peak_now(), m.tracer->step_peak()) : m.peak_now();
   if (m.timeline) {
-    m.timeline->label_step("aborted", s.memory_budget, m.wall);
+    m.timeline->label_step(plan::StepState::kAborted, s.memory_budget, m.wall);
     plan::TimelineStep facts;
     facts.peak = s.step_peak;
     m.timeline->end_step(facts);

@@ -192,7 +192,6 @@ void Session::Impl::add_shape(trace::Trace t) {
   stats.shapes = static_cast<int>(shapes.size());
 }
 
-
 void Session::Impl::make_first_plan() {
   // Group the profiled steps by their ops: the shape seen most (the latest on a tie) is
   // planned now, the others wait until they are seen again.
