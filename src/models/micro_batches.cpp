@@ -13,7 +13,7 @@ torch::Tensor Trainer::sequential_micro_batches(const torch::Tensor& inputs,
   torch::Tensor total;
   for (std::int64_t m = 0; m < n; ++m) {
     notify_phase(trace::Phase::kForward);
-    torch::Tensor loss = model_->loss(in[m], tg[m]) / static_cast<double>(n);
+    torch::Tensor loss = forward_loss(in[m], tg[m]) / static_cast<double>(n);
     notify_phase(trace::Phase::kBackward);
     torch::autograd::backward({loss});
     total = m == 0 ? loss.detach() : total + loss.detach();
@@ -43,7 +43,7 @@ torch::Tensor Trainer::layer_major_micro_batches(const torch::Tensor& inputs,
   for (std::size_t l = 0; l < layers; ++l) {
     for (std::size_t m = 0; m < n; ++m) {
       inputs_of[l][m] = leaf(x[m]);
-      outputs_of[l][m] = model_->block(static_cast<std::int64_t>(l), inputs_of[l][m]);
+      outputs_of[l][m] = run_block(static_cast<std::int64_t>(l), inputs_of[l][m]);
       x[m] = outputs_of[l][m];
     }
   }
@@ -52,7 +52,7 @@ torch::Tensor Trainer::layer_major_micro_batches(const torch::Tensor& inputs,
   torch::Tensor total;
   for (std::size_t m = 0; m < n; ++m) {
     head_in[m] = leaf(x[m]);
-    losses[m] = model_->head_loss(head_in[m], tg[m]) / static_cast<double>(n);
+    losses[m] = head_loss(head_in[m], tg[m]) / static_cast<double>(n);
     total = m == 0 ? losses[m].detach() : total + losses[m].detach();
   }
   x.clear();

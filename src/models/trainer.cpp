@@ -3,18 +3,11 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
-#include <fstream>
-#include <iterator>
-#include <optional>
-#include <sstream>
 
 #include "tidal/common/error.hpp"
-#include "tidal/torch/training_checkpoint.hpp"
 
 namespace tidal::models {
 
@@ -31,6 +24,24 @@ Transformer seeded_model(const TrainerOptions& o) {
 TokenSource make_source(const TrainerOptions& o) {
   if (o.data_path.empty()) return TokenSource(o.config.vocab, o.seed);
   return TokenSource(o.data_path, o.config.vocab, o.seed);
+}
+
+// Each group of `groups` as the indices of its tensors in `params`, ascending.
+std::vector<std::vector<std::size_t>> parameter_indices(
+    const std::vector<std::vector<torch::Tensor>>& groups,
+    const std::vector<torch::Tensor>& params) {
+  std::vector<std::vector<std::size_t>> out(groups.size());
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    for (const auto& t : groups[g]) {
+      const auto it = std::find_if(params.begin(), params.end(), [&t](const torch::Tensor& p) {
+        return p.unsafeGetTensorImpl() == t.unsafeGetTensorImpl();
+      });
+      TIDAL_EXPECT(it != params.end(), "a parameter of stage ", g, " is not the model's");
+      out[g].push_back(static_cast<std::size_t>(it - params.begin()));
+    }
+    std::sort(out[g].begin(), out[g].end());
+  }
+  return out;
 }
 
 }  // namespace
@@ -56,13 +67,6 @@ Trainer::Trainer(TrainerOptions options)
           (options_.optimizer == OptimizerSchedule::kAfterBackward && options_.clip_grad_norm == 0),
       "micro-batches need the after-backward optimizer schedule without clipping "
       "(the other schedules update a parameter after one micro-batch's gradient)");
-  const auto layers = static_cast<std::size_t>(options_.config.layers);
-  model_->set_layer_listener([this, layers](std::int64_t layer) {
-    for (auto* o : observers_) o->begin_layer(layer);
-    if (deferred()) {
-      apply_updates(layer >= 0 ? static_cast<std::size_t>(layer) + 1 : layers + 1);
-    }
-  });
   if (in_backward()) {
     on_gradient_ready([this](std::size_t i) {
       optimizer_.update(i);
@@ -70,18 +74,7 @@ Trainer::Trainer(TrainerOptions options)
     });
   }
   if (deferred()) {
-    update_groups_.resize(layers + 2);
-    std::size_t i = 0;
-    for (const auto& p : model_->named_parameters()) {
-      const std::string& name = p.key();
-      std::size_t group = layers + 1;
-      if (name.rfind("blocks.", 0) == 0) {
-        group = 1 + std::stoul(name.substr(7, name.find('.', 7) - 7));
-      } else if (name.rfind("tok_embedding.", 0) == 0 || name.rfind("pos_embedding.", 0) == 0) {
-        group = 0;
-      }
-      update_groups_.at(group).push_back(i++);
-    }
+    update_groups_ = parameter_indices(model_->parameter_stages(), params_);
     pending_.assign(params_.size(), 0);
   }
   if (options_.clip_grad_norm > 0) {
@@ -172,6 +165,29 @@ void Trainer::notify_phase(trace::Phase phase) {
   for (auto* o : observers_) o->begin_phase(phase);
 }
 
+void Trainer::enter_layer(std::int64_t layer) {
+  for (auto* o : observers_) o->begin_layer(layer);
+  if (deferred()) {
+    apply_updates(static_cast<std::size_t>(layer >= 0 ? layer + 1 : options_.config.layers + 1));
+  }
+}
+
+torch::Tensor Trainer::run_block(std::int64_t layer, const torch::Tensor& x) {
+  enter_layer(layer);
+  return model_->block(layer, x);
+}
+
+torch::Tensor Trainer::head_loss(const torch::Tensor& x, const torch::Tensor& targets) {
+  enter_layer(-1);
+  return model_->head_loss(x, targets);
+}
+
+torch::Tensor Trainer::forward_loss(const torch::Tensor& tokens, const torch::Tensor& targets) {
+  torch::Tensor x = model_->embed(tokens);
+  for (std::int64_t l = 0; l < options_.config.layers; ++l) x = run_block(l, x);
+  return head_loss(x, targets);
+}
+
 StepResult Trainer::step() {
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
@@ -184,14 +200,14 @@ StepResult Trainer::step() {
 
   torch::Tensor loss;
   if (options_.micro_batches > 1) {
-    loss = options_.micro_batch_order == MicroBatchOrder::kLayerMajor
+    loss = options_.micro_batch_order == plan::MicroBatchOrder::kLayerMajor
                ? layer_major_micro_batches(inputs, targets)
                : sequential_micro_batches(inputs, targets);
   } else {
     notify_phase(trace::Phase::kForward);
-    // Deferred: the last step's updates run as forward reaches each parameter (layer listener).
+    // Deferred: the last step's updates run as forward reaches each parameter (enter_layer).
     apply_updates(0);
-    loss = model_->loss(inputs, targets);
+    loss = forward_loss(inputs, targets);
     flush_optimizer();  // deferred: any parameter forward did not reach
 
     notify_phase(trace::Phase::kBackward);

@@ -40,8 +40,7 @@ std::vector<std::pair<std::string, std::string>> fingerprint(const TrainerOption
           {"weight_decay", num(o.adamw.weight_decay)},
           {"clip_grad_norm", num(o.clip_grad_norm)},
           {"micro_batches", std::to_string(o.micro_batches)},
-          {"micro_batch_order",
-           o.micro_batch_order == MicroBatchOrder::kLayerMajor ? "layer-major" : "sequential"},
+          {"micro_batch_order", plan::to_string(o.micro_batch_order)},
           {"model", c.name}};
 }
 

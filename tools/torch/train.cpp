@@ -631,9 +631,7 @@ nlohmann::json run_json(const RunContext& run, const StepRecord& rec, const RunT
   j["optimizer_schedule"] = schedule_name(options);
   j["clip_grad_norm"] = options.clip_grad_norm;
   j["micro_batches"] = options.micro_batches;
-  j["micro_batch_order"] = options.micro_batch_order == models::MicroBatchOrder::kLayerMajor
-                               ? "layer-major"
-                               : "sequential";
+  j["micro_batch_order"] = plan::to_string(options.micro_batch_order);
   add_io_json(j, rec.io);
   j["offload_step_seconds_median"] = median(rec.offload_seconds);
   j["steps_offloaded"] = rec.offload_seconds.size();  // the steps the byte and stall totals cover

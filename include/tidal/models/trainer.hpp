@@ -7,7 +7,6 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -16,6 +15,7 @@
 #include "tidal/models/adamw.hpp"
 #include "tidal/models/gpt.hpp"
 #include "tidal/models/token_source.hpp"
+#include "tidal/plan/model_trace.hpp"
 #include "tidal/torch/step.hpp"
 
 namespace tidal::torch_layer {
@@ -23,9 +23,6 @@ class Session;
 }
 
 namespace tidal::models {
-
-/// The order in which a step runs its micro-batches (TrainerOptions::micro_batch_order).
-enum class MicroBatchOrder : std::uint8_t { kSequential, kLayerMajor };
 
 struct TrainerOptions {
   ModelConfig config;
@@ -74,7 +71,7 @@ struct TrainerOptions {
   /// kSequential, but a weight used at both ends of the model (GPT-2's embedding, tied to the
   /// head) sums its two uses in another order: the losses match kSequential to rounding, not
   /// bit for bit (for models without tied weights they match bit for bit).
-  MicroBatchOrder micro_batch_order = MicroBatchOrder::kSequential;
+  plan::MicroBatchOrder micro_batch_order = plan::MicroBatchOrder::kSequential;
 };
 
 /// What one step produced.
@@ -96,7 +93,7 @@ class Trainer {
   /// Runs one step and returns its loss and time.
   StepResult step();
 
-  /// Adds an observer called from step(); it also receives the model's layer changes.
+  /// Adds an observer called from step(); it is also told each layer forward enters.
   void add_observer(torch_layer::StepObserver* observer);
   /// Removes an observer added before (no-op if absent).
   void remove_observer(torch_layer::StepObserver* observer);
@@ -149,6 +146,14 @@ class Trainer {
   }
   [[nodiscard]] bool deferred() const { return options_.optimizer == OptimizerSchedule::kDeferred; }
   void notify_phase(trace::Phase phase);
+  // Forward enters `layer` (-1: the head): the observers are told, and on the deferred schedule
+  // the updates of the parameters that stage uses first run now.
+  void enter_layer(std::int64_t layer);
+  // The model's stages, driven here so that enter_layer() runs between them: forward_loss() is
+  // the model's loss() with the same ops.
+  torch::Tensor run_block(std::int64_t layer, const torch::Tensor& x);
+  torch::Tensor head_loss(const torch::Tensor& x, const torch::Tensor& targets);
+  torch::Tensor forward_loss(const torch::Tensor& tokens, const torch::Tensor& targets);
   // One step's forward and backward over micro-batches (micro_batches > 1); returns the loss.
   torch::Tensor sequential_micro_batches(const torch::Tensor& inputs, const torch::Tensor& targets);
   torch::Tensor layer_major_micro_batches(const torch::Tensor& inputs,
@@ -172,8 +177,9 @@ class Trainer {
   std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()))>
       accumulators_;
   std::vector<torch::Tensor> params_;  // the model's parameters, in the optimizer's order
-  // Deferred schedule: parameter indices by where forward first uses them (0: before the first
-  // block, 1 + L: block L, layers + 1: after the last block) and what is still to update.
+  // Deferred schedule: parameter indices by where forward first uses them (the model's
+  // parameter_stages(): 0 before the first block, 1 + L block L, layers + 1 after the last
+  // block) and what is still to update.
   // Clipping: each gradient's norm, and the coefficient of the last step.
   std::vector<std::vector<std::size_t>> update_groups_;
   std::vector<char> pending_;
