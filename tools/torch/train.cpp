@@ -19,7 +19,9 @@
 
 #include "commands.hpp"
 #include "hardware_flags.hpp"
+#include "interrupt_report.hpp"
 #include "model_options.hpp"
+#include "output_paths.hpp"
 #include "progress.hpp"
 #include "store_flags.hpp"
 #include "tidal/common/env.hpp"
@@ -36,97 +38,6 @@
 
 namespace tidal::cli {
 namespace {
-
-// SIGINT and SIGTERM during a run: the process says what was saved and what was not, then
-// dies of the signal as it would have (exit status 128 + signal). The message is written before
-// each step (a signal handler may only write), in one of two buffers, published atomically.
-class InterruptReport {
- public:
-  InterruptReport() {
-    struct sigaction sa {};
-    sa.sa_handler = &InterruptReport::handle;
-    sigemptyset(&sa.sa_mask);
-    sa.sa_flags = SA_RESETHAND;  // a second signal ends the process at once
-    for (int sig : {SIGINT, SIGTERM}) ::sigaction(sig, &sa, &saved_[sig == SIGINT ? 0 : 1]);
-  }
-  ~InterruptReport() {
-    ::sigaction(SIGINT, &saved_[0], nullptr);
-    ::sigaction(SIGTERM, &saved_[1], nullptr);
-    current_.store(-1);
-  }
-  InterruptReport(const InterruptReport&) = delete;
-  InterruptReport& operator=(const InterruptReport&) = delete;
-
-  // Before step `step` (1-based) of `steps`; `saved_step` 0 when no checkpoint is written yet.
-  void before_step(std::int64_t step, std::int64_t steps, std::int64_t saved_step,
-                   const std::string& checkpoint_dir) {
-    const int next = current_.load() == 0 ? 1 : 0;
-    std::string text = "\ntidal train: interrupted during step " + std::to_string(step) + " of " +
-                       std::to_string(steps) + ": ";
-    if (checkpoint_dir.empty()) {
-      text += "nothing was saved (--checkpoint DIR saves the run to resume it).\n";
-    } else if (saved_step == 0) {
-      text +=
-          "no checkpoint was written yet to '" + checkpoint_dir + "'; the steps so far are lost.\n";
-    } else {
-      text += "the last checkpoint is after step " + std::to_string(saved_step) + ", in '" +
-              checkpoint_dir + "' (continue with --resume " + checkpoint_dir +
-              "); the steps after it are lost, and a checkpoint being written is abandoned.\n";
-    }
-    auto& buf = buffers_[next];
-    const std::size_t n = std::min(text.size(), buf.size());
-    std::memcpy(buf.data(), text.data(), n);
-    lengths_[next] = n;
-    current_.store(next);
-  }
-
- private:
-  static void handle(int sig) {
-    const int i = current_.load();
-    if (i >= 0) {
-      ssize_t ignored = ::write(STDERR_FILENO, buffers_[i].data(), lengths_[i]);
-      (void)ignored;
-    }
-    ::raise(sig);  // SA_RESETHAND put the default action back: die of the signal
-  }
-
-  static inline std::array<std::array<char, 1024>, 2> buffers_{};
-  static inline std::array<std::size_t, 2> lengths_{};
-  static inline std::atomic<int> current_{-1};
-  struct sigaction saved_[2]{};
-};
-
-// Makes `dir` (and its parents) a directory, or says which option names a path that cannot be.
-void make_directory(const std::string& dir, const char* what) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  TIDAL_EXPECT_AS(InvalidArgument, !ec && std::filesystem::is_directory(dir), what, " '", dir,
-                  "' cannot be made a directory: ",
-                  ec ? ec.message() : std::string("a file of that name is in the way"),
-                  " (give a directory you can write to)");
-}
-
-// Why `path` cannot be written at the end of the run, or "" when it can: its directory exists,
-// is a directory and is writable, and the path is not a directory. Creates nothing: a probe
-// file would be made at the target of a dangling symlink, and left there.
-std::string why_not_writable(const std::string& path) {
-  const std::filesystem::path p(path);
-  if (p.filename().empty() || p.filename() == "." || p.filename() == "..") {
-    return "it names a directory, not a file";
-  }
-  const std::string dir = p.parent_path().empty() ? std::string(".") : p.parent_path().string();
-  std::error_code ec;
-  const auto d = std::filesystem::status(dir, ec);
-  if (!std::filesystem::exists(d)) return "its directory '" + dir + "' does not exist";
-  if (!std::filesystem::is_directory(d)) return "'" + dir + "' is not a directory";
-  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
-    return "its directory '" + dir + "' is not writable (" + std::strerror(errno) + ")";
-  }
-  if (std::filesystem::is_directory(std::filesystem::status(path, ec))) {
-    return "it is a directory";
-  }
-  return "";
-}
 
 struct TrainArgs {
   ModelArgs model;
