@@ -16,6 +16,7 @@
 #include "tidal/plan/planner.hpp"
 #include "tidal/plan/simulator.hpp"
 #include "tidal/trace/io.hpp"
+#include "trace_report.hpp"
 #include "trace_source.hpp"
 
 namespace tidal::cli {
@@ -32,10 +33,7 @@ struct PlanArgs {
   bool json = false;
 };
 
-void run_plan(const PlanArgs& a) {
-  stop_on_interrupt("plan");
-  const LoadedSource src = load_trace_source(a.src);
-  const plan::Hardware& hw = src.hw;
+plan::PlannerOptions planner_options(const PlanArgs& a) {
   plan::PlannerOptions opt;
   opt.use_host = !a.no_host;
   opt.prefer_host = a.prefer_host;
@@ -43,54 +41,73 @@ void run_plan(const PlanArgs& a) {
   opt.allow_stalls = !a.no_stalls;
   if (!a.min_bytes.empty()) opt.min_bytes = parse_bytes(a.min_bytes);
   opt.progress = planning_progress();
-  // --micro-batch-order auto: both orders planned and simulated, the faster kept, and the bound
-  // the lower of the two (no plan on either order beats it).
+  return opt;
+}
+
+// What `tidal plan` made: the plan of traces[chosen], its simulation and the lower bound, and
+// with --micro-batch-order auto the choice between the orders.
+struct PlanOutcome {
   std::optional<plan::OrderChoice> choice;
   std::size_t chosen = 0;
-  plan::Plan p;
+  plan::Plan plan;
   plan::SimResult sim;
   plan::StallBound bound;
+};
+
+// --micro-batch-order auto: both orders planned and simulated, the faster kept, and the bound
+// the lower of the two (no plan on either order beats it).
+PlanOutcome plan_source(const LoadedSource& src, const plan::PlannerOptions& opt) {
+  const plan::Hardware& hw = src.hw;
+  PlanOutcome o;
   if (src.choose_order()) {
-    std::vector<const trace::Trace*> traces;
-    for (const auto& t : src.traces) traces.push_back(&t);
     plan::PolicyOptions po;
     po.planner = opt;
-    choice = plan::choose_fastest_order(traces, hw, po, fraction_progress("lower bound"));
-    const plan::OrderCandidate& best = choice->best();
+    o.choice =
+        plan::choose_fastest_order(src.trace_pointers(), hw, po, fraction_progress("lower bound"));
+    const plan::OrderCandidate& best = o.choice->best();
     TIDAL_EXPECT_AS(InvalidArgument, best.tidal.plan.has_value(), best.tidal.note);
-    chosen = choice->chosen;
-    p = *best.tidal.plan;
-    sim = best.tidal.sim;
-    bound = choice->bound();
+    o.chosen = o.choice->chosen;
+    o.plan = *best.tidal.plan;
+    o.sim = best.tidal.sim;
+    o.bound = o.choice->bound();
   } else {
     std::optional<plan::StallBound> planned;
-    p = plan::make_plan(src.traces[0], hw, opt, &planned);
-    sim = plan::simulate(src.traces[0], &p, hw);
-    bound = planned ? *planned
-                    : plan::stall_lower_bound(src.traces[0], hw, fraction_progress("lower bound"));
+    o.plan = plan::make_plan(src.traces[0], hw, opt, &planned);
+    o.sim = plan::simulate(src.traces[0], &o.plan, hw);
+    o.bound = planned
+                  ? *planned
+                  : plan::stall_lower_bound(src.traces[0], hw, fraction_progress("lower bound"));
   }
-  const trace::Trace& tr = src.traces[chosen];
-  const plan::PlanSummary& s = p.summary;
+  return o;
+}
+
+void print_order_choice(const plan::OrderChoice& choice) {
+  std::printf("micro-batch order: auto chose %s (tidal's plan on", choice.best().order.c_str());
+  for (std::size_t i = 0; i < choice.candidates.size(); ++i) {
+    const plan::OrderCandidate& c = choice.candidates[i];
+    std::printf("%s %s: %s, bound %s, planned in %s%s", i > 0 ? ";" : "", c.order.c_str(),
+                format_seconds(c.tidal.sim.iteration_seconds).c_str(),
+                format_seconds(c.bound.iteration_seconds).c_str(),
+                format_seconds(c.tidal.planning_seconds).c_str(),
+                c.tidal.fits ? "" : ", does not fit");
+  }
+  std::printf(")\n");
+}
+
+void print_plan_summary(const trace::Trace& tr, const plan::Hardware& hw, const PlanOutcome& o) {
+  const plan::PlanSummary& s = o.plan.summary;
+  const plan::SimResult& sim = o.sim;
+  const plan::StallBound& bound = o.bound;
   const double cap = static_cast<double>(hw.device_memory);
   auto gb = [](std::uint64_t b) { return format_bytes(static_cast<double>(b)); };
   std::printf("plan for %s (batch %lld, seq %lld): %zu ops, %zu tensors\n", tr.model.c_str(),
               static_cast<long long>(tr.batch), static_cast<long long>(tr.seq), tr.ops.size(),
               tr.tensors.size());
-  if (const auto it = tr.meta.find("optimizer_schedule"); it != tr.meta.end())
-    std::printf("optimizer step: %s\n", it->second.c_str());
-  if (choice) {
-    std::printf("micro-batch order: auto chose %s (tidal's plan on", choice->best().order.c_str());
-    for (std::size_t i = 0; i < choice->candidates.size(); ++i) {
-      const plan::OrderCandidate& c = choice->candidates[i];
-      std::printf("%s %s: %s, bound %s, planned in %s%s", i > 0 ? ";" : "", c.order.c_str(),
-                  format_seconds(c.tidal.sim.iteration_seconds).c_str(),
-                  format_seconds(c.bound.iteration_seconds).c_str(),
-                  format_seconds(c.tidal.planning_seconds).c_str(),
-                  c.tidal.fits ? "" : ", does not fit");
-    }
-    std::printf(")\n");
-  } else if (const auto it = tr.meta.find("micro_batch_order"); it != tr.meta.end()) {
-    std::printf("micro-batch order: %s\n", it->second.c_str());
+  print_optimizer_step(tr);
+  if (o.choice) {
+    print_order_choice(*o.choice);
+  } else {
+    print_micro_batch_order(tr);
   }
   std::printf("hardware %s: %s\n", hw.name.c_str(), hw.describe().c_str());
   std::printf("  peak with everything kept  %s (%.0f%% of device memory)\n",
@@ -106,7 +123,7 @@ void run_plan(const PlanArgs& a) {
               static_cast<long long>(s.offloads_host), gb(s.bytes_to_host).c_str(),
               gb(s.peak_host_bytes).c_str());
   std::printf("  planned stall              %s over %zu ops\n",
-              format_seconds(s.planned_stall_seconds).c_str(), p.stalls.size());
+              format_seconds(s.planned_stall_seconds).c_str(), o.plan.stalls.size());
   std::printf("  planning time              %s\n", format_seconds(s.planning_seconds).c_str());
   std::printf("  simulated                  iteration %s (compute %s, stall %s), peak %s, %s\n",
               format_seconds(sim.iteration_seconds).c_str(),
@@ -116,36 +133,42 @@ void run_plan(const PlanArgs& a) {
   std::printf(
       "  lower bound, any plan      stall %s, iteration %s (%.1f%% of ideal at best)%s\n",
       format_seconds(bound.stall_seconds).c_str(), format_seconds(bound.iteration_seconds).c_str(),
-      100.0 * sim.compute_seconds / bound.iteration_seconds, choice ? ", on either order" : "");
-  if (!a.out.empty()) {
-    plan::write_plan(p, a.out);
-    std::printf("  wrote %zu actions to %s\n", p.actions.size(), a.out.c_str());
-  }
-  if (a.json) {
-    nlohmann::json j = nlohmann::json::parse(plan::summary_to_json(p.summary));
-    j["model"] = tr.model;
-    if (const auto it = tr.meta.find("optimizer_schedule"); it != tr.meta.end())
-      j["optimizer_schedule"] = it->second;
-    if (const auto it = tr.meta.find("micro_batch_order"); it != tr.meta.end())
-      j["micro_batch_order"] = it->second;
-    if (choice) {
-      nlohmann::json orders = nlohmann::json::object();
-      for (const auto& c : choice->candidates) {
-        orders[c.order] = {{"simulated_iteration_seconds", c.tidal.sim.iteration_seconds},
-                           {"simulated_fits", c.tidal.fits},
-                           {"planning_seconds", c.tidal.planning_seconds},
-                           {"lower_bound_iteration_seconds", c.bound.iteration_seconds}};
-      }
-      j["micro_batch_orders"] = orders;
+      100.0 * sim.compute_seconds / bound.iteration_seconds, o.choice ? ", on either order" : "");
+}
+
+void print_plan_json(const trace::Trace& tr, const PlanOutcome& o) {
+  nlohmann::json j = nlohmann::json::parse(plan::summary_to_json(o.plan.summary));
+  add_trace_meta(j, tr);
+  if (o.choice) {
+    nlohmann::json orders = nlohmann::json::object();
+    for (const auto& c : o.choice->candidates) {
+      orders[c.order] = {{"simulated_iteration_seconds", c.tidal.sim.iteration_seconds},
+                         {"simulated_fits", c.tidal.fits},
+                         {"planning_seconds", c.tidal.planning_seconds},
+                         {"lower_bound_iteration_seconds", c.bound.iteration_seconds}};
     }
-    j["actions"] = p.actions.size();
-    j["simulated_iteration_seconds"] = sim.iteration_seconds;
-    j["simulated_peak_bytes"] = sim.peak_bytes;
-    j["simulated_fits"] = sim.fits;
-    j["simulated_stall_seconds"] = sim.stall_seconds;
-    j["lower_bound_stall_seconds"] = bound.stall_seconds;
-    std::printf("%s\n", j.dump().c_str());
+    j["micro_batch_orders"] = orders;
   }
+  j["actions"] = o.plan.actions.size();
+  j["simulated_iteration_seconds"] = o.sim.iteration_seconds;
+  j["simulated_peak_bytes"] = o.sim.peak_bytes;
+  j["simulated_fits"] = o.sim.fits;
+  j["simulated_stall_seconds"] = o.sim.stall_seconds;
+  j["lower_bound_stall_seconds"] = o.bound.stall_seconds;
+  std::printf("%s\n", j.dump().c_str());
+}
+
+void run_plan(const PlanArgs& a) {
+  stop_on_interrupt("plan");
+  const LoadedSource src = load_trace_source(a.src);
+  const PlanOutcome o = plan_source(src, planner_options(a));
+  const trace::Trace& tr = src.traces[o.chosen];
+  print_plan_summary(tr, src.hw, o);
+  if (!a.out.empty()) {
+    plan::write_plan(o.plan, a.out);
+    std::printf("  wrote %zu actions to %s\n", o.plan.actions.size(), a.out.c_str());
+  }
+  if (a.json) print_plan_json(tr, o);
 }
 
 }  // namespace

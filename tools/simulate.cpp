@@ -12,6 +12,8 @@
 #include <sstream>
 
 #include "commands.hpp"
+#include "memory_plot.hpp"
+#include "per_op_table.hpp"
 #include "progress.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/text.hpp"
@@ -24,6 +26,7 @@
 #include "tidal/plan/profiling_phase.hpp"
 #include "tidal/plan/simulator.hpp"
 #include "tidal/trace/io.hpp"
+#include "trace_report.hpp"
 #include "trace_source.hpp"
 
 namespace tidal::plan {
@@ -78,104 +81,6 @@ nlohmann::json bound_json(const plan::StallBound& b, double compute) {
           {"fraction_of_ideal", compute / b.iteration_seconds}};
 }
 
-// --per-op: tidal's plan op by op, replayed once more with the residency recorded: each op's
-// compute, stall and device bytes, and the device-side bytes of each tensor class as the op
-// comes up (resident, leaving or arriving), to see where a plan stalls and what it holds there.
-void write_per_op(const std::string& path, const trace::Trace& tr, const plan::Plan& p,
-                  const plan::Hardware& hw) {
-  plan::SimOptions so;
-  so.record_residency = true;
-  const plan::SimResult r = plan::simulate(tr, &p, hw, so);
-  std::ofstream out(path);
-  TIDAL_EXPECT(out.good(), "cannot write the per-op table to '", path, "'");
-  constexpr int kClasses = static_cast<int>(trace::TensorClass::kInput) + 1;  // the last class
-  out << "op,phase,name,compute_s,stall_s,memory_bytes";
-  for (int c = 0; c < kClasses; ++c)
-    out << "," << trace::to_string(static_cast<trace::TensorClass>(c)) << "_bytes";
-  for (plan::Channel c : plan::kChannels) {
-    std::string name = plan::to_string(c);  // ssd_write_busy_s: seconds the channel was busy
-    std::replace(name.begin(), name.end(), '-', '_');
-    out << "," << name << "_busy_s";
-  }
-  out << "\n";
-  for (std::size_t k = 0; k < tr.ops.size() && k < r.residency.size(); ++k) {
-    std::uint64_t by_class[kClasses] = {};
-    const auto& res = r.residency[k];
-    for (std::size_t t = 0; t < res.size() && t < tr.tensors.size(); ++t) {
-      if (res[t] == plan::Residency::kResident || res[t] == plan::Residency::kLeaving ||
-          res[t] == plan::Residency::kArriving)
-        by_class[static_cast<int>(tr.tensors[t].cls)] += tr.tensors[t].bytes;
-    }
-    const auto& op = tr.ops[k];
-    out << k << "," << trace::to_string(op.phase) << "," << op.name << ","
-        << tr.op_seconds(static_cast<trace::OpIndex>(k)) << "," << r.stall_per_op[k] << ","
-        << r.memory_per_op[k];
-    for (const std::uint64_t b : by_class) out << "," << b;
-    for (plan::Channel c : plan::kChannels) out << "," << r.busy_per_op[k][plan::index_of(c)];
-    out << "\n";
-  }
-  TIDAL_EXPECT(out.good(), "writing the per-op table to '", path, "' failed");
-}
-
-std::string svg_plot(const std::vector<plan::PolicyResult>& results, std::uint64_t capacity,
-                     const std::string& title) {
-  const double w = 960;
-  const double h = 480;
-  const double left = 70;
-  const double right = 170;
-  const double top = 40;
-  const double bottom = 50;
-  double ymax = static_cast<double>(capacity);
-  for (const auto& r : results) ymax = std::max(ymax, static_cast<double>(r.sim.peak_bytes));
-  ymax *= 1.05;
-  const double gb = 1e9;
-  auto X = [&](double f) { return left + f * (w - left - right); };
-  auto Y = [&](double b) { return top + (1 - b / ymax) * (h - top - bottom); };
-  static const char* kColors[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728",
-                                  "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"};
-  std::ostringstream s;
-  s << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << w << "\" height=\"" << h
-    << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
-    << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-    << "<text x=\"" << left << "\" y=\"24\" font-size=\"15\">" << title << "</text>\n";
-  for (int i = 0; i <= 5; ++i) {
-    const double b = ymax * i / 5;
-    s << "<line x1=\"" << left << "\" x2=\"" << X(1) << "\" y1=\"" << Y(b) << "\" y2=\"" << Y(b)
-      << "\" stroke=\"#ddd\"/>\n<text x=\"" << left - 6 << "\" y=\"" << Y(b) + 4
-      << "\" text-anchor=\"end\">" << std::lround(b / gb) << "</text>\n";
-  }
-  s << "<text x=\"14\" y=\"" << (top + h - bottom) / 2 << "\" transform=\"rotate(-90 14 "
-    << (top + h - bottom) / 2 << ")\" text-anchor=\"middle\">device memory (GB)</text>\n"
-    << "<text x=\"" << X(0.5) << "\" y=\"" << h - 12
-    << "\" text-anchor=\"middle\">position in the iteration (op index / ops)</text>\n";
-  s << "<line x1=\"" << left << "\" x2=\"" << X(1) << "\" y1=\"" << Y(static_cast<double>(capacity))
-    << "\" y2=\"" << Y(static_cast<double>(capacity))
-    << "\" stroke=\"black\" stroke-dasharray=\"6 4\"/>\n<text x=\"" << X(1) + 6 << "\" y=\""
-    << Y(static_cast<double>(capacity)) + 4 << "\">capacity</text>\n";
-  int idx = 0;
-  for (const auto& r : results) {
-    const auto& m = r.sim.memory_per_op;
-    if (m.empty()) continue;
-    const char* color = kColors[idx % 8];
-    // At most 1500 points: the maximum of each bucket, so peaks stay visible.
-    const std::size_t points = std::min<std::size_t>(m.size(), 1500);
-    s << "<polyline fill=\"none\" stroke=\"" << color << "\" stroke-width=\"1.5\" points=\"";
-    for (std::size_t p = 0; p < points; ++p) {
-      const std::size_t lo = p * m.size() / points;
-      const std::size_t hi = std::max(lo + 1, (p + 1) * m.size() / points);
-      std::uint64_t v = 0;
-      for (std::size_t k = lo; k < hi; ++k) v = std::max(v, m[k]);
-      s << X(static_cast<double>(lo) / static_cast<double>(m.size())) << ","
-        << Y(static_cast<double>(v)) << " ";
-    }
-    s << "\"/>\n<text x=\"" << X(1) + 6 << "\" y=\"" << top + 16 * (idx + 2) << "\" fill=\""
-      << color << "\">" << plan::to_string(r.policy) << "</text>\n";
-    ++idx;
-  }
-  s << "</svg>\n";
-  return s.str();
-}
-
 // --plan: the given plan (a training session's, from `tidal train --save-plan`) replayed as the
 // plan executor runs it, to set the simulator against what training measured.
 void run_given_plan(const SimulateArgs& a, const plan::Hardware& hw, const trace::Trace& tr) {
@@ -206,105 +111,118 @@ void run_given_plan(const SimulateArgs& a, const plan::Hardware& hw, const trace
   }
 }
 
-void run_simulate(const SimulateArgs& a) {
-  stop_on_interrupt("simulate");
-  const LoadedSource src = load_trace_source(a.src);
-  const plan::Hardware& hw = src.hw;
-  if (!a.plan_file.empty()) {
-    TIDAL_EXPECT_AS(InvalidArgument, !src.choose_order(),
-                    "--plan replays one plan on the trace it was made for: give its micro-batch "
-                    "order (--micro-batch-order sequential or layer-major), not auto");
-    run_given_plan(a, hw, src.traces[0]);
-    return;
-  }
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::vector<plan::Policy> policies_of(const std::string& list) {
+  if (list == "all") return plan::all_policies();
   std::vector<plan::Policy> policies;
-  if (a.policy == "all") {
-    policies = plan::all_policies();
-  } else {
-    for (const auto& name : split_list(a.policy)) {
-      policies.push_back(plan::policy_from_string(name));
-    }
-  }
+  for (const auto& name : split_list(list)) policies.push_back(plan::policy_from_string(name));
+  return policies;
+}
+
+plan::PolicyOptions policy_options(const SimulateArgs& a) {
   plan::PolicyOptions opt;
   opt.planner.min_bytes = a.min_bytes;
   opt.planner.prefer_host = a.prefer_host;
   opt.planner.stage_via_host = !a.no_stage;
   opt.planner.progress = planning_progress();
-  using Clock = std::chrono::steady_clock;
-  const auto since = [](Clock::time_point t0) {
-    return std::chrono::duration<double>(Clock::now() - t0).count();
-  };
-  // --micro-batch-order auto: tidal plans and simulates both orders and keeps the faster; the
-  // other policies run on the sequential order (ZeRO's models are of DeepSpeed's loop, which
-  // runs micro-batches in turn; ideal is the same on both), and the bound is the lower of the
-  // two orders' bounds, which no plan on either order beats.
+  return opt;
+}
+
+// What the policies did on the source: their results in the order asked, the bound, and with
+// --micro-batch-order auto the choice between the orders; with the wall time of each stage.
+struct Simulation {
+  std::vector<plan::PolicyResult> results;
   std::optional<plan::OrderChoice> choice;
+  plan::StallBound bound;
+  double policies_seconds = 0;
+  double bound_seconds = 0;
+};
+
+// --micro-batch-order auto: tidal plans and simulates both orders and keeps the faster; the
+// other policies run on the sequential order (ZeRO's models are of DeepSpeed's loop, which
+// runs micro-batches in turn; ideal is the same on both), and the bound is the lower of the
+// two orders' bounds, which no plan on either order beats.
+Simulation simulate_policies(const LoadedSource& src, const std::vector<plan::Policy>& policies,
+                             const plan::PolicyOptions& opt) {
+  const plan::Hardware& hw = src.hw;
+  Simulation out;
   const auto tidal_at = std::find(policies.begin(), policies.end(), plan::Policy::kTidal);
   TIDAL_EXPECT_AS(InvalidArgument, !src.choose_order() || tidal_at != policies.end(),
                   "--micro-batch-order auto keeps the order in which tidal's plan is faster: "
                   "give tidal in --policy, or choose the order (sequential or layer-major)");
   const trace::Trace& sequential = src.traces[0];
-  auto t0 = Clock::now();
-  std::vector<plan::PolicyResult> results;
-  double bound_seconds = 0;
+  auto t0 = std::chrono::steady_clock::now();
   if (src.choose_order()) {
     std::vector<plan::Policy> others(policies.begin(), tidal_at);
     others.insert(others.end(), tidal_at + 1, policies.end());
-    results = plan::run_policies(others, sequential, hw, opt);
-    std::vector<const trace::Trace*> traces;
-    for (const auto& t : src.traces) traces.push_back(&t);
-    choice = plan::choose_fastest_order(traces, hw, opt, fraction_progress("lower bound"));
-    results.insert(results.begin() + (tidal_at - policies.begin()), choice->best().tidal);
-    for (const auto& c : choice->candidates) bound_seconds += c.bound_wall_seconds;
+    out.results = plan::run_policies(others, sequential, hw, opt);
+    out.choice =
+        plan::choose_fastest_order(src.trace_pointers(), hw, opt, fraction_progress("lower bound"));
+    out.results.insert(out.results.begin() + (tidal_at - policies.begin()),
+                       out.choice->best().tidal);
+    for (const auto& c : out.choice->candidates) out.bound_seconds += c.bound_wall_seconds;
   } else {
-    results = plan::run_policies(policies, sequential, hw, opt);
+    out.results = plan::run_policies(policies, sequential, hw, opt);
   }
-  const double policies_seconds = since(t0) - bound_seconds;
-  // The trace of tidal's plan, and that of the bound.
-  const trace::Trace& tr = choice ? src.traces[choice->chosen] : sequential;
-  const trace::Trace& bound_trace = choice ? src.traces[choice->bound_from] : sequential;
-  plan::StallBound bound;
-  if (choice) {
-    bound = choice->bound();
+  out.policies_seconds = seconds_since(t0) - out.bound_seconds;
+  if (out.choice) {
+    out.bound = out.choice->bound();
   } else {
-    t0 = Clock::now();
-    bound = plan::stall_lower_bound(sequential, hw, fraction_progress("lower bound"));
-    bound_seconds = since(t0);
+    t0 = std::chrono::steady_clock::now();
+    out.bound = plan::stall_lower_bound(sequential, hw, fraction_progress("lower bound"));
+    out.bound_seconds = seconds_since(t0);
   }
-  const double ideal_seconds = tr.compute_seconds();
+  return out;
+}
+
+// The peak of the trace with every tensor kept (keep-all's or ideal's), 0 when neither ran.
+std::uint64_t keep_all_peak(const std::vector<plan::PolicyResult>& results) {
   std::uint64_t trace_peak = 0;
   for (const auto& r : results) {
     if (r.policy == plan::Policy::kKeepAll || r.policy == plan::Policy::kIdeal) {
       trace_peak = r.sim.peak_bytes;
     }
   }
-  const double cap = static_cast<double>(hw.device_memory);
+  return trace_peak;
+}
+
+void print_order_choice(const plan::OrderChoice& choice) {
+  std::printf("micro-batch order: auto chose %s for tidal (", choice.best().order.c_str());
+  for (std::size_t i = 0; i < choice.candidates.size(); ++i) {
+    const plan::OrderCandidate& c = choice.candidates[i];
+    std::printf("%s%s %s, %s of ideal, bound %s%s", i > 0 ? "; " : "", c.order.c_str(),
+                format_seconds(c.tidal.sim.iteration_seconds).c_str(),
+                pct(c.tidal.fraction_of_ideal).c_str(),
+                c.bound.no_fit_op >= 0 ? "none" : format_seconds(c.bound.iteration_seconds).c_str(),
+                c.tidal.fits ? "" : ", does not fit");
+  }
+  std::printf("); the other policies on the sequential order\n");
+}
+
+void print_header(const trace::Trace& tr, const plan::Hardware& hw, const Simulation& sim,
+                  std::uint64_t trace_peak) {
   std::printf("%s (batch %lld, seq %lld): %zu ops, %zu tensors, compute %s\n", tr.model.c_str(),
               static_cast<long long>(tr.batch), static_cast<long long>(tr.seq), tr.ops.size(),
               tr.tensors.size(), format_seconds(tr.compute_seconds()).c_str());
-  if (const auto it = tr.meta.find("optimizer_schedule"); it != tr.meta.end())
-    std::printf("optimizer step: %s\n", it->second.c_str());
-  if (choice) {
-    std::printf("micro-batch order: auto chose %s for tidal (", choice->best().order.c_str());
-    for (std::size_t i = 0; i < choice->candidates.size(); ++i) {
-      const plan::OrderCandidate& c = choice->candidates[i];
-      std::printf(
-          "%s%s %s, %s of ideal, bound %s%s", i > 0 ? "; " : "", c.order.c_str(),
-          format_seconds(c.tidal.sim.iteration_seconds).c_str(),
-          pct(c.tidal.fraction_of_ideal).c_str(),
-          c.bound.no_fit_op >= 0 ? "none" : format_seconds(c.bound.iteration_seconds).c_str(),
-          c.tidal.fits ? "" : ", does not fit");
-    }
-    std::printf("); the other policies on the sequential order\n");
-  } else if (const auto it = tr.meta.find("micro_batch_order"); it != tr.meta.end()) {
-    std::printf("micro-batch order: %s\n", it->second.c_str());
+  print_optimizer_step(tr);
+  if (sim.choice) {
+    print_order_choice(*sim.choice);
+  } else {
+    print_micro_batch_order(tr);
   }
   std::printf("hardware %s: %s\n", hw.name.c_str(), hw.describe().c_str());
   if (trace_peak > 0) {
-    std::printf("keep-all peak %s = %s of device memory\n",
-                format_bytes(static_cast<double>(trace_peak)).c_str(),
-                pct(static_cast<double>(trace_peak) / cap).c_str());
+    std::printf(
+        "keep-all peak %s = %s of device memory\n",
+        format_bytes(static_cast<double>(trace_peak)).c_str(),
+        pct(static_cast<double>(trace_peak) / static_cast<double>(hw.device_memory)).c_str());
   }
+}
+
+void print_policy_table(const std::vector<plan::PolicyResult>& results) {
   std::printf("\n%-14s %12s %9s %12s %5s %10s %12s %12s  %s\n", "policy", "iteration", "of ideal",
               "peak memory", "fits", "stall", "SSD written", "host written", "note");
   for (const auto& r : results) {
@@ -316,10 +234,16 @@ void run_simulate(const SimulateArgs& a) {
                 format_bytes(static_cast<double>(r.sim.host_bytes_written)).c_str(),
                 r.note.c_str());
   }
-  const std::string bound_of = choice
-                                   ? "either micro-batch order (the " +
-                                         choice->candidates[choice->bound_from].order + " order's)"
-                                   : "this trace";
+}
+
+// The lower bound and its windows; `bound_trace` is the trace the bound was found on.
+void print_bound(const Simulation& sim, const trace::Trace& bound_trace, double ideal_seconds,
+                 const plan::Hardware& hw) {
+  const plan::StallBound& bound = sim.bound;
+  const std::string bound_of =
+      sim.choice ? "either micro-batch order (the " +
+                       sim.choice->candidates[sim.choice->bound_from].order + " order's)"
+                 : "this trace";
   if (bound.no_fit_op >= 0) {
     const trace::Op& op = bound_trace.ops[static_cast<std::size_t>(bound.no_fit_op)];
     std::printf(
@@ -345,51 +269,71 @@ void run_simulate(const SimulateArgs& a) {
                 format_seconds(w.compute_seconds).c_str(), format_bytes(w.read_bytes).c_str(),
                 format_bytes(w.write_bytes).c_str(), format_seconds(w.stall_seconds).c_str());
   }
-  for (const auto& r : results) {
-    if (r.policy != plan::Policy::kTidal || !r.plan) continue;
-    double by_phase[4] = {0, 0, 0, 0};
-    for (std::size_t k = 0; k < r.sim.stall_per_op.size() && k < tr.ops.size(); ++k)
-      by_phase[static_cast<int>(tr.ops[k].phase)] += r.sim.stall_per_op[k];
-    std::printf("tidal stall by phase: forward %s, backward %s, optimizer %s, other %s\n",
-                format_seconds(by_phase[0]).c_str(), format_seconds(by_phase[1]).c_str(),
-                format_seconds(by_phase[2]).c_str(), format_seconds(by_phase[3]).c_str());
-    char life[96];
-    if (r.sim.ssd_bytes_written == 0) {
-      std::snprintf(life, sizeof life, "no SSD writes");
-    } else {
-      std::snprintf(life, sizeof life, "SSD lifetime %.0f days at %s TBW per SSD",
-                    r.sim.ssd_lifetime_days, format_bytes(hw.ssd_tbw).c_str());
-    }
-    std::printf("\ntidal: planned in %s; SSD write/read utilisation %s/%s, host %s/%s; %s\n",
-                format_seconds(r.planning_seconds).c_str(),
-                pct(r.sim.ssd_write_utilisation).c_str(), pct(r.sim.ssd_read_utilisation).c_str(),
-                pct(r.sim.host_write_utilisation).c_str(), pct(r.sim.host_read_utilisation).c_str(),
-                life);
+}
+
+// Where tidal's plan stalls, by phase, and what it asks of the SSDs and host memory.
+void print_tidal_details(const plan::PolicyResult& r, const trace::Trace& tr,
+                         const plan::Hardware& hw) {
+  double by_phase[4] = {0, 0, 0, 0};
+  for (std::size_t k = 0; k < r.sim.stall_per_op.size() && k < tr.ops.size(); ++k)
+    by_phase[static_cast<int>(tr.ops[k].phase)] += r.sim.stall_per_op[k];
+  std::printf("tidal stall by phase: forward %s, backward %s, optimizer %s, other %s\n",
+              format_seconds(by_phase[0]).c_str(), format_seconds(by_phase[1]).c_str(),
+              format_seconds(by_phase[2]).c_str(), format_seconds(by_phase[3]).c_str());
+  char life[96];
+  if (r.sim.ssd_bytes_written == 0) {
+    std::snprintf(life, sizeof life, "no SSD writes");
+  } else {
+    std::snprintf(life, sizeof life, "SSD lifetime %.0f days at %s TBW per SSD",
+                  r.sim.ssd_lifetime_days, format_bytes(hw.ssd_tbw).c_str());
   }
-  // The steps before the plan: warm-up and profiling under the budget, on demand.
+  std::printf("\ntidal: planned in %s; SSD write/read utilisation %s/%s, host %s/%s; %s\n",
+              format_seconds(r.planning_seconds).c_str(), pct(r.sim.ssd_write_utilisation).c_str(),
+              pct(r.sim.ssd_read_utilisation).c_str(), pct(r.sim.host_write_utilisation).c_str(),
+              pct(r.sim.host_read_utilisation).c_str(), life);
+}
+
+void print_profiling_phase(const plan::ProfilingPhase& phase) {
+  std::printf(
+      "\nbefore the plan (%d warm-up and profiled steps, on demand under the budget, the "
+      "model's state starting on the SSDs): step 0 %s, then %s a step (%s read, %s written); "
+      "%s in all, %s more than as many planned steps with the planning; the plan pays that "
+      "back after %s planned steps%s%s\n",
+      phase.steps, format_seconds(phase.first_step_seconds).c_str(),
+      format_seconds(phase.step_seconds).c_str(),
+      format_bytes(static_cast<double>(phase.bytes_read)).c_str(),
+      format_bytes(static_cast<double>(phase.bytes_written)).c_str(),
+      format_seconds(phase.total_seconds).c_str(), format_seconds(phase.extra_seconds).c_str(),
+      phase.payback_steps < 0
+          ? "no (it is not faster)"
+          : std::to_string(static_cast<long long>(std::ceil(phase.payback_steps))).c_str(),
+      phase.fits ? "" : "; does not fit: ", phase.note.c_str());
+}
+
+// The steps before the plan: warm-up and profiling under the budget, on demand.
+struct BeforePlan {
   std::optional<plan::ProfilingPhase> phase;
-  double phase_seconds = 0;
+  double seconds = 0;  // wall time of simulating it
+};
+
+BeforePlan simulate_before_plan(const std::vector<plan::PolicyResult>& results,
+                                const trace::Trace& tr, const plan::Hardware& hw,
+                                int profile_steps) {
+  BeforePlan out;
   for (const auto& r : results) {
-    if (r.policy != plan::Policy::kTidal || !r.plan || a.profile_steps <= 0) continue;
-    t0 = Clock::now();
-    phase = plan::simulate_profiling_phase(tr, hw, a.profile_steps, r.sim.iteration_seconds,
-                                           r.planning_seconds);
-    phase_seconds = since(t0);
-    std::printf(
-        "\nbefore the plan (%d warm-up and profiled steps, on demand under the budget, the "
-        "model's state starting on the SSDs): step 0 %s, then %s a step (%s read, %s written); "
-        "%s in all, %s more than as many planned steps with the planning; the plan pays that "
-        "back after %s planned steps%s%s\n",
-        phase->steps, format_seconds(phase->first_step_seconds).c_str(),
-        format_seconds(phase->step_seconds).c_str(),
-        format_bytes(static_cast<double>(phase->bytes_read)).c_str(),
-        format_bytes(static_cast<double>(phase->bytes_written)).c_str(),
-        format_seconds(phase->total_seconds).c_str(), format_seconds(phase->extra_seconds).c_str(),
-        phase->payback_steps < 0
-            ? "no (it is not faster)"
-            : std::to_string(static_cast<long long>(std::ceil(phase->payback_steps))).c_str(),
-        phase->fits ? "" : "; does not fit: ", phase->note.c_str());
+    if (r.policy != plan::Policy::kTidal || !r.plan || profile_steps <= 0) continue;
+    const auto t0 = std::chrono::steady_clock::now();
+    out.phase = plan::simulate_profiling_phase(tr, hw, profile_steps, r.sim.iteration_seconds,
+                                               r.planning_seconds);
+    out.seconds = seconds_since(t0);
+    print_profiling_phase(*out.phase);
   }
+  return out;
+}
+
+// --save-trace, --per-op and --svg.
+void write_files(const SimulateArgs& a, const std::vector<plan::PolicyResult>& results,
+                 const trace::Trace& tr, const plan::Hardware& hw) {
   if (!a.save_trace.empty()) {
     trace::write_trace(tr, a.save_trace);
     std::printf("trace written to %s\n", a.save_trace.c_str());
@@ -411,69 +355,104 @@ void run_simulate(const SimulateArgs& a) {
     out << svg_plot(results, hw.device_memory, title.str());
     std::printf("memory plot written to %s\n", a.svg.c_str());
   }
-  if (a.json) {
-    nlohmann::json j;
-    j["model"] = tr.model;
-    if (const auto it = tr.meta.find("optimizer_schedule"); it != tr.meta.end())
-      j["optimizer_schedule"] = it->second;
-    if (const auto it = tr.meta.find("micro_batch_order"); it != tr.meta.end())
-      j["micro_batch_order"] = it->second;
-    if (choice) {
-      // Both orders' tidal plans and bounds; "lower_bound" below is the lower of the two.
-      nlohmann::json orders = nlohmann::json::object();
-      for (const auto& c : choice->candidates) {
-        orders[c.order] = {{"iteration_seconds", c.tidal.sim.iteration_seconds},
-                           {"fraction_of_ideal", c.tidal.fraction_of_ideal},
-                           {"fits", c.tidal.fits},
-                           {"planning_seconds", c.tidal.planning_seconds},
-                           {"ssd_bytes_written", c.tidal.sim.ssd_bytes_written},
-                           {"ssd_bytes_read", c.tidal.sim.ssd_bytes_read},
-                           {"lower_bound", bound_json(c.bound, c.tidal.sim.compute_seconds)}};
-      }
-      j["micro_batch_order_requested"] = "auto";
-      j["micro_batch_orders"] = orders;
-    }
-    j["batch"] = tr.batch;
-    j["seq"] = tr.seq;
-    j["ops"] = tr.ops.size();
-    j["hardware"] = hw;
-    j["capacity_bytes"] = hw.device_memory;
-    j["trace_peak_bytes"] = trace_peak;
-    j["compute_seconds"] = tr.compute_seconds();
-    j["lower_bound"] = bound_json(bound, ideal_seconds);
-    if (choice)
-      j["lower_bound"]["micro_batch_order"] = choice->candidates[choice->bound_from].order;
-    // Wall time of this command's stages on this machine: the policies (planning and
-    // simulating), the bound's search, the steps before the plan.
-    j["stage_seconds"] = {{"policies", policies_seconds},
-                          {"lower_bound", bound_seconds},
-                          {"before_plan", phase_seconds}};
-    nlohmann::json ps = nlohmann::json::object();
-    for (const auto& r : results) {
-      nlohmann::json x = r.sim;
-      x["fraction_of_ideal"] = r.fraction_of_ideal;
-      x["fits"] = r.fits;  // the policy's verdict: host memory counts too (ZeRO-Offload)
-      x["note"] = r.note;
-      if (r.policy == plan::Policy::kTidal) x["planning_seconds"] = r.planning_seconds;
-      ps[plan::to_string(r.policy)] = x;
-    }
-    j["policies"] = ps;
-    if (phase) {
-      j["before_plan"] = {{"steps", phase->steps},
-                          {"fits", phase->fits},
-                          {"note", phase->note},
-                          {"first_step_seconds", phase->first_step_seconds},
-                          {"step_seconds", phase->step_seconds},
-                          {"bytes_read", phase->bytes_read},
-                          {"bytes_written", phase->bytes_written},
-                          {"total_seconds", phase->total_seconds},
-                          {"planned_step_seconds", phase->planned_step_seconds},
-                          {"planning_seconds", phase->planning_seconds},
-                          {"extra_seconds", phase->extra_seconds},
-                          {"payback_steps", phase->payback_steps}};
-    }
-    std::printf("%s\n", j.dump().c_str());
+}
+
+// Both orders' tidal plans and bounds; "lower_bound" of the whole is the lower of the two.
+nlohmann::json orders_json(const plan::OrderChoice& choice) {
+  nlohmann::json orders = nlohmann::json::object();
+  for (const auto& c : choice.candidates) {
+    orders[c.order] = {{"iteration_seconds", c.tidal.sim.iteration_seconds},
+                       {"fraction_of_ideal", c.tidal.fraction_of_ideal},
+                       {"fits", c.tidal.fits},
+                       {"planning_seconds", c.tidal.planning_seconds},
+                       {"ssd_bytes_written", c.tidal.sim.ssd_bytes_written},
+                       {"ssd_bytes_read", c.tidal.sim.ssd_bytes_read},
+                       {"lower_bound", bound_json(c.bound, c.tidal.sim.compute_seconds)}};
   }
+  return orders;
+}
+
+nlohmann::json policies_json(const std::vector<plan::PolicyResult>& results) {
+  nlohmann::json ps = nlohmann::json::object();
+  for (const auto& r : results) {
+    nlohmann::json x = r.sim;
+    x["fraction_of_ideal"] = r.fraction_of_ideal;
+    x["fits"] = r.fits;  // the policy's verdict: host memory counts too (ZeRO-Offload)
+    x["note"] = r.note;
+    if (r.policy == plan::Policy::kTidal) x["planning_seconds"] = r.planning_seconds;
+    ps[plan::to_string(r.policy)] = x;
+  }
+  return ps;
+}
+
+nlohmann::json before_plan_json(const plan::ProfilingPhase& phase) {
+  return {{"steps", phase.steps},
+          {"fits", phase.fits},
+          {"note", phase.note},
+          {"first_step_seconds", phase.first_step_seconds},
+          {"step_seconds", phase.step_seconds},
+          {"bytes_read", phase.bytes_read},
+          {"bytes_written", phase.bytes_written},
+          {"total_seconds", phase.total_seconds},
+          {"planned_step_seconds", phase.planned_step_seconds},
+          {"planning_seconds", phase.planning_seconds},
+          {"extra_seconds", phase.extra_seconds},
+          {"payback_steps", phase.payback_steps}};
+}
+
+void print_json(const trace::Trace& tr, const plan::Hardware& hw, const Simulation& sim,
+                const BeforePlan& before, std::uint64_t trace_peak) {
+  nlohmann::json j;
+  add_trace_meta(j, tr);
+  if (sim.choice) {
+    j["micro_batch_order_requested"] = "auto";
+    j["micro_batch_orders"] = orders_json(*sim.choice);
+  }
+  j["batch"] = tr.batch;
+  j["seq"] = tr.seq;
+  j["ops"] = tr.ops.size();
+  j["hardware"] = hw;
+  j["capacity_bytes"] = hw.device_memory;
+  j["trace_peak_bytes"] = trace_peak;
+  j["compute_seconds"] = tr.compute_seconds();
+  j["lower_bound"] = bound_json(sim.bound, tr.compute_seconds());
+  if (sim.choice)
+    j["lower_bound"]["micro_batch_order"] = sim.choice->candidates[sim.choice->bound_from].order;
+  // Wall time of this command's stages on this machine: the policies (planning and
+  // simulating), the bound's search, the steps before the plan.
+  j["stage_seconds"] = {{"policies", sim.policies_seconds},
+                        {"lower_bound", sim.bound_seconds},
+                        {"before_plan", before.seconds}};
+  j["policies"] = policies_json(sim.results);
+  if (before.phase) j["before_plan"] = before_plan_json(*before.phase);
+  std::printf("%s\n", j.dump().c_str());
+}
+
+void run_simulate(const SimulateArgs& a) {
+  stop_on_interrupt("simulate");
+  const LoadedSource src = load_trace_source(a.src);
+  const plan::Hardware& hw = src.hw;
+  if (!a.plan_file.empty()) {
+    TIDAL_EXPECT_AS(InvalidArgument, !src.choose_order(),
+                    "--plan replays one plan on the trace it was made for: give its micro-batch "
+                    "order (--micro-batch-order sequential or layer-major), not auto");
+    run_given_plan(a, hw, src.traces[0]);
+    return;
+  }
+  const Simulation sim = simulate_policies(src, policies_of(a.policy), policy_options(a));
+  // The trace of tidal's plan, and that of the bound.
+  const trace::Trace& tr = sim.choice ? src.traces[sim.choice->chosen] : src.traces[0];
+  const trace::Trace& bound_trace = sim.choice ? src.traces[sim.choice->bound_from] : src.traces[0];
+  const std::uint64_t trace_peak = keep_all_peak(sim.results);
+  print_header(tr, hw, sim, trace_peak);
+  print_policy_table(sim.results);
+  print_bound(sim, bound_trace, tr.compute_seconds(), hw);
+  for (const auto& r : sim.results) {
+    if (r.policy == plan::Policy::kTidal && r.plan) print_tidal_details(r, tr, hw);
+  }
+  const BeforePlan before = simulate_before_plan(sim.results, tr, hw, a.profile_steps);
+  write_files(a, sim.results, tr, hw);
+  if (a.json) print_json(tr, hw, sim, before, trace_peak);
 }
 
 }  // namespace

@@ -197,11 +197,17 @@ struct LoadedSource {
   std::vector<trace::Trace> traces;
   /// --micro-batch-order auto with two traces.
   [[nodiscard]] bool choose_order() const { return traces.size() > 1; }
+  /// The traces, by address (for plan::choose_fastest_order); valid while this lives.
+  [[nodiscard]] std::vector<const trace::Trace*> trace_pointers() const {
+    std::vector<const trace::Trace*> out;
+    for (const auto& t : traces) out.push_back(&t);
+    return out;
+  }
 };
 
-/// The hardware model and the traces the flags describe. Throws tidal::InvalidArgument with what
-/// to give when the flags are incomplete or contradictory.
-inline LoadedSource load_trace_source(const TraceSource& s) {
+/// The hardware model the flags describe: the preset, the overrides, the measured store
+/// (--measure-dir) and the compute cost of I/O.
+inline plan::Hardware source_hardware(const TraceSource& s) {
   plan::Hardware hw = plan::hardware_preset(s.hardware);
   plan::HardwareOverrides overrides = parse_hardware_flags(s.hw);
   if (s.measure_dirs) {
@@ -222,26 +228,30 @@ inline LoadedSource load_trace_source(const TraceSource& s) {
                   "' is unknown; give it with --gpu-mem (e.g. --gpu-mem 8GiB)");
   plan::apply_overrides(hw, overrides);
   if (!s.io_compute_cost.empty()) apply_io_compute_cost(hw, s.io_compute_cost);
-  if (!s.trace_path.empty()) {
-    TIDAL_EXPECT_AS(InvalidArgument, s.model.empty(), "give either --trace or --model, not both");
-    TIDAL_EXPECT_AS(InvalidArgument, !s.optimizer_in_backward && !s.optimizer_deferred,
-                    "--optimizer-in-backward and --optimizer-deferred build an analytic trace "
-                    "(--model); a profiled trace has the schedule its training loop ran");
-    TIDAL_EXPECT_AS(InvalidArgument, s.precision == "fp32",
-                    "--precision builds an analytic trace (--model); a profiled trace has the "
-                    "sizes and times its training loop measured");
-    TIDAL_EXPECT_AS(
-        InvalidArgument,
-        s.micro_batches == 1 && requested_order(s) == plan::MicroBatchOrder::kSequential,
-        "--micro-batches and --micro-batch-order build an analytic trace (--model); a "
-        "profiled trace has the passes its training loop ran, in its order");
-    TIDAL_EXPECT_AS(InvalidArgument, s.data_parallel == 1 && s.tensor_parallel == 1,
-                    "--data-parallel and --tensor-parallel build an analytic trace (--model); a "
-                    "profiled trace is the GPU it was profiled on");
-    LoadedSource out{hw, {}};
-    out.traces.push_back(trace::read_trace(s.trace_path));
-    return out;
-  }
+  return hw;
+}
+
+/// A profiled trace (--trace): refuses the flags that only shape an analytic one.
+inline trace::Trace profiled_trace(const TraceSource& s) {
+  TIDAL_EXPECT_AS(InvalidArgument, s.model.empty(), "give either --trace or --model, not both");
+  TIDAL_EXPECT_AS(InvalidArgument, !s.optimizer_in_backward && !s.optimizer_deferred,
+                  "--optimizer-in-backward and --optimizer-deferred build an analytic trace "
+                  "(--model); a profiled trace has the schedule its training loop ran");
+  TIDAL_EXPECT_AS(InvalidArgument, s.precision == "fp32",
+                  "--precision builds an analytic trace (--model); a profiled trace has the "
+                  "sizes and times its training loop measured");
+  TIDAL_EXPECT_AS(InvalidArgument,
+                  s.micro_batches == 1 && requested_order(s) == plan::MicroBatchOrder::kSequential,
+                  "--micro-batches and --micro-batch-order build an analytic trace (--model); a "
+                  "profiled trace has the passes its training loop ran, in its order");
+  TIDAL_EXPECT_AS(InvalidArgument, s.data_parallel == 1 && s.tensor_parallel == 1,
+                  "--data-parallel and --tensor-parallel build an analytic trace (--model); a "
+                  "profiled trace is the GPU it was profiled on");
+  return trace::read_trace(s.trace_path);
+}
+
+/// Checks the sizes an analytic trace (--model) is built from, naming the flags.
+inline void check_model_flags(const TraceSource& s) {
   TIDAL_EXPECT_AS(InvalidArgument, !s.model.empty(),
                   "give a trace (--trace T.json) or a model (--model llama3-8b --batch 8 --seq "
                   "4096)");
@@ -263,6 +273,11 @@ inline LoadedSource load_trace_source(const TraceSource& s) {
       s.data_parallel > 1 ? " / --data-parallel " + std::to_string(s.data_parallel) : std::string(),
       ")");
   TIDAL_EXPECT_AS(InvalidArgument, s.tensor_parallel >= 1, "--tensor-parallel must be at least 1");
+}
+
+/// The analytic traces of --model on `hw`: one per micro-batch order to plan.
+inline std::vector<trace::Trace> analytic_traces(const TraceSource& s, const plan::Hardware& hw) {
+  check_model_flags(s);
   plan::TransformerConfig cfg = plan::model_preset(s.model);
   plan::apply_overrides(cfg, s.shape);
   plan::AnalyticTraceOptions topt;
@@ -286,10 +301,22 @@ inline LoadedSource load_trace_source(const TraceSource& s) {
     orders.push_back(plan::MicroBatchOrder::kSequential);
     if (s.micro_batches > 1) orders.push_back(plan::MicroBatchOrder::kLayerMajor);
   }
-  LoadedSource out{hw, {}};
+  std::vector<trace::Trace> traces;
   for (plan::MicroBatchOrder o : orders) {
     topt.micro_batch_order = o;
-    out.traces.push_back(plan::transformer_trace(cfg, s.batch, s.seq, hw, topt));
+    traces.push_back(plan::transformer_trace(cfg, s.batch, s.seq, hw, topt));
+  }
+  return traces;
+}
+
+/// The hardware model and the traces the flags describe. Throws tidal::InvalidArgument with what
+/// to give when the flags are incomplete or contradictory.
+inline LoadedSource load_trace_source(const TraceSource& s) {
+  LoadedSource out{source_hardware(s), {}};
+  if (!s.trace_path.empty()) {
+    out.traces.push_back(profiled_trace(s));
+  } else {
+    out.traces = analytic_traces(s, out.hw);
   }
   return out;
 }

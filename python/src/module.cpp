@@ -127,8 +127,8 @@ py::dict session_stats_dict(const tt::SessionStats& s) {
       host_stall_seconds, planned_bytes_to_ssd, planned_bytes_to_host, planned_step_seconds,
       between_steps, stall_seconds, write_stall_seconds, misses, write_failures, store_full_writes,
       write_error, step_peak, memory_budget, untouched_bytes, profiled_peak, within_budget,
-      steps_measured, steps_over_budget, steps_aborted, out_of_memory_retries, budget_reason, shapes, shape, replans,
-      tightenings, executed_peak, plan_summary, defaults, notice);
+      steps_measured, steps_over_budget, steps_aborted, out_of_memory_retries, budget_reason,
+      shapes, shape, replans, tightenings, executed_peak, plan_summary, defaults, notice);
 }
 
 py::dict activation_stats_dict(const tt::ActivationStats& s) {

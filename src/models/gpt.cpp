@@ -160,7 +160,7 @@ std::int64_t round_up(std::int64_t n, std::int64_t m) { return (n + m - 1) / m *
 
 std::int64_t ModelConfig::parameter_count() const {
   const std::int64_t hd = heads > 0 ? hidden / heads : 0;
-  if (family == Family::kGpt2) {
+  if (arch == plan::Architecture::kGpt2) {
     const std::int64_t block = 2 * 2 * hidden                      // two LayerNorms
                                + hidden * 3 * hidden + 3 * hidden  // c_attn
                                + hidden * hidden + hidden          // c_proj
@@ -193,7 +193,7 @@ ModelConfig model_config(const std::string& name) {
   const plan::TransformerConfig p = plan::model_preset(name);
   ModelConfig c;
   c.name = name;
-  c.family = p.arch == plan::Architecture::kGpt2 ? Family::kGpt2 : Family::kLlama;
+  c.arch = p.arch;
   c.layers = p.layers;
   c.hidden = p.hidden;
   c.heads = p.heads;
@@ -213,7 +213,7 @@ ModelConfig with_overrides(ModelConfig c, std::int64_t layers, std::int64_t hidd
   const bool custom = layers > 0 || hidden > 0 || heads > 0;
   if (layers > 0) c.layers = layers;
   if (hidden > 0) {
-    if (c.family == Family::kGpt2) {
+    if (c.arch == plan::Architecture::kGpt2) {
       c.ffn_hidden = 4 * hidden;
     } else {
       const double ratio = static_cast<double>(c.ffn_hidden) / static_cast<double>(c.hidden);
@@ -225,9 +225,10 @@ ModelConfig with_overrides(ModelConfig c, std::int64_t layers, std::int64_t hidd
   TIDAL_EXPECT_AS(InvalidArgument, c.hidden % c.heads == 0, "hidden size ", c.hidden,
                   " is not a multiple of the number of heads ", c.heads,
                   "; pick a hidden size and heads so that hidden / heads is whole");
-  TIDAL_EXPECT_AS(InvalidArgument, (c.hidden / c.heads) % 2 == 0 || c.family == Family::kGpt2,
+  TIDAL_EXPECT_AS(InvalidArgument,
+                  (c.hidden / c.heads) % 2 == 0 || c.arch == plan::Architecture::kGpt2,
                   "rotary positions need an even head size; hidden / heads = ", c.hidden / c.heads);
-  if (c.family == Family::kGpt2 || c.heads % c.kv_heads != 0) c.kv_heads = c.heads;
+  if (c.arch == plan::Architecture::kGpt2 || c.heads % c.kv_heads != 0) c.kv_heads = c.heads;
   if (custom) c.name += "-custom";
   return c;
 }
@@ -238,7 +239,7 @@ TransformerImpl::TransformerImpl(const ModelConfig& config) : config_(config) {
   tok_embedding_ =
       register_module("tok_embedding", torch::nn::Embedding(config_.vocab, config_.hidden));
   blocks_ = register_module("blocks", torch::nn::ModuleList());
-  if (config_.family == Family::kGpt2) {
+  if (config_.arch == plan::Architecture::kGpt2) {
     pos_embedding_ =
         register_module("pos_embedding", torch::nn::Embedding(config_.max_seq, config_.hidden));
     for (std::int64_t i = 0; i < config_.layers; ++i) {
@@ -276,9 +277,8 @@ TransformerImpl::TransformerImpl(const ModelConfig& config) : config_(config) {
   }
 }
 
-torch::Tensor TransformerImpl::run_block(std::int64_t layer, const torch::Tensor& x) {
+torch::Tensor TransformerImpl::block(std::int64_t layer, const torch::Tensor& x) {
   auto& block = *blocks_->ptr(layer)->as<BlockBaseImpl>();
-  if (layer_listener_) layer_listener_(layer);
   if (!block_wrapper_) return block.forward(x);
   return block_wrapper_(
       layer, [&block](const torch::Tensor& in) { return block.forward(in); }, x);
@@ -294,7 +294,7 @@ torch::Tensor TransformerImpl::embed(const torch::Tensor& tokens) {
   ctx.causal_mask =
       torch::ones({s, s}, torch::TensorOptions().dtype(torch::kBool).device(dev)).triu(1);
   torch::Tensor x = tok_embedding_(tokens);
-  if (config_.family == Family::kGpt2) {
+  if (config_.arch == plan::Architecture::kGpt2) {
     auto pos = torch::arange(s, torch::TensorOptions().dtype(torch::kLong).device(dev));
     x = x + pos_embedding_(pos);
   } else {
@@ -312,27 +312,41 @@ torch::Tensor TransformerImpl::embed(const torch::Tensor& tokens) {
   return x;
 }
 
+torch::Tensor TransformerImpl::logits(const torch::Tensor& x) {
+  auto h = final_norm_.forward(x);
+  return config_.arch == plan::Architecture::kGpt2 ? F::linear(h, tok_embedding_->weight)
+                                                   : lm_head_(h);
+}
+
 torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens) {
   torch::Tensor x = embed(tokens);
-  for (std::int64_t i = 0; i < config_.layers; ++i) x = run_block(i, x);
-  if (layer_listener_) layer_listener_(-1);
-  x = final_norm_.forward(x);
-  auto logits =
-      config_.family == Family::kGpt2 ? F::linear(x, tok_embedding_->weight) : lm_head_(x);
-  return logits;
+  for (std::int64_t i = 0; i < config_.layers; ++i) x = block(i, x);
+  return logits(x);
 }
 
 torch::Tensor TransformerImpl::loss(const torch::Tensor& tokens, const torch::Tensor& targets) {
-  auto logits = forward(tokens);
-  return F::cross_entropy(logits.view({-1, config_.vocab}), targets.reshape({-1}));
+  auto out = forward(tokens);
+  return F::cross_entropy(out.view({-1, config_.vocab}), targets.reshape({-1}));
 }
 
 torch::Tensor TransformerImpl::head_loss(const torch::Tensor& x, const torch::Tensor& targets) {
-  if (layer_listener_) layer_listener_(-1);
-  auto h = final_norm_.forward(x);
-  auto logits =
-      config_.family == Family::kGpt2 ? F::linear(h, tok_embedding_->weight) : lm_head_(h);
-  return F::cross_entropy(logits.view({-1, config_.vocab}), targets.reshape({-1}));
+  auto out = logits(x);
+  return F::cross_entropy(out.view({-1, config_.vocab}), targets.reshape({-1}));
+}
+
+std::vector<std::vector<torch::Tensor>> TransformerImpl::parameter_stages() const {
+  const auto layers = static_cast<std::size_t>(config_.layers);
+  std::vector<std::vector<torch::Tensor>> stages(layers + 2);
+  stages[0] = tok_embedding_->parameters();
+  if (!pos_embedding_.is_empty()) {
+    for (const auto& p : pos_embedding_->parameters()) stages[0].push_back(p);
+  }
+  for (std::size_t l = 0; l < layers; ++l) stages[1 + l] = blocks_->ptr(l)->parameters();
+  stages[layers + 1] = final_norm_.ptr()->parameters();
+  if (!lm_head_.is_empty()) {
+    for (const auto& p : lm_head_->parameters()) stages[layers + 1].push_back(p);
+  }
+  return stages;
 }
 
 Transformer make_model(const ModelConfig& config, const torch::Device& device) {

@@ -66,6 +66,35 @@ TEST(Models, ParameterCountMatchesTheModule) {
   EXPECT_NEAR(tidal::models::model_config("llama3-8b").parameter_count() / 1e9, 8.03, 0.01);
 }
 
+// The stages group the parameters as their names say: the embeddings, each block's, and the rest
+// (the final norm, Llama's head), every parameter once and in the module's order.
+TEST(Models, ParameterStagesFollowTheForwardPass) {
+  for (const char* name : {"gpt-tiny", "llama-tiny"}) {
+    const auto c = tidal::models::model_config(name);
+    auto m = tidal::models::make_model(c, torch::kCPU);
+    const auto layers = static_cast<std::size_t>(c.layers);
+    std::vector<std::vector<const void*>> want(layers + 2);
+    for (const auto& p : m->named_parameters()) {
+      const std::string& key = p.key();
+      std::size_t stage = layers + 1;
+      if (key.rfind("blocks.", 0) == 0) {
+        stage = 1 + std::stoul(key.substr(7, key.find('.', 7) - 7));
+      } else if (key.rfind("tok_embedding.", 0) == 0 || key.rfind("pos_embedding.", 0) == 0) {
+        stage = 0;
+      }
+      want.at(stage).push_back(p.value().unsafeGetTensorImpl());
+    }
+    const auto stages = m->parameter_stages();
+    ASSERT_EQ(stages.size(), want.size()) << name;
+    for (std::size_t s = 0; s < stages.size(); ++s) {
+      std::vector<const void*> got;
+      for (const auto& t : stages[s]) got.push_back(t.unsafeGetTensorImpl());
+      EXPECT_EQ(got, want[s]) << name << " stage " << s;
+      EXPECT_FALSE(got.empty()) << name << " stage " << s;
+    }
+  }
+}
+
 TEST(Models, OverridesAndErrors) {
   auto c = tidal::models::with_overrides(tidal::models::model_config("gpt2-small"), 2, 128, 4);
   EXPECT_EQ(c.layers, 2);

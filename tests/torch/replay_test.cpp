@@ -14,10 +14,10 @@
 #include "tidal/plan/planner.hpp"
 #include "tidal/plan/schedule.hpp"
 #include "tidal/plan/simulator.hpp"
-#include "torch/executor/executor.hpp"
 #include "tidal/torch/memory.hpp"
 #include "tidal/torch/tracer.hpp"
 #include "tidal/trace/lifetime.hpp"
+#include "torch/executor/executor.hpp"
 #include "torch/test_models.hpp"
 
 namespace tidal::torch_layer {

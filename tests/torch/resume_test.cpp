@@ -96,10 +96,10 @@ TEST(Resume, TrainerRefusesACheckpointOfAnotherRunNamingTheOption) {
   }
   in_parts.step();
   in_parts.save_checkpoint(path);
-  micro.micro_batch_order = models::MicroBatchOrder::kLayerMajor;
+  micro.micro_batch_order = plan::MicroBatchOrder::kLayerMajor;
   models::Trainer layer_major(micro);
   EXPECT_THROW(layer_major.load_checkpoint(path), InvalidArgument);
-  micro.micro_batch_order = models::MicroBatchOrder::kSequential;
+  micro.micro_batch_order = plan::MicroBatchOrder::kSequential;
   models::Trainer same(micro);
   EXPECT_NO_THROW(same.load_checkpoint(path));
 }

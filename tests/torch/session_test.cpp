@@ -28,7 +28,7 @@ struct Schedule {
   bool deferred = false;
   double clip = 0;
   std::int64_t micro_batches = 1;
-  models::MicroBatchOrder order = models::MicroBatchOrder::kSequential;
+  plan::MicroBatchOrder order = plan::MicroBatchOrder::kSequential;
 };
 
 RunResult train(const std::string& model, OffloadMode mode, const std::string& dir, int steps,
@@ -190,7 +190,7 @@ TEST(Session, LayerMajorMicroBatchesAreBitIdenticalInEveryMode) {
   Schedule sequential;
   sequential.micro_batches = 2;
   Schedule layer_major = sequential;
-  layer_major.order = models::MicroBatchOrder::kLayerMajor;
+  layer_major.order = plan::MicroBatchOrder::kLayerMajor;
 
   const RunResult llama_seq =
       train("llama-tiny", OffloadMode::kNone, dir.path(), steps, {}, sequential);

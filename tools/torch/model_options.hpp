@@ -90,8 +90,7 @@ inline models::TrainerOptions to_trainer_options(const ModelArgs& a) {
   o.optimizer = optimizer_schedule(a.optimizer_in_backward, a.optimizer_deferred);
   o.clip_grad_norm = a.clip_grad_norm;
   o.micro_batches = a.micro_batches;
-  o.micro_batch_order = a.micro_batch_order == "layer-major" ? models::MicroBatchOrder::kLayerMajor
-                                                             : models::MicroBatchOrder::kSequential;
+  o.micro_batch_order = plan::micro_batch_order_from_string(a.micro_batch_order);
   if (a.device == "auto") {
     o.device =
         torch_layer::cuda_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);

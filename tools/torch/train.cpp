@@ -19,7 +19,9 @@
 
 #include "commands.hpp"
 #include "hardware_flags.hpp"
+#include "interrupt_report.hpp"
 #include "model_options.hpp"
+#include "output_paths.hpp"
 #include "progress.hpp"
 #include "store_flags.hpp"
 #include "tidal/common/env.hpp"
@@ -32,127 +34,11 @@
 #include "tidal/torch/memory.hpp"
 #include "tidal/torch/session.hpp"
 #include "tidal/trace/io.hpp"
+#include "train_args.hpp"
+#include "train_report.hpp"
 
 namespace tidal::cli {
 namespace {
-
-// SIGINT and SIGTERM during a run: the process says what was saved and what was not, then
-// dies of the signal as it would have (exit status 128 + signal). The message is written before
-// each step (a signal handler may only write), in one of two buffers, published atomically.
-class InterruptReport {
- public:
-  InterruptReport() {
-    struct sigaction sa {};
-    sa.sa_handler = &InterruptReport::handle;
-    sigemptyset(&sa.sa_mask);
-    sa.sa_flags = SA_RESETHAND;  // a second signal ends the process at once
-    for (int sig : {SIGINT, SIGTERM}) ::sigaction(sig, &sa, &saved_[sig == SIGINT ? 0 : 1]);
-  }
-  ~InterruptReport() {
-    ::sigaction(SIGINT, &saved_[0], nullptr);
-    ::sigaction(SIGTERM, &saved_[1], nullptr);
-    current_.store(-1);
-  }
-  InterruptReport(const InterruptReport&) = delete;
-  InterruptReport& operator=(const InterruptReport&) = delete;
-
-  // Before step `step` (1-based) of `steps`; `saved_step` 0 when no checkpoint is written yet.
-  void before_step(std::int64_t step, std::int64_t steps, std::int64_t saved_step,
-                   const std::string& checkpoint_dir) {
-    const int next = current_.load() == 0 ? 1 : 0;
-    std::string text = "\ntidal train: interrupted during step " + std::to_string(step) + " of " +
-                       std::to_string(steps) + ": ";
-    if (checkpoint_dir.empty()) {
-      text += "nothing was saved (--checkpoint DIR saves the run to resume it).\n";
-    } else if (saved_step == 0) {
-      text +=
-          "no checkpoint was written yet to '" + checkpoint_dir + "'; the steps so far are lost.\n";
-    } else {
-      text += "the last checkpoint is after step " + std::to_string(saved_step) + ", in '" +
-              checkpoint_dir + "' (continue with --resume " + checkpoint_dir +
-              "); the steps after it are lost, and a checkpoint being written is abandoned.\n";
-    }
-    auto& buf = buffers_[next];
-    const std::size_t n = std::min(text.size(), buf.size());
-    std::memcpy(buf.data(), text.data(), n);
-    lengths_[next] = n;
-    current_.store(next);
-  }
-
- private:
-  static void handle(int sig) {
-    const int i = current_.load();
-    if (i >= 0) {
-      ssize_t ignored = ::write(STDERR_FILENO, buffers_[i].data(), lengths_[i]);
-      (void)ignored;
-    }
-    ::raise(sig);  // SA_RESETHAND put the default action back: die of the signal
-  }
-
-  static inline std::array<std::array<char, 1024>, 2> buffers_{};
-  static inline std::array<std::size_t, 2> lengths_{};
-  static inline std::atomic<int> current_{-1};
-  struct sigaction saved_[2]{};
-};
-
-// Makes `dir` (and its parents) a directory, or says which option names a path that cannot be.
-void make_directory(const std::string& dir, const char* what) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  TIDAL_EXPECT_AS(InvalidArgument, !ec && std::filesystem::is_directory(dir), what, " '", dir,
-                  "' cannot be made a directory: ",
-                  ec ? ec.message() : std::string("a file of that name is in the way"),
-                  " (give a directory you can write to)");
-}
-
-// Why `path` cannot be written at the end of the run, or "" when it can: its directory exists,
-// is a directory and is writable, and the path is not a directory. Creates nothing: a probe
-// file would be made at the target of a dangling symlink, and left there.
-std::string why_not_writable(const std::string& path) {
-  const std::filesystem::path p(path);
-  if (p.filename().empty() || p.filename() == "." || p.filename() == "..") {
-    return "it names a directory, not a file";
-  }
-  const std::string dir = p.parent_path().empty() ? std::string(".") : p.parent_path().string();
-  std::error_code ec;
-  const auto d = std::filesystem::status(dir, ec);
-  if (!std::filesystem::exists(d)) return "its directory '" + dir + "' does not exist";
-  if (!std::filesystem::is_directory(d)) return "'" + dir + "' is not a directory";
-  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
-    return "its directory '" + dir + "' is not writable (" + std::strerror(errno) + ")";
-  }
-  if (std::filesystem::is_directory(std::filesystem::status(path, ec))) {
-    return "it is a directory";
-  }
-  return "";
-}
-
-struct TrainArgs {
-  ModelArgs model;
-  bool json = false;
-  std::vector<std::string> timeline;  // files: Chrome trace, or SVG for a name ending in .svg
-  std::int64_t timeline_steps = 2;    // signed: -1 is refused, not read as 2^64 - 1
-  bool recompute = false;
-  std::string offload = "none";
-  std::string mem_budget;  // empty: the device's default (SessionOptions::memory_budget)
-  std::string dirs;
-  bool dirs_given = false;  // --dir on the command line (an empty one is an error, not a default)
-  std::string capacity = "0";
-  std::string min_offload = "1MiB";
-  int warmup_steps = 1;
-  int profile_steps = 2;
-  std::string ssd;  // planner's SSD figures, e.g. "1x2.0/1.5GB/s"
-  std::string save_trace;
-  std::string save_plan;
-  std::string between_steps;  // empty: auto (given outside plan mode: refused)
-  bool strict_budget = false;
-  bool strict_meter = false;
-  std::string host_mem;    // empty: the machine's default (SessionOptions::host_memory)
-  std::string checkpoint;  // directory checkpoints are written to
-  int checkpoint_every = 0;
-  std::string resume;    // directory to resume from
-  int kill_at_step = 0;  // testing: SIGKILL in the middle of this step (1-based)
-};
 
 constexpr const char* kCheckpointFile = "checkpoint.pt";
 
@@ -171,57 +57,27 @@ class KillAtStep final : public torch_layer::StepObserver {
   std::int64_t now_ = -1;
 };
 
-// The I/O of a run's offloaded steps, summed from the session's per-step stats.
-struct IoTotals {
-  std::uint64_t bytes_written = 0, bytes_read = 0, bytes_to_host = 0, bytes_from_host = 0;
-  std::uint64_t bytes_staged = 0;
-  std::uint64_t planned_to_ssd = 0, planned_to_host = 0, misses = 0, failures = 0, full = 0;
-  std::string write_error;  // the last failed write's message
-  double stall = 0, host_stall = 0, write_stall = 0;
-  void add(const torch_layer::SessionStats& s) {
-    bytes_written += s.bytes_written;
-    bytes_read += s.bytes_read;
-    bytes_to_host += s.bytes_to_host;
-    bytes_from_host += s.bytes_from_host;
-    bytes_staged += s.bytes_staged;
-    planned_to_ssd += s.planned_bytes_to_ssd;
-    planned_to_host += s.planned_bytes_to_host;
-    misses += s.misses;
-    failures += s.write_failures;
-    full += s.store_full_writes;
-    if (!s.write_error.empty()) write_error = s.write_error;
-    stall += s.stall_seconds;
-    host_stall += s.host_stall_seconds;
-    write_stall += s.write_stall_seconds;
+// The store's directories and capacity (offloading modes only).
+void set_store_options(const TrainArgs& args, torch_layer::SessionOptions& so) {
+  if (so.mode == torch_layer::OffloadMode::kNone) return;
+  so.store.dirs = args.dirs_given ? parse_dir_flag("--dir", args.dirs) : split_list(args.dirs);
+  if (so.store.dirs.empty() && !env().dirs) {
+    so.store.dirs = {"/var/tmp/tidal"};  // the default: created if missing
+    make_directory(so.store.dirs[0], "the default store directory");
   }
-};
+  so.store.capacity = parse_bytes(args.capacity);
+}
 
-void run_train(const TrainArgs& args) {
-  TIDAL_EXPECT_AS(InvalidArgument, args.model.steps >= 1, "--steps must be at least 1");
-  auto options = to_trainer_options(args.model);
-  torch_layer::MemoryMeter meter(options.device);  // installs the CPU meter before any tensor
-  meter.reset_peak();
-
-  torch_layer::SessionOptions so;
-  so.device =
-      options.device;  // the meter's device, and the planner's (no CPU cost of I/O on a GPU)
-  so.mode = torch_layer::offload_mode_from_string(args.offload);
-  if (so.mode != torch_layer::OffloadMode::kNone) {
-    so.store.dirs = args.dirs_given ? parse_dir_flag("--dir", args.dirs) : split_list(args.dirs);
-    if (so.store.dirs.empty() && !env().dirs) {
-      so.store.dirs = {"/var/tmp/tidal"};  // the default: created if missing
-      make_directory(so.store.dirs[0], "the default store directory");
-    }
-    so.store.capacity = parse_bytes(args.capacity);
-  }
-  const bool plan_mode = so.mode == torch_layer::OffloadMode::kPlan;
+// Checks the flags of the files the run writes, and that each can be written: a bad path fails
+// before the run, not after it. Returns the checkpoint file ("" without --checkpoint).
+std::string check_outputs(const TrainArgs& args, torch_layer::OffloadMode mode) {
+  const bool plan_mode = mode == torch_layer::OffloadMode::kPlan;
   TIDAL_EXPECT_AS(InvalidArgument, args.warmup_steps >= 0, "--warmup-steps must be 0 or more");
   TIDAL_EXPECT_AS(InvalidArgument, args.profile_steps >= 1, "--profile-steps must be 1 or more");
   TIDAL_EXPECT_AS(InvalidArgument, args.ssd.empty() || plan_mode,
                   "--ssd gives the planner its SSD figures: it is for --offload plan");
   TIDAL_EXPECT_AS(InvalidArgument, args.save_plan.empty() || plan_mode,
                   "--save-plan writes plan mode's plan: it is for --offload plan");
-  // Files to write at the end are checked now: a bad path fails before the run, not after it.
   TIDAL_EXPECT_AS(InvalidArgument, args.checkpoint_every >= 0,
                   "--checkpoint-every must be 0 (at the end only) or more");
   TIDAL_EXPECT_AS(InvalidArgument, args.checkpoint_every == 0 || !args.checkpoint.empty(),
@@ -231,8 +87,7 @@ void run_train(const TrainArgs& args) {
     make_directory(args.checkpoint, "--checkpoint");
     checkpoint_path = (std::filesystem::path(args.checkpoint) / kCheckpointFile).string();
   }
-  TIDAL_EXPECT_AS(InvalidArgument,
-                  args.timeline.empty() || so.mode != torch_layer::OffloadMode::kNone,
+  TIDAL_EXPECT_AS(InvalidArgument, args.timeline.empty() || mode != torch_layer::OffloadMode::kNone,
                   "--timeline draws what offloading did: it is for --offload plan or activations");
   TIDAL_EXPECT_AS(InvalidArgument, args.timeline_steps >= 0, "--timeline-steps ",
                   args.timeline_steps,
@@ -250,13 +105,14 @@ void run_train(const TrainArgs& args) {
     TIDAL_EXPECT_AS(InvalidArgument, why.empty(), "cannot write '", *path, "' (", flag, "): ", why,
                     "; check that its directory exists and is writable");
   }
-  so.activations.min_bytes = parse_bytes(args.min_offload);
-  so.executor.min_bytes = parse_bytes(args.min_offload);
-  so.warmup_steps = args.warmup_steps;
-  so.profile_steps = args.profile_steps;
+  return checkpoint_path;
+}
+
+// Refuses plan mode's flags and --host-mem in the modes that do nothing with them.
+void check_mode_flags(const TrainArgs& args, torch_layer::OffloadMode mode) {
   const bool plan_options_given = !args.mem_budget.empty() || args.strict_meter ||
                                   args.strict_budget || !args.between_steps.empty();
-  if (so.mode != torch_layer::OffloadMode::kPlan && plan_options_given) {
+  if (mode != torch_layer::OffloadMode::kPlan && plan_options_given) {
     const char* flag = !args.mem_budget.empty()      ? "--mem-budget"
                        : args.strict_meter           ? "--strict-meter"
                        : !args.between_steps.empty() ? "--between-steps"
@@ -264,13 +120,16 @@ void run_train(const TrainArgs& args) {
     TIDAL_FAIL_AS(InvalidArgument, flag, " is for --offload plan; --offload ", args.offload,
                   " does nothing with it: leave it out, or use --offload plan");
   }
-  TIDAL_EXPECT_AS(InvalidArgument,
-                  so.mode != torch_layer::OffloadMode::kNone || args.host_mem.empty(),
+  TIDAL_EXPECT_AS(InvalidArgument, mode != torch_layer::OffloadMode::kNone || args.host_mem.empty(),
                   "--host-mem is for --offload plan or activations; --offload none does nothing "
                   "with it");
-  if (args.mem_budget.empty()) {
-    // the device's default: chosen by the session, printed below
-  } else if (args.mem_budget.find('%') != std::string::npos) {
+}
+
+// --mem-budget: a percentage of the profiled peak or a size; empty: the device's default, chosen
+// by the session and printed with the results.
+void set_memory_budget(const TrainArgs& args, torch_layer::SessionOptions& so) {
+  if (args.mem_budget.empty()) return;
+  if (args.mem_budget.find('%') != std::string::npos) {
     const double fraction = parse_flag("--mem-budget", args.mem_budget, parse_percentage);
     TIDAL_EXPECT_AS(InvalidArgument, fraction > 0 && fraction <= 1, "--mem-budget ",
                     args.mem_budget, " must be a percentage in (0, 100] or a size such as 2GiB");
@@ -280,13 +139,31 @@ void run_train(const TrainArgs& args) {
     TIDAL_EXPECT_AS(InvalidArgument, so.memory_budget > 0, "--mem-budget ", args.mem_budget,
                     " must be more than 0: a size such as 2GiB or a percentage such as 50%");
   }
+}
+
+// The session the flags describe, over `meter`. Sets `checkpoint_path` (see check_outputs).
+torch_layer::SessionOptions session_options(const TrainArgs& args, const torch::Device& device,
+                                            torch_layer::MemoryMeter& meter,
+                                            std::string& checkpoint_path) {
+  torch_layer::SessionOptions so;
+  so.device = device;  // the meter's device, and the planner's (no CPU cost of I/O on a GPU)
+  so.mode = torch_layer::offload_mode_from_string(args.offload);
+  set_store_options(args, so);
+  checkpoint_path = check_outputs(args, so.mode);
+  so.activations.min_bytes = parse_bytes(args.min_offload);
+  so.executor.min_bytes = parse_bytes(args.min_offload);
+  so.warmup_steps = args.warmup_steps;
+  so.profile_steps = args.profile_steps;
+  check_mode_flags(args, so.mode);
+  set_memory_budget(args, so);
   so.budget_option = "--mem-budget";
   so.between_steps_option = "--between-steps offloaded";
   if (!args.ssd.empty()) so.hardware_overrides.ssd = parse_ssd_flag(args.ssd);
   so.peak_bytes = [&meter] { return meter.peak_bytes(); };
   so.current_bytes = [&meter] { return meter.current_bytes(); };
   so.reset_peak = [&meter] { meter.reset_peak(); };
-  if (plan_mode) {  // an option of plan mode only: a session of another mode refuses it
+  if (so.mode == torch_layer::OffloadMode::kPlan) {
+    // An option of plan mode only: a session of another mode refuses it.
     so.between_steps = args.between_steps == "resident"    ? torch_layer::BetweenSteps::kResident
                        : args.between_steps == "offloaded" ? torch_layer::BetweenSteps::kOffloaded
                                                            : torch_layer::BetweenSteps::kAuto;
@@ -304,8 +181,12 @@ void run_train(const TrainArgs& args) {
                     args.warmup_steps + args.profile_steps,
                     "): those steps run without offloading");
   }
+  return so;
+}
 
-  models::Trainer trainer(options);
+// --resume: loads the checkpoint and checks that steps are left to run. Returns the steps done.
+std::int64_t resume_from(models::Trainer& trainer, const TrainArgs& args,
+                         torch_layer::OffloadMode mode) {
   if (!args.resume.empty()) {
     trainer.load_checkpoint((std::filesystem::path(args.resume) / kCheckpointFile).string());
   }
@@ -313,23 +194,20 @@ void run_train(const TrainArgs& args) {
   TIDAL_EXPECT_AS(InvalidArgument, first_step < args.model.steps, "--resume: the checkpoint in '",
                   args.resume, "' is at step ", first_step, " and --steps is ", args.model.steps,
                   ": --steps counts from the start of training, raise it");
-  if (so.mode == torch_layer::OffloadMode::kPlan && first_step > 0) {
+  if (mode == torch_layer::OffloadMode::kPlan && first_step > 0) {
     TIDAL_EXPECT_AS(InvalidArgument,
                     args.model.steps - first_step > args.warmup_steps + args.profile_steps,
                     "--offload plan profiles again after --resume: --steps must leave more than "
                     "--warmup-steps + --profile-steps (",
                     args.warmup_steps + args.profile_steps, ") steps after step ", first_step);
   }
-  KillAtStep killer(args.kill_at_step);
-  if (args.kill_at_step > 0) trainer.add_observer(&killer);
-  if (args.recompute) {
-    trainer.model()->set_block_wrapper(
-        [](std::int64_t, const models::BlockFn& block, const torch::Tensor& x) {
-          return torch_layer::checkpoint(block, x);
-        });
-  }
-  torch_layer::Session session(so);
-  so = session.options();  // with what was left to the machine chosen
+  return first_step;
+}
+
+// Says the defaults the session chose, checks in plan mode that the model's state fits before
+// step 0, and hands the session the trainer's tensors and steps.
+void attach_session(torch_layer::Session& session, const torch_layer::SessionOptions& so,
+                    models::Trainer& trainer) {
   if (!session.stats().defaults.empty()) {
     std::fprintf(stderr, "defaults: %s\n", session.stats().defaults.c_str());
   }
@@ -343,6 +221,10 @@ void run_train(const TrainArgs& args) {
   }
   trainer.register_persistent(session, false);
   trainer.add_observer(&session);
+}
+
+void print_run_header(const TrainArgs& args, const models::TrainerOptions& options,
+                      torch_layer::Session& session) {
   const auto& c = options.config;
   std::fprintf(stderr,
                "tidal train: %s (%.1fM parameters) batch %lld seq %lld on %s (BLAS %s), offload "
@@ -352,40 +234,29 @@ void run_train(const TrainArgs& args) {
                options.device.str().c_str(),
                options.device.is_cuda() ? "cuBLAS" : torch_layer::blas_library().c_str(),
                args.offload.c_str());
-  if (session.store()) {
-    const auto st = session.store()->stats();
-    std::fprintf(
-        stderr, "store: %s on %s, backend %s, %s%s\n",
-        format_bytes(static_cast<double>(st.capacity)).c_str(),
-        [&] {
-          std::string s;
-          for (const auto& d : session.store()->options().dirs) s += (s.empty() ? "" : ",") + d;
-          return s;
-        }()
-            .c_str(),
-        st.backend.c_str(), st.buffered ? "BUFFERED (frees no memory)" : "O_DIRECT",
-        session.store()->options().checksum
-            ? ""
-            : ", checksums OFF (TIDAL_CHECKSUM=0: a corrupt read would go unnoticed)");
-    if (st.backend_fallback.count > 0) {
-      std::fprintf(stderr, "store: DEGRADED backend: %s\n", st.backend_fallback.reason.c_str());
-    }
+  if (!session.store()) return;
+  const auto st = session.store()->stats();
+  std::string dirs;
+  for (const auto& d : session.store()->options().dirs) dirs += (dirs.empty() ? "" : ",") + d;
+  std::fprintf(stderr, "store: %s on %s, backend %s, %s%s\n",
+               format_bytes(static_cast<double>(st.capacity)).c_str(), dirs.c_str(),
+               st.backend.c_str(), st.buffered ? "BUFFERED (frees no memory)" : "O_DIRECT",
+               session.store()->options().checksum
+                   ? ""
+                   : ", checksums OFF (TIDAL_CHECKSUM=0: a corrupt read would go unnoticed)");
+  if (st.backend_fallback.count > 0) {
+    std::fprintf(stderr, "store: DEGRADED backend: %s\n", st.backend_fallback.reason.c_str());
   }
+}
 
-  if (first_step > 0) {
-    std::fprintf(stderr, "resumed from '%s' after step %lld\n", args.resume.c_str(),
-                 static_cast<long long>(first_step));
-  }
-  int checkpoints_written = 0;
+// Runs the steps from `first_step` to --steps, with the progress bar and the checkpoints.
+StepRecord run_steps(const TrainArgs& args, const models::TrainerOptions& options,
+                     models::Trainer& trainer, torch_layer::Session& session,
+                     InterruptReport& interrupt, std::int64_t first_step,
+                     const std::string& checkpoint_path) {
+  StepRecord rec;
   Progress bar("steps", args.model.steps - first_step, Progress::Style::kBar);
-  std::vector<double> losses;
-  std::vector<double> seconds;
-  std::vector<double> offload_seconds;  // steps that ran with offloading on
-  std::vector<std::uint64_t> step_peaks;
-  IoTotals io;  // over the steps that ran with offloading on
-  std::uint64_t offload_peak = 0;
   const double tokens_per_step = static_cast<double>(options.batch * options.seq);
-  InterruptReport interrupt;
   std::int64_t saved_step = first_step;  // a resumed run's checkpoint is its first saved state
   for (std::int64_t i = first_step; i < args.model.steps; ++i) {
     interrupt.before_step(i + 1, args.model.steps, saved_step, args.checkpoint);
@@ -396,12 +267,12 @@ void run_train(const TrainArgs& args) {
       trainer.register_persistent(session, options.optimizer == OptimizerSchedule::kAfterBackward);
     }
     const auto s = session.stats();
-    losses.push_back(r.loss);
-    seconds.push_back(r.seconds);
-    step_peaks.push_back(s.step_peak);
+    rec.losses.push_back(r.loss);
+    rec.seconds.push_back(r.seconds);
+    rec.step_peaks.push_back(s.step_peak);
     if (executing) {
-      offload_seconds.push_back(r.seconds);
-      io.add(s);
+      rec.offload_seconds.push_back(r.seconds);
+      rec.io.add(s);
     }
     char text[160];
     std::snprintf(text, sizeof(text), "loss %.4f  %.0f tok/s  %s", r.loss,
@@ -411,204 +282,44 @@ void run_train(const TrainArgs& args) {
     if (!checkpoint_path.empty() &&
         (last || (args.checkpoint_every > 0 && (i + 1) % args.checkpoint_every == 0))) {
       trainer.save_checkpoint(checkpoint_path, &session);
-      ++checkpoints_written;
+      ++rec.checkpoints_written;
       saved_step = i + 1;
     }
   }
+  return rec;
+}
+
+void run_train(const TrainArgs& args) {
+  TIDAL_EXPECT_AS(InvalidArgument, args.model.steps >= 1, "--steps must be at least 1");
+  auto options = to_trainer_options(args.model);
+  torch_layer::MemoryMeter meter(options.device);  // installs the CPU meter before any tensor
+  meter.reset_peak();
+  std::string checkpoint_path;
+  torch_layer::SessionOptions so = session_options(args, options.device, meter, checkpoint_path);
+
+  models::Trainer trainer(options);
+  const std::int64_t first_step = resume_from(trainer, args, so.mode);
+  KillAtStep killer(args.kill_at_step);
+  if (args.kill_at_step > 0) trainer.add_observer(&killer);
+  if (args.recompute) {
+    trainer.model()->set_block_wrapper(
+        [](std::int64_t, const models::BlockFn& block, const torch::Tensor& x) {
+          return torch_layer::checkpoint(block, x);
+        });
+  }
+  torch_layer::Session session(so);
+  so = session.options();  // with what was left to the machine chosen
+  attach_session(session, so, trainer);
+  print_run_header(args, options, session);
+  if (first_step > 0) {
+    std::fprintf(stderr, "resumed from '%s' after step %lld\n", args.resume.c_str(),
+                 static_cast<long long>(first_step));
+  }
+  InterruptReport interrupt;
+  const StepRecord rec =
+      run_steps(args, options, trainer, session, interrupt, first_step, checkpoint_path);
   trainer.remove_observer(&session);
-  const double total = std::accumulate(seconds.begin(), seconds.end(), 0.0);
-  const auto mem = meter.stats();
-  // Plan mode: the peak of the steps run by the final plan (the session measures each step,
-  // and makes the plan again for less memory when a step went over the budget).
-  offload_peak =
-      so.mode == torch_layer::OffloadMode::kPlan ? session.stats().executed_peak : mem.peak_bytes;
-  const double tps = tokens_per_step * static_cast<double>(seconds.size()) / total;
-  const auto st = session.stats();
-  // Plan mode measures its peak over the steps its final plan ran; where re-plans took every
-  // executed step there is no such step, and the peak is not measured (not 0 B).
-  const bool peak_measured = so.mode != torch_layer::OffloadMode::kPlan || st.steps_measured > 0;
-  const std::string not_measured =
-      "not measured (no step ran under the final plan: each executed step was followed by a "
-      "re-plan; run more --steps)";
-  std::fprintf(stderr, "final loss %.4f, %.0f tokens/s, peak tensor memory %s\n", losses.back(),
-               tps,
-               peak_measured ? format_bytes(static_cast<double>(offload_peak)).c_str()
-                             : not_measured.c_str());
-  if (so.mode != torch_layer::OffloadMode::kNone) {
-    std::fprintf(stderr,
-                 "offload %s: %s written, %s read, %llu misses, %.3f s stalled, %llu failed "
-                 "writes\n",
-                 args.offload.c_str(), format_bytes(static_cast<double>(io.bytes_written)).c_str(),
-                 format_bytes(static_cast<double>(io.bytes_read)).c_str(),
-                 static_cast<unsigned long long>(io.misses), io.stall,
-                 static_cast<unsigned long long>(io.failures));
-    if (io.failures > 0) {
-      // Degraded, not wrong: a tensor whose write failed stayed in memory.
-      std::fprintf(stderr,
-                   "DEGRADED: %llu write(s) failed (%llu for want of space: raise "
-                   "--store-capacity or free disk space); those tensors stayed in memory and the "
-                   "losses are unaffected. Last: %s\n",
-                   static_cast<unsigned long long>(io.failures),
-                   static_cast<unsigned long long>(io.full), io.write_error.c_str());
-    }
-  }
-  if (so.mode == torch_layer::OffloadMode::kPlan) {
-    std::fprintf(stderr,
-                 "tiers: SSD %s written (plan: %s), host %s written (plan: %s) of a %s pool; "
-                 "stalls: SSD reads %.3f s, host reads %.3f s, writes (budget) %.3f s\n",
-                 format_bytes(static_cast<double>(io.bytes_written)).c_str(),
-                 format_bytes(static_cast<double>(io.planned_to_ssd)).c_str(),
-                 format_bytes(static_cast<double>(io.bytes_to_host)).c_str(),
-                 format_bytes(static_cast<double>(io.planned_to_host)).c_str(),
-                 format_bytes(static_cast<double>(so.host_memory)).c_str(),
-                 io.stall - io.host_stall, io.host_stall, io.write_stall);
-  }
-  if (so.mode == torch_layer::OffloadMode::kPlan) {
-    std::fprintf(
-        stderr,
-        "budget %s (of a profiled peak of %s; %s of it untouched by any step), %s over "
-        "the %lld step(s) of the current plan (%lld earlier step(s) over it; %d re-plan(s) "
-        "for memory); step boundary %s%s; %s\n",
-        format_bytes(static_cast<double>(st.memory_budget)).c_str(),
-        format_bytes(static_cast<double>(st.profiled_peak)).c_str(),
-        format_bytes(static_cast<double>(st.untouched_bytes)).c_str(),
-        !peak_measured     ? "not measured"
-        : st.within_budget ? "kept"
-                           : "EXCEEDED",
-        static_cast<long long>(st.steps_measured), static_cast<long long>(st.steps_over_budget),
-        st.tightenings, st.between_steps.empty() ? "not chosen yet" : st.between_steps.c_str(),
-        so.between_steps == torch_layer::BetweenSteps::kAuto ? " (the planner's choice)" : "",
-        st.plan_summary.c_str());
-    if (!st.within_budget && !st.budget_reason.empty()) {
-      std::fprintf(stderr, "why: %s\n", st.budget_reason.c_str());
-    }
-  }
-  if (!st.notice.empty()) std::fprintf(stderr, "note: %s\n", st.notice.c_str());
-  const plan::TimeReport report = session.time_report();
-  if (so.mode != torch_layer::OffloadMode::kNone && args.timeline_steps > 0) {
-    std::fputs(plan::format_report(report).c_str(), stderr);
-  }
-  nlohmann::json store_degraded = nlohmann::json::object();
-  std::string io_backend;
-  if (session.store()) {
-    // Every degraded path of the store, with how often and the first reason.
-    const auto ss = session.store()->stats();
-    io_backend = ss.backend;
-    const std::pair<const char*, const io::DegradedPath*> paths[] = {
-        {"store_full", &ss.store_full},
-        {"write_failed", &ss.write_failed},
-        {"read_failed", &ss.read_failed},
-        {"read_corrupt", &ss.read_corrupt},
-        {"backend_fallback", &ss.backend_fallback}};
-    for (const auto& [name, path] : paths) {
-      if (path->count == 0) continue;
-      store_degraded[name] = {{"count", path->count}, {"reason", path->reason}};
-      const bool said = path == &ss.store_full || path == &ss.write_failed;  // the DEGRADED line
-      if (said && io.failures > 0) continue;
-      std::fprintf(stderr, "store DEGRADED: %s x%llu: %s\n", name,
-                   static_cast<unsigned long long>(path->count), path->reason.c_str());
-    }
-  }
-  if (args.json) {
-    nlohmann::json j;
-    j["model"] = c.name;
-    j["parameters"] = c.parameter_count();
-    j["device"] = options.device.str();
-    j["blas"] = options.device.is_cuda() ? std::string("cuBLAS") : torch_layer::blas_library();
-    j["batch"] = options.batch;
-    j["seq"] = options.seq;
-    j["seed"] = options.seed;
-    j["first_step"] = first_step;  // losses[0] is step first_step + 1
-    j["checkpoints_written"] = checkpoints_written;
-    j["losses"] = losses;
-    j["step_seconds"] = seconds;
-    j["peak_bytes"] = peak_measured ? nlohmann::json(offload_peak) : nlohmann::json(nullptr);
-    if (!peak_measured) j["peak_not_measured"] = not_measured;
-    j["step_peak_bytes"] = step_peaks;
-    j["tokens_per_second"] = tps;
-    j["offload_mode"] = args.offload;
-    j["recompute"] = args.recompute;
-    j["optimizer_schedule"] = schedule_name(options);
-    j["clip_grad_norm"] = options.clip_grad_norm;
-    j["micro_batches"] = options.micro_batches;
-    j["micro_batch_order"] = options.micro_batch_order == models::MicroBatchOrder::kLayerMajor
-                                 ? "layer-major"
-                                 : "sequential";
-    j["bytes_written"] = io.bytes_written;
-    j["bytes_read"] = io.bytes_read;
-    j["stall_seconds"] = io.stall;
-    j["misses"] = io.misses;
-    j["write_failures"] = io.failures;
-    j["store_full_writes"] = io.full;
-    j["write_error"] = io.write_error;
-    if (!io_backend.empty()) j["io_backend"] = io_backend;
-    j["store_degraded"] = store_degraded;  // {path: {count, reason}} for each that happened
-    j["offload_step_seconds_median"] = median(offload_seconds);
-    j["steps_offloaded"] = offload_seconds.size();  // the steps the byte and stall totals cover
-    j["all_steps_median_seconds"] = median(seconds);
-    if (so.mode == torch_layer::OffloadMode::kPlan) {
-      j["memory_budget"] = st.memory_budget;
-      j["profiled_peak_bytes"] = st.profiled_peak;
-      j["plan_summary"] = st.plan_summary;
-      j["planned_step_seconds"] = st.planned_step_seconds;
-      j["strict_meter"] = so.strict_meter.value_or(false);
-      j["defaults"] = st.defaults;
-      j["between_steps"] = st.between_steps;
-      j["replans"] = st.replans;
-      j["budget_replans"] = st.tightenings;
-      j["within_budget"] =
-          peak_measured ? nlohmann::json(st.within_budget) : nlohmann::json(nullptr);
-      j["steps_measured"] = st.steps_measured;
-      j["steps_over_budget"] = st.steps_over_budget;
-      // Ops the device's allocator refused past the wall and that ran again once tensors were
-      // written out (the strict meter on a GPU): each one is a step that would have crashed.
-      j["out_of_memory_retries"] = st.out_of_memory_retries;
-      j["untouched_bytes"] = st.untouched_bytes;
-      j["budget_reason"] = st.budget_reason;
-      j["step_shapes"] = st.shapes;
-      j["host_memory"] = so.host_memory;
-      j["bytes_to_host"] = io.bytes_to_host;
-      j["bytes_from_host"] = io.bytes_from_host;
-      j["bytes_staged"] = io.bytes_staged;
-      j["planned_bytes_to_ssd"] = io.planned_to_ssd;
-      j["planned_bytes_to_host"] = io.planned_to_host;
-      j["ssd_stall_seconds"] = io.stall - io.host_stall;
-      j["host_stall_seconds"] = io.host_stall;
-      j["write_stall_seconds"] = io.write_stall;
-    }
-    if (so.mode != torch_layer::OffloadMode::kNone && args.timeline_steps > 0) {
-      j["time_report"] = nlohmann::json::parse(plan::time_report_json(report));
-    }
-    std::cout << j.dump() << std::endl;
-  }
-  // The files asked for, after the results are out: one that cannot be written (its directory
-  // removed during the run, the disk full) is a warning naming it, never a lost result.
-  const auto write_output = [](const char* flag, const std::string& path, const auto& write) {
-    try {
-      write();
-      return true;
-    } catch (const std::exception& e) {
-      std::fprintf(stderr,
-                   "tidal train: warning: %s '%s' was not written: %s (the results above are "
-                   "complete; training succeeded)\n",
-                   flag, path.c_str(), e.what());
-      return false;
-    }
-  };
-  if (!args.save_trace.empty() && session.trace()) {
-    write_output("--save-trace", args.save_trace,
-                 [&] { trace::write_trace(*session.trace(), args.save_trace); });
-  }
-  if (!args.save_plan.empty() && session.plan()) {
-    write_output("--save-plan", args.save_plan,
-                 [&] { plan::write_plan(*session.plan(), args.save_plan); });
-  }
-  for (const auto& path : args.timeline) {
-    if (write_output("--timeline", path, [&] { session.write_timeline(path); })) {
-      std::fprintf(stderr, "timeline of the last %lld step(s) written to %s\n",
-                   static_cast<long long>(args.timeline_steps), path.c_str());
-    }
-  }
+  report_run({args, options, so, first_step}, session, meter, rec);
 }
 
 }  // namespace

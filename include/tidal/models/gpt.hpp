@@ -12,14 +12,14 @@
 #include <string>
 #include <vector>
 
-namespace tidal::models {
+#include "tidal/plan/model_trace.hpp"
 
-enum class Family : std::uint8_t { kGpt2, kLlama };
+namespace tidal::models {
 
 /// Shape of a model. Plain data.
 struct ModelConfig {
   std::string name;  ///< e.g. "gpt2-small"
-  Family family = Family::kGpt2;
+  plan::Architecture arch = plan::Architecture::kGpt2;
   std::int64_t layers = 0;
   std::int64_t hidden = 0;
   std::int64_t heads = 0;
@@ -59,10 +59,6 @@ using BlockFn = std::function<torch::Tensor(const torch::Tensor&)>;
 using BlockWrapper =
     std::function<torch::Tensor(std::int64_t layer, const BlockFn& block, const torch::Tensor& x)>;
 
-/// Told which block the forward pass is entering (-1 after the last one, and for the embedding
-/// and head). Used by the tracer to label ops with their layer.
-using LayerListener = std::function<void(std::int64_t layer)>;
-
 /// A decoder-only language model. Create with make_model(); share through the returned holder
 /// (torch::nn::ModuleHolder semantics: copies share one module). Not thread-safe: one forward at
 /// a time.
@@ -81,24 +77,29 @@ class TransformerImpl : public torch::nn::Module {
   torch::Tensor loss(const torch::Tensor& tokens, const torch::Tensor& targets);
 
   /// forward() and loss() in their three parts, for a caller that orders them itself (the
-  /// trainer's layer-major micro-batches): embed(tokens) -> block(0..layers-1) ->
+  /// trainer, which runs deferred optimizer updates and tells its observers the layer between
+  /// them, and orders micro-batches layer-major): embed(tokens) -> block(0..layers-1) ->
   /// head_loss(x, targets) computes loss(tokens, targets) with the same ops. embed() prepares
   /// the blocks for its sequence length: every block() call until the next embed() must have
-  /// that length.
+  /// that length. block() calls the block wrapper.
   torch::Tensor embed(const torch::Tensor& tokens);
-  torch::Tensor block(std::int64_t layer, const torch::Tensor& x) { return run_block(layer, x); }
+  torch::Tensor block(std::int64_t layer, const torch::Tensor& x);
   torch::Tensor head_loss(const torch::Tensor& x, const torch::Tensor& targets);
+
+  /// The parameters by the stage of forward that first uses them: [0] embed()'s, [1 + L] block
+  /// L's, [layers + 1] those head_loss() uses first (the final norm's, and Llama's head: GPT-2's
+  /// head is the token embedding, in [0]). Each in the order of parameters(); together, every
+  /// parameter once. The tensors share storage with the model's.
+  [[nodiscard]] std::vector<std::vector<torch::Tensor>> parameter_stages() const;
 
   [[nodiscard]] const ModelConfig& config() const { return config_; }
 
   /// Replaces the block wrapper (an empty function restores the plain call).
   void set_block_wrapper(BlockWrapper wrapper) { block_wrapper_ = std::move(wrapper); }
 
-  /// Replaces the layer listener (an empty function removes it).
-  void set_layer_listener(LayerListener listener) { layer_listener_ = std::move(listener); }
-
  private:
-  torch::Tensor run_block(std::int64_t layer, const torch::Tensor& x);
+  // The final norm and the head: logits [batch, seq, vocab].
+  torch::Tensor logits(const torch::Tensor& x);
 
   ModelConfig config_;
   torch::nn::Embedding tok_embedding_{nullptr};
@@ -107,7 +108,6 @@ class TransformerImpl : public torch::nn::Module {
   torch::nn::AnyModule final_norm_;
   torch::nn::Linear lm_head_{nullptr};  // Llama only; GPT-2 ties the head to tok_embedding_
   BlockWrapper block_wrapper_;
-  LayerListener layer_listener_;
 };
 TORCH_MODULE(Transformer);
 

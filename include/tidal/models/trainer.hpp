@@ -7,13 +7,15 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <random>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "tidal/common/optimizer_schedule.hpp"
+#include "tidal/models/adamw.hpp"
 #include "tidal/models/gpt.hpp"
+#include "tidal/models/token_source.hpp"
+#include "tidal/plan/model_trace.hpp"
 #include "tidal/torch/step.hpp"
 
 namespace tidal::torch_layer {
@@ -21,93 +23,6 @@ class Session;
 }
 
 namespace tidal::models {
-
-/// AdamW with decoupled weight decay (Loshchilov & Hutter), written with plain ATen ops so that
-/// every state tensor is visible and the same on libtorch 1.13 and 2.x. Weight decay applies to
-/// parameters with two or more dimensions (GPT-2 practice). State tensors are created at
-/// construction, so they exist (and can be registered with a tracer) before the first step.
-/// Not thread-safe. Holds references to the parameters it was given.
-class AdamW {
- public:
-  struct Options {
-    double lr = 3e-4;
-    double beta1 = 0.9;
-    double beta2 = 0.95;
-    double eps = 1e-8;
-    double weight_decay = 0.1;
-  };
-
-  AdamW(std::vector<torch::Tensor> params, Options options);
-
-  /// One update of every parameter that has a gradient: begin_step(), then update(i) for each.
-  void step();
-
-  /// Starts a step: advances the step count that the bias corrections use. For callers that
-  /// update parameters one at a time (the optimizer-in-backward schedule).
-  void begin_step();
-
-  /// Updates parameter i from its gradient (nothing when it has none) with the bias
-  /// corrections of the step begin_step() started. Runs under torch::NoGradGuard. The same
-  /// ATen ops on the same values as step() does for i: the results are bit-identical.
-  void update(std::size_t i);
-
-  [[nodiscard]] std::size_t size() const { return params_.size(); }
-
-  /// Zeroes the gradients in place (they stay allocated: persistent across steps).
-  void zero_grad();
-
-  /// The state tensors with a name: ("exp_avg.<i>", t), ("exp_avg_sq.<i>", t) for parameter i.
-  [[nodiscard]] std::vector<std::pair<std::string, torch::Tensor>> named_state() const;
-
-  [[nodiscard]] const Options& options() const { return options_; }
-  [[nodiscard]] std::int64_t steps_taken() const { return step_; }
-  /// Resuming: the step count the bias corrections continue from.
-  void set_steps_taken(std::int64_t steps) { step_ = steps; }
-
- private:
-  std::vector<torch::Tensor> params_;
-  std::vector<torch::Tensor> exp_avg_;
-  std::vector<torch::Tensor> exp_avg_sq_;
-  Options options_;
-  std::int64_t step_ = 0;
-  double step_size_ = 0;  // of the current step, set by begin_step()
-  double sqrt_bc2_ = 1;
-};
-
-/// Where training tokens come from: a deterministic synthetic stream (default) or a text file
-/// read as bytes (token = byte value, so the model's vocabulary must be at least 256).
-/// Deterministic given the seed. Not thread-safe.
-class TokenSource {
- public:
-  /// Synthetic stream: a noisy affine recurrence over `vocab`, learnable so that losses fall.
-  TokenSource(std::int64_t vocab, std::uint64_t seed);
-
-  /// Byte-level text from `path`. Throws tidal::InvalidArgument if the file cannot be read, is
-  /// shorter than seq + 1 bytes at first use, or vocab < 256.
-  TokenSource(const std::string& path, std::int64_t vocab, std::uint64_t seed);
-
-  /// The next batch: inputs [batch, seq] and targets (inputs shifted by one), int64, on CPU.
-  std::pair<torch::Tensor, torch::Tensor> next_batch(std::int64_t batch, std::int64_t seq);
-
-  /// The stream's position (generator state and recurrence), as text, and restoring it: a
-  /// source restored to a saved position yields the batches that followed it.
-  [[nodiscard]] std::string position() const;
-  /// Throws tidal::InvalidArgument when `text` is not a position() of a source.
-  void set_position(const std::string& text);
-
-  /// What the stream is drawn from, for a checkpoint to compare at resume: "<n> bytes, XXH3
-  /// <hex>" of a data file's contents; "" for the synthetic stream.
-  [[nodiscard]] std::string content_id() const;
-
- private:
-  std::int64_t vocab_;
-  std::mt19937_64 rng_;
-  std::vector<std::uint8_t> text_;  // empty: synthetic
-  std::int64_t state_ = 0;          // synthetic stream position
-};
-
-/// The order in which a step runs its micro-batches (TrainerOptions::micro_batch_order).
-enum class MicroBatchOrder : std::uint8_t { kSequential, kLayerMajor };
 
 struct TrainerOptions {
   ModelConfig config;
@@ -156,7 +71,7 @@ struct TrainerOptions {
   /// kSequential, but a weight used at both ends of the model (GPT-2's embedding, tied to the
   /// head) sums its two uses in another order: the losses match kSequential to rounding, not
   /// bit for bit (for models without tied weights they match bit for bit).
-  MicroBatchOrder micro_batch_order = MicroBatchOrder::kSequential;
+  plan::MicroBatchOrder micro_batch_order = plan::MicroBatchOrder::kSequential;
 };
 
 /// What one step produced.
@@ -178,7 +93,7 @@ class Trainer {
   /// Runs one step and returns its loss and time.
   StepResult step();
 
-  /// Adds an observer called from step(); it also receives the model's layer changes.
+  /// Adds an observer called from step(); it is also told each layer forward enters.
   void add_observer(torch_layer::StepObserver* observer);
   /// Removes an observer added before (no-op if absent).
   void remove_observer(torch_layer::StepObserver* observer);
@@ -231,6 +146,14 @@ class Trainer {
   }
   [[nodiscard]] bool deferred() const { return options_.optimizer == OptimizerSchedule::kDeferred; }
   void notify_phase(trace::Phase phase);
+  // Forward enters `layer` (-1: the head): the observers are told, and on the deferred schedule
+  // the updates of the parameters that stage uses first run now.
+  void enter_layer(std::int64_t layer);
+  // The model's stages, driven here so that enter_layer() runs between them: forward_loss() is
+  // the model's loss() with the same ops.
+  torch::Tensor run_block(std::int64_t layer, const torch::Tensor& x);
+  torch::Tensor head_loss(const torch::Tensor& x, const torch::Tensor& targets);
+  torch::Tensor forward_loss(const torch::Tensor& tokens, const torch::Tensor& targets);
   // One step's forward and backward over micro-batches (micro_batches > 1); returns the loss.
   torch::Tensor sequential_micro_batches(const torch::Tensor& inputs, const torch::Tensor& targets);
   torch::Tensor layer_major_micro_batches(const torch::Tensor& inputs,
@@ -254,8 +177,9 @@ class Trainer {
   std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()))>
       accumulators_;
   std::vector<torch::Tensor> params_;  // the model's parameters, in the optimizer's order
-  // Deferred schedule: parameter indices by where forward first uses them (0: before the first
-  // block, 1 + L: block L, layers + 1: after the last block) and what is still to update.
+  // Deferred schedule: parameter indices by where forward first uses them (the model's
+  // parameter_stages(): 0 before the first block, 1 + L block L, layers + 1 after the last
+  // block) and what is still to update.
   // Clipping: each gradient's norm, and the coefficient of the last step.
   std::vector<std::vector<std::size_t>> update_groups_;
   std::vector<char> pending_;

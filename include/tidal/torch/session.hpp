@@ -208,10 +208,10 @@ struct SessionStats {
   /// Ops refused memory under the wall and run again after tensors were written out, since the
   /// session was made (the device's wall on a GPU, SessionOptions::wall_by_retry on the CPU).
   std::uint64_t out_of_memory_retries = 0;
-  std::string budget_reason;           ///< plan mode: why the budget is not met, when it is not
-  int shapes = 0;                      ///< plan mode: distinct step shapes with a plan
-  int shape = -1;                      ///< plan mode: the shape the last step ran (-1: none)
-  int replans = 0;      ///< plans made after the first (new step shapes, tighter plans)
+  std::string budget_reason;  ///< plan mode: why the budget is not met, when it is not
+  int shapes = 0;             ///< plan mode: distinct step shapes with a plan
+  int shape = -1;             ///< plan mode: the shape the last step ran (-1: none)
+  int replans = 0;            ///< plans made after the first (new step shapes, tighter plans)
   int tightenings = 0;  ///< plan mode: re-plans for a smaller capacity after a step over budget
   std::uint64_t executed_peak = 0;  ///< plan mode: the highest peak of the current plans' steps
   std::string plan_summary;         ///< plan mode: one line from the planner

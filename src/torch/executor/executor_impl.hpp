@@ -23,9 +23,9 @@
 
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
-#include "torch/executor/executor.hpp"
 #include "tidal/torch/memory.hpp"
 #include "torch/device_sync.hpp"
+#include "torch/executor/executor.hpp"
 #include "torch/executor/residency_guard.hpp"
 #include "torch/ivalue_tensors.hpp"
 #include "torch/timeline_glue.hpp"

@@ -20,9 +20,9 @@
 
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
-#include "torch/executor/executor.hpp"
 #include "tidal/torch/memory.hpp"
 #include "torch/device_sync.hpp"
+#include "torch/executor/executor.hpp"
 #include "torch/ivalue_tensors.hpp"
 
 namespace tidal::torch_layer {
