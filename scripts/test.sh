@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command of README.md (and of .ci/run): set-up, build, all tests, then the suite under
 # AddressSanitizer+UBSan, the store's concurrency tests under ThreadSanitizer, a format check and
-# clang-tidy on the torch-free layers.
+# clang-tidy on the torch-free layers, and the code's shape (scripts/shape_check.sh).
 # TIDAL_QUICK=1 skips the sanitizer builds.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -42,6 +42,8 @@ fi
 
 stamp "format check"
 bash scripts/format.sh --check
+stamp "shape check (files under 600 lines, functions under 80, no dated comments)"
+bash scripts/shape_check.sh
 stamp "clang-tidy (torch-free layers)"
 bash scripts/tidy.sh
 stamp "all tests passed"

@@ -29,6 +29,12 @@ struct FakeClock {
   std::function<double()> fn() {
     return [this] { return t; };
   }
+  // Options for a timeline that reads this clock.
+  Timeline::Options options() {
+    Timeline::Options o;
+    o.clock = fn();
+    return o;
+  }
 };
 
 // What a random step did, as the test made it happen (the figures the report must find).
@@ -209,9 +215,7 @@ TEST(Timeline, OnlyExecutingStepsAreReportedWhenThereAreAny) {
 
 TEST(Timeline, TransferEndingInALaterStepEndsInItsOwn) {
   FakeClock clock;
-  Timeline::Options o;
-  o.clock = clock.fn();
-  Timeline tl(o);
+  Timeline tl(clock.options());
   tl.begin_step(0, StepState::kExecuting, 0, 0);
   const std::size_t h = tl.transfer_start(Channel::kSsdWrite, TransferKind::kPlanned, "w", 10, -1);
   clock.t += 1;
@@ -287,9 +291,7 @@ TEST(Timeline, TheSentenceNamesWhatLimits) {
 
 TEST(Timeline, ReadsThatHadTheBandwidthButStartedLateAreSaidSo) {
   FakeClock clock;
-  Timeline::Options o;
-  o.clock = clock.fn();
-  Timeline tl(o);
+  Timeline tl(clock.options());
   tl.begin_step(0, StepState::kExecuting, 100, 100);
   tl.op_start(0, "op", 0);
   clock.t += 0.1;  // compute
@@ -360,9 +362,7 @@ TEST(Timeline, ChromeTraceHasTheLanesAndKeepsEveryTransferInItsStep) {
 TEST(Timeline, SvgDrawsTheLastStepAndWritesAtomically) {
   std::mt19937_64 rng(5);
   FakeClock clock;
-  Timeline::Options o;
-  o.clock = clock.fn();
-  Timeline tl(o);
+  Timeline tl(clock.options());
   EXPECT_NE(tl.svg().find("no finished step"), std::string::npos);
   random_step(tl, clock, rng, 0, 20);
   const std::string svg = tl.svg();
@@ -391,9 +391,7 @@ TEST(Timeline, SvgDrawsTheLastStepAndWritesAtomically) {
 TEST(Timeline, WritesA0644FileAndFollowsNoPlantedLink) {
   std::mt19937_64 rng(9);
   FakeClock clock;
-  Timeline::Options o;
-  o.clock = clock.fn();
-  Timeline tl(o);
+  Timeline tl(clock.options());
   random_step(tl, clock, rng, 0, 5);
   const auto dir = std::filesystem::temp_directory_path() / ("tl-" + std::to_string(rng()));
   std::filesystem::create_directories(dir);

@@ -136,12 +136,18 @@ void expect_identical(const RunResult& a, const RunResult& b) {
   }
 }
 
-TEST(Activations, BitIdenticalTrainingWithEveryActivationThroughTheStore) {
-  testing::TestDir dir;
-  const RunResult plain = train(nullptr, 5);
+// Options that offload every saved tensor of 4 KiB or more, with the adaptive rule off.
+ActivationOptions fixed_options() {
   ActivationOptions opt;
   opt.min_bytes = 4096;
   opt.adaptive = false;
+  return opt;
+}
+
+TEST(Activations, BitIdenticalTrainingWithEveryActivationThroughTheStore) {
+  testing::TestDir dir;
+  const RunResult plain = train(nullptr, 5);
+  ActivationOptions opt = fixed_options();
   auto store = make_store(dir);
   ActivationOffloader off(store, opt);
   const RunResult offloaded = train(&off, 5, wait_for_one_request(store));
@@ -165,9 +171,7 @@ TEST(Activations, BitIdenticalTrainingWithEveryActivationThroughTheStore) {
 TEST(Activations, AHostCopyInFlightNeverSeesItsMemoryReused) {
   testing::TestDir dir;
   const RunResult plain = train(nullptr, 4);
-  ActivationOptions opt;
-  opt.min_bytes = 4096;
-  opt.adaptive = false;
+  ActivationOptions opt = fixed_options();
   opt.host = std::make_shared<io::HostPool>(512 * kMiB);
   io::HostPool& pool = *opt.host;
   std::vector<unsigned char> ballast(64 * kMiB, 7);
@@ -232,9 +236,7 @@ TEST(Activations, AFullStoreKeepsTensorsInMemory) {
   io::StoreOptions o;
   o.dirs = {dir.path()};
   o.capacity = 600 * kKiB;  // room for one or two activations only
-  ActivationOptions opt;
-  opt.min_bytes = 4096;
-  opt.adaptive = false;
+  ActivationOptions opt = fixed_options();
   ActivationOffloader off(std::make_shared<io::TensorStore>(o), opt);
   const RunResult offloaded = train(&off, 3);
   expect_identical(plain, offloaded);
@@ -247,9 +249,7 @@ TEST(Activations, CorruptReadFailsBackwardInsteadOfAWrongGradient) {
   testing::TestDir dir;
   io::FaultPlan faults;
   faults.corrupt_read = 1;
-  ActivationOptions opt;
-  opt.min_bytes = 4096;
-  opt.adaptive = false;
+  ActivationOptions opt = fixed_options();
   opt.lookahead_bytes = 0;  // reads happen at unpack time
   opt.min_lookahead_bytes = 0;
   auto store = make_store(dir, faults);
@@ -304,9 +304,7 @@ TEST(Activations, ATensorSavedAgainAfterAutogradReleasedItIsSavedAnew) {
   // for far longer than this forward pass takes, so the writes of f and h wait in the queue
   // until backward drops them.
   slow.delay_us = 200000;
-  ActivationOptions opt;
-  opt.min_bytes = 4096;
-  opt.adaptive = false;
+  ActivationOptions opt = fixed_options();
   ActivationOffloader off(make_store(dir, slow, 1), opt);
   std::vector<torch::Tensor> grads;
   for (bool with_tidal : {false, true}) {
