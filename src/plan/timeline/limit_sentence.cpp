@@ -43,7 +43,7 @@ struct ChannelFacts {
   }
   // ", the plan assumed ...", and why when the channel delivered far less; empty when unknown.
   [[nodiscard]] std::string assumed(Channel c) const {
-    if (rates[c] <= 0) return std::string();
+    if (rates[c] <= 0) return {};
     std::string a = ", the plan assumed " + gbps(rates[c]);
     const double got = delivered(c);
     if (got > 0 && got < 0.5 * rates[c]) {
