@@ -34,48 +34,22 @@ fi
 
 python3 - "$bin" "$out" "$shapes" "$seed" "$max_layers" "$order" "$lp_py" \
   "$(dirname "$0")/lp_bound.py" "${TIDAL_LP_SEGMENTS:-48}" <<'EOF'
-import json, random, subprocess, sys
+import json, os, random, subprocess, sys
 
 bin_, out, shapes, seed, max_layers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 order = sys.argv[6]
 lp_py, lp_script, lp_segments = sys.argv[7], sys.argv[8], sys.argv[9]
 rng = random.Random(seed)
-
-def draw():
-    head_dim = rng.choice([64, 128])
-    heads = rng.choice([8, 12, 16, 24, 32, 40, 48, 64])
-    hidden = heads * head_dim
-    kv = rng.choice([k for k in (1, 2, 4, 8, heads) if heads % k == 0])
-    tp = rng.choice([1, 2])
-    if heads % tp or kv % tp:
-        tp = 1
-    ffn = int(hidden * rng.uniform(2.5, 4.0)) // 256 * 256
-    vocab = rng.choice([32000, 50304, 49152, 128256])
-    batch = rng.choice([1, 2, 4, 8, 16, 32])
-    micro = rng.choice([m for m in (1, 2, 4) if batch % m == 0])
-    return {
-        "layers": rng.randint(4, max_layers), "hidden": hidden, "heads": heads, "kv_heads": kv,
-        "ffn": ffn, "vocab": vocab, "batch": batch, "seq": rng.choice([512, 1024, 2048, 4096]),
-        "micro_batches": micro, "precision": rng.choice(["fp32", "bf16-mixed"]),
-        "tensor_parallel": tp, "ssds": rng.randint(1, 4),
-        "host": rng.choice(["0", "64GB", "128GB", "256GB", "512GB", "1TB"]),
-    }
+sys.path.insert(0, os.path.dirname(os.path.abspath(lp_script)))  # bench/
+from fuzz_shapes import draw, simulate_args
 
 rows = []
 bad = []
 with open(out, "w") as f:
     for i in range(shapes):
-        s = draw()
-        cmd = [bin_, "simulate", "--model", "llama3-8b", "--layers", str(s["layers"]),
-               "--hidden", str(s["hidden"]), "--heads", str(s["heads"]),
-               "--kv-heads", str(s["kv_heads"]), "--ffn", str(s["ffn"]), "--vocab", str(s["vocab"]),
-               "--batch", str(s["batch"]), "--seq", str(s["seq"]),
-               "--micro-batches", str(s["micro_batches"]), "--precision", s["precision"],
-               "--tensor-parallel", str(s["tensor_parallel"]), "--hardware", "h100-4ssd",
-               "--ssd", f"{s['ssds']}x6.5/6.7GB/s", "--host-mem", s["host"],
-               "--policy", "ideal,tidal", "--profile-steps", "0", "--json"]
-        if s["micro_batches"] > 1:
-            cmd += ["--micro-batch-order", order]
+        s = draw(rng, max_layers)
+        cmd = [bin_, "simulate", *simulate_args(s, order), "--policy", "ideal,tidal",
+               "--profile-steps", "0", "--json"]
         p = subprocess.run(cmd, capture_output=True, text=True)
         row = dict(s, shape=i)
         if p.returncode != 0:

@@ -44,34 +44,13 @@ def grid_cases():
 
 
 def fuzz_cases(shapes):
-    """The shapes of bench/shape_fuzz.sh, drawn the same way (seed 1, 48 layers at most)."""
+    """The first shapes of bench/shape_fuzz.sh (seed 1, 48 layers at most, the sequential order)."""
     import random
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    from fuzz_shapes import draw, simulate_args
     rng = random.Random(1)
     for i in range(shapes):
-        head_dim = rng.choice([64, 128])
-        heads = rng.choice([8, 12, 16, 24, 32, 40, 48, 64])
-        kv = rng.choice([k for k in (1, 2, 4, 8, heads) if heads % k == 0])
-        tp = rng.choice([1, 2])
-        if heads % tp or kv % tp:
-            tp = 1
-        hidden = heads * head_dim
-        ffn = int(hidden * rng.uniform(2.5, 4.0)) // 256 * 256
-        vocab = rng.choice([32000, 50304, 49152, 128256])
-        batch = rng.choice([1, 2, 4, 8, 16, 32])
-        micro = rng.choice([m for m in (1, 2, 4) if batch % m == 0])
-        layers = rng.randint(4, 48)
-        seq = rng.choice([512, 1024, 2048, 4096])
-        precision = rng.choice(["fp32", "bf16-mixed"])
-        ssds = rng.randint(1, 4)
-        host = rng.choice(["0", "64GB", "128GB", "256GB", "512GB", "1TB"])
-        args = ["--model", "llama3-8b", "--layers", str(layers), "--hidden", str(hidden),
-                "--heads", str(heads), "--kv-heads", str(kv), "--ffn", str(ffn), "--vocab", str(vocab),
-                "--batch", str(batch), "--seq", str(seq), "--micro-batches", str(micro),
-                "--precision", precision, "--tensor-parallel", str(tp), "--hardware", "h100-4ssd",
-                "--ssd", f"{ssds}x6.5/6.7GB/s", "--host-mem", host]
-        if micro > 1:
-            args += ["--micro-batch-order", "sequential"]
-        yield f"fuzz-{i:02d}", args
+        yield f"fuzz-{i:02d}", simulate_args(draw(rng, 48), "sequential")
 
 
 def tight_cases():
