@@ -23,6 +23,7 @@ struct HardwareFlags {
   std::optional<std::string> gpu_flops_bf16;  ///< "835T"
   std::optional<std::string> gpu_mem_bw;      ///< "3.9TB/s"
   std::optional<std::string> cpu_adam;        ///< "2G"
+  std::optional<std::string> cpu_accumulate;  ///< "6G"
   std::optional<std::string> ssd_tbw;         ///< "1200TB"
   std::optional<double> margin;               ///< 0.01
 };
@@ -66,6 +67,7 @@ inline plan::HardwareOverrides parse_hardware_flags(const HardwareFlags& f) {
   o.gpu_flops_bf16 = parse_given("--gpu-flops-bf16", f.gpu_flops_bf16, parse_rate);
   o.gpu_mem_bw = parse_given("--gpu-mem-bw", f.gpu_mem_bw, parse_bandwidth);
   o.cpu_adam_rate = parse_given("--cpu-adam", f.cpu_adam, parse_rate);
+  o.cpu_accumulate_rate = parse_given("--cpu-accumulate", f.cpu_accumulate, parse_rate);
   if (const auto tbw = parse_given("--tbw", f.ssd_tbw, parse_bytes)) {
     o.ssd_tbw = static_cast<double>(*tbw);
   }
@@ -86,6 +88,9 @@ inline void add_hardware_flags(CLI::App* cmd, HardwareFlags& f) {
                   "peak dense bf16 matmul FLOP/s, e.g. 835T (with --precision bf16-mixed|bf16)");
   cmd->add_option("--gpu-mem-bw", f.gpu_mem_bw, "device memory bandwidth, e.g. 3.9TB/s");
   cmd->add_option("--cpu-adam", f.cpu_adam, "CPU Adam parameters/s, e.g. 2G");
+  cmd->add_option("--cpu-accumulate", f.cpu_accumulate,
+                  "elements/s the host CPU adds a 16-bit gradient into an fp32 one (the "
+                  "optimizer step on the host), e.g. 6G");
   cmd->add_option("--tbw", f.ssd_tbw, "SSD endurance per drive, e.g. 1200TB");
   cmd->add_option("--margin", f.margin, "share of device memory kept free (0.01)");
 }

@@ -52,6 +52,7 @@ struct SimulateArgs {
   bool json = false;
   bool prefer_host = false;
   bool no_stage = false;
+  std::string optimizer_step = "device";
   std::string svg;
   std::string per_op;
   std::string save_trace;
@@ -127,6 +128,7 @@ plan::PolicyOptions policy_options(const SimulateArgs& a) {
   opt.planner.min_bytes = a.min_bytes;
   opt.planner.prefer_host = a.prefer_host;
   opt.planner.stage_via_host = !a.no_stage;
+  opt.optimizer_step = plan::optimizer_placement_from_string(a.optimizer_step);
   opt.planner.progress = planning_progress();
   return opt;
 }
@@ -168,8 +170,14 @@ Simulation simulate_policies(const LoadedSource& src, const std::vector<plan::Po
     out.results = plan::run_policies(policies, sequential, hw, opt);
   }
   out.policies_seconds = seconds_since(t0) - out.bound_seconds;
+  const auto tidal = std::find_if(out.results.begin(), out.results.end(),
+                                  [](const plan::PolicyResult& r) {
+                                    return r.policy == plan::Policy::kTidal && r.bound;
+                                  });
   if (out.choice) {
     out.bound = out.choice->bound();
+  } else if (opt.optimizer_step != plan::OptimizerPlacement::kDevice && tidal != out.results.end()) {
+    out.bound = *tidal->bound;  // the bound of the placements considered
   } else {
     t0 = std::chrono::steady_clock::now();
     out.bound = plan::stall_lower_bound(sequential, hw, fraction_progress("lower bound"));
@@ -240,10 +248,11 @@ void print_policy_table(const std::vector<plan::PolicyResult>& results) {
 void print_bound(const Simulation& sim, const trace::Trace& bound_trace, double ideal_seconds,
                  const plan::Hardware& hw) {
   const plan::StallBound& bound = sim.bound;
-  const std::string bound_of =
+  std::string bound_of =
       sim.choice ? "either micro-batch order (the " +
                        sim.choice->candidates[sim.choice->bound_from].order + " order's)"
                  : "this trace";
+  if (!bound.limit.empty()) bound_of += " with the optimizer step on the host, set by " + bound.limit;
   if (bound.no_fit_op >= 0) {
     const trace::Op& op = bound_trace.ops[static_cast<std::size_t>(bound.no_fit_op)];
     std::printf(
@@ -344,7 +353,7 @@ void write_files(const SimulateArgs& a, const std::vector<plan::PolicyResult>& r
     });
     TIDAL_EXPECT_AS(InvalidArgument, it != results.end(),
                     "--per-op writes tidal's plan op by op: give tidal in --policy");
-    write_per_op(a.per_op, tr, *it->plan, hw);
+    write_per_op(a.per_op, it->plan_trace ? *it->plan_trace : tr, *it->plan, hw);
     std::printf("tidal's plan op by op written to %s\n", a.per_op.c_str());
   }
   if (!a.svg.empty()) {
@@ -379,7 +388,10 @@ nlohmann::json policies_json(const std::vector<plan::PolicyResult>& results) {
     x["fraction_of_ideal"] = r.fraction_of_ideal;
     x["fits"] = r.fits;  // the policy's verdict: host memory counts too (ZeRO-Offload)
     x["note"] = r.note;
-    if (r.policy == plan::Policy::kTidal) x["planning_seconds"] = r.planning_seconds;
+    if (r.policy == plan::Policy::kTidal) {
+      x["planning_seconds"] = r.planning_seconds;
+      x["optimizer_step"] = plan::to_string(r.optimizer_step);
+    }
     ps[plan::to_string(r.policy)] = x;
   }
   return ps;
@@ -448,7 +460,9 @@ void run_simulate(const SimulateArgs& a) {
   print_policy_table(sim.results);
   print_bound(sim, bound_trace, tr.compute_seconds(), hw);
   for (const auto& r : sim.results) {
-    if (r.policy == plan::Policy::kTidal && r.plan) print_tidal_details(r, tr, hw);
+    if (r.policy == plan::Policy::kTidal && r.plan) {
+      print_tidal_details(r, r.plan_trace ? *r.plan_trace : tr, hw);
+    }
   }
   const BeforePlan before = simulate_before_plan(sim.results, tr, hw, a.profile_steps);
   write_files(a, sim.results, tr, hw);
@@ -478,6 +492,13 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_flag("--no-stage", args->no_stage,
                 "tidal: never bring an SSD tensor back through host memory (as `tidal train` "
                 "plans)");
+  cmd->add_option("--optimizer-step", args->optimizer_step,
+                  "tidal: where the optimizer step runs: device (over the state the plan moves), "
+                  "host (fp32 master weights and Adam moments in host memory, 16-bit weights and "
+                  "gradients cross the link, the host CPU steps each parameter as its gradient "
+                  "comes in) or auto (both planned and simulated, the faster kept)")
+      ->check(CLI::IsMember({"device", "host", "auto"}))
+      ->capture_default_str();
   cmd->add_option("--svg", args->svg, "write a plot of memory over the iteration");
   cmd->add_option("--save-trace", args->save_trace,
                   "write the trace tidal's plan is for (with --model: the analytic trace) as "

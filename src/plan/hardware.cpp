@@ -56,6 +56,7 @@ Hardware hardware_preset(const std::string& name) {
     hw.gpu_flops_bf16 = 835e12;           // H100 NVL dense bf16 (1,671 with sparsity)
     hw.gpu_mem_bw = 3.9e12;
     hw.cpu_adam_rate = 2e9;
+    hw.cpu_accumulate_rate = 6e9;
     hw.ssd_tbw = 1200e12;
   } else if (name == "a100-2ssd") {
     hw.device_memory = 80ull * kGiB;
@@ -69,6 +70,7 @@ Hardware hardware_preset(const std::string& name) {
     hw.gpu_flops_bf16 = 312e12;
     hw.gpu_mem_bw = 2.0e12;
     hw.cpu_adam_rate = 1e9;
+    hw.cpu_accumulate_rate = 3e9;
     hw.ssd_tbw = 600e12;
   } else if (name == "cpu-here") {
     hw.device_memory = 0;  // must be given
@@ -82,6 +84,7 @@ Hardware hardware_preset(const std::string& name) {
     hw.matmul_efficiency = 0.5;
     hw.op_overhead_s = 20e-6;
     hw.cpu_adam_rate = 0.2e9;
+    hw.cpu_accumulate_rate = 0.6e9;
     hw.ssd_tbw = 600e12;
   } else {
     std::string names;
@@ -190,6 +193,7 @@ void apply_overrides(Hardware& hw, const HardwareOverrides& o) {
   set_rate_if(hw.gpu_flops_bf16, o.gpu_flops_bf16, "bf16 matmul rate", any);
   set_rate_if(hw.gpu_mem_bw, o.gpu_mem_bw, "device memory bandwidth", any);
   set_rate_if(hw.cpu_adam_rate, o.cpu_adam_rate, "CPU Adam rate", any);
+  set_rate_if(hw.cpu_accumulate_rate, o.cpu_accumulate_rate, "CPU gradient accumulation rate", any);
   set_rate_if(hw.ssd_tbw, o.ssd_tbw, "SSD endurance", any);
   if (o.memory_margin) {
     TIDAL_EXPECT_AS(InvalidArgument, *o.memory_margin >= 0 && *o.memory_margin < 0.5,

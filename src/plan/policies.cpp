@@ -396,6 +396,39 @@ Plan activation_plan(const trace::Trace& t, const Hardware& hw, const PolicyOpti
   return p;
 }
 
+namespace {
+
+// PolicyOptions::optimizer_step auto: the plan with the step on the host too, where the hardware
+// gives the host CPU's rates; the faster plan that fits is kept, with the lower of the two
+// placements' bounds (no plan of either beats it).
+PolicyResult faster_placement(PolicyResult device, const trace::Trace& tr, const Hardware& hw,
+                              const PolicyOptions& opt) {
+  if (hw.cpu_adam_rate <= 0 || hw.cpu_accumulate_rate <= 0) return device;
+  PolicyResult host;
+  try {
+    host = detail::policy::run_host_step(tr, hw, opt);
+  } catch (const InvalidArgument& e) {
+    device.note += std::string("; the optimizer step cannot run on the host: ") + e.what();
+    return device;
+  }
+  const StallBound device_bound = device.bound ? *device.bound : stall_lower_bound(tr, hw);
+  const StallBound& host_bound = *host.bound;
+  const bool host_wins =
+      host.fits && (!device.fits || host.sim.iteration_seconds < device.sim.iteration_seconds);
+  PolicyResult& kept = host_wins ? host : device;
+  const PolicyResult& other = host_wins ? device : host;
+  kept.note += std::string("; with the optimizer step on the ") +
+               (host_wins ? "device" : "host") + ": " +
+               format_seconds(other.sim.iteration_seconds) + (other.fits ? "" : ", does not fit");
+  const bool host_lower =
+      host_bound.no_fit_op < 0 && (device_bound.no_fit_op >= 0 ||
+                                   host_bound.iteration_seconds < device_bound.iteration_seconds);
+  kept.bound = host_lower ? host_bound : device_bound;
+  return std::move(kept);
+}
+
+}  // namespace
+
 PolicyResult run_policy(Policy policy, const trace::Trace& tr, const Hardware& hw,
                         const PolicyOptions& opt, double ideal_seconds) {
   PolicyResult r;
@@ -437,6 +470,10 @@ PolicyResult run_policy(Policy policy, const trace::Trace& tr, const Hardware& h
       r = run_zero(tr, hw, opt, policy == Policy::kZeroInfinity);
       break;
     case Policy::kTidal: {
+      if (opt.optimizer_step == OptimizerPlacement::kHost) {
+        r = detail::policy::run_host_step(tr, hw, opt);
+        break;
+      }
       try {
         Plan p = make_plan(tr, hw, opt.planner, &r.bound);
         r.planning_seconds = p.summary.planning_seconds;
@@ -454,6 +491,9 @@ PolicyResult run_policy(Policy policy, const trace::Trace& tr, const Hardware& h
         r.sim = simulate(tr, nullptr, hw, opt.sim);
         r.fits = false;
         r.note = e.what();
+      }
+      if (opt.optimizer_step == OptimizerPlacement::kAuto) {
+        r = faster_placement(std::move(r), tr, hw, opt);
       }
       break;
     }

@@ -29,6 +29,7 @@ struct Job {
   std::uint64_t bytes = 0;
   std::uint64_t version = 0;
   bool done = false;
+  double end = 0;  // when it completed (once done)
 };
 
 struct TensorState {
@@ -43,6 +44,25 @@ struct TensorState {
   bool staging = false;  // host memory taken for a stage in flight
   int job = -1;          // the transfer in flight
   int stage_job = -1;    // the stage in flight
+  // This instance's last offload: its job, kCleanOffload when the tier's copy was current (no
+  // write), -1 when none was issued. A host task reading the tensor waits for it.
+  int drain_job = -1;
+};
+
+constexpr int kCleanOffload = -2;
+
+// One host task queued in one iteration.
+struct TaskRun {
+  const HostTask* task = nullptr;
+  double queued = 0;      // when its op ended
+  std::vector<int> jobs;  // the offloads of its inputs
+  double end = -1;        // when it ends; -1 until known
+};
+
+// A prefetch held back until the host task that rewrites its tensor is done.
+struct DeferredRead {
+  TensorId tensor = 0;
+  double key = 0;
 };
 
 class Simulator {
@@ -51,6 +71,20 @@ class Simulator {
       : tr_(tr), sched_(compile_schedule(tr, plan)), hw_(hw), opt_(opt) {
     const ChannelRates rates = opt.channels ? *opt.channels : hw.channels();
     for (Channel c : kChannels) channel(c).rate = rates[c];
+    tasks_after_.resize(tr.ops.size());
+    refresh_run_.assign(tr.tensors.size(), -1);
+    for (const HostTask& task : opt_.host_tasks) {
+      TIDAL_EXPECT_AS(InvalidArgument, task.after >= 0 && task.after < sched_.num_ops,
+                      "host task '", task.name, "' follows op ", task.after,
+                      ", which the trace does not have");
+      for (const auto* ids : {&task.inputs, &task.refreshes}) {
+        for (TensorId id : *ids) {
+          TIDAL_EXPECT_AS(InvalidArgument, id >= 0 && id < sched_.num_tensors, "host task '",
+                          task.name, "' names tensor ", id, ", which the trace does not have");
+        }
+      }
+      tasks_after_[static_cast<std::size_t>(task.after)].push_back(&task);
+    }
   }
 
   // Replays the iterations; the last one is reported.
@@ -101,7 +135,8 @@ class Simulator {
     if (opt_.record_residency) res.residency.assign(static_cast<std::size_t>(n), {});
     peak_host_ = host_bytes_;
     peak_ssd_ = ssd_bytes_;
-    misses_ = forwarded_ = 0;
+    misses_ = forwarded_ = refresh_waits_ = 0;
+    host_task_seconds_ = 0;
     counting_ = true;
     return busy;
   }
@@ -122,6 +157,10 @@ class Simulator {
     std::vector<int> waits;
     for (TensorId id : sched_.uses[kk]) {
       TensorState& s = state(id);
+      if (refresh_pending(id, t)) {
+        waits.push_back(read_refreshed(id, k, g, t));
+        continue;
+      }
       if (s.state == State::kWriting) {
         s.state = State::kResident;  // still in memory: keep it
       } else if (s.state == State::kOffloaded) {
@@ -140,7 +179,7 @@ class Simulator {
       if (is_write(c) || c == Channel::kSsdRead) start = std::max(start, run_until_key(c, g));
     }
     for (int j : waits) start = std::max(start, run_until_done(j));
-    advance_all(start);
+    advance_to(start);
     if (report != nullptr) report->stall_per_op[kk] = start - t;
     t = start;
     for (TensorId id : tr_.ops[kk].outputs) ++state(id).version;
@@ -149,8 +188,10 @@ class Simulator {
     t += tr_.op_seconds(kk) + io_compute_;
     if (report != nullptr) report->io_compute_seconds += io_compute_;
     io_compute_ = 0;
-    advance_all(t);
+    advance_to(t);
+    mark_refreshes(k);
     for (std::int32_t m : sched_.issued_after[kk]) fire(at(sched_.migrations, m), it, n, t);
+    queue_host_tasks(k, t);
     for (TensorId id : sched_.freed[kk]) release(id);
     if (report != nullptr) {
       for (Channel c : kChannels) {
@@ -180,6 +221,8 @@ class Simulator {
     res.peak_ssd_bytes = peak_ssd_;
     res.misses = misses_;
     res.forwarded = forwarded_;
+    res.host_task_seconds = host_task_seconds_;
+    res.refresh_waits = refresh_waits_;
     const auto util = [&](Channel c) {
       if (res.iteration_seconds <= 0) return 0.0;
       return std::min(1.0, (channel(c).busy - busy0[index_of(c)]) / res.iteration_seconds);
@@ -253,6 +296,7 @@ class Simulator {
       if (ch.now + need <= t) {
         ch.now += need;
         ch.busy += need;
+        job(ch.heap.front()).end = ch.now;
         complete(pop(c));
       } else {
         j.remaining -= (t - ch.now) * ch.rate;
@@ -285,6 +329,7 @@ class Simulator {
     const double need = job(ch.heap.front()).remaining / ch.rate;
     ch.now += need;
     ch.busy += need;
+    job(ch.heap.front()).end = ch.now;
     complete(pop(c));
   }
 
@@ -305,6 +350,7 @@ class Simulator {
     if (counting_) issued_[index_of(c)] += j.bytes;
     io_compute_ += static_cast<double>(j.bytes) * hw_.compute_seconds_per_byte[index_of(c)];
     if (j.bytes == 0) {
+      job(index).end = channel(c).now;
       complete(index);
     } else {
       push(c, index);
@@ -476,24 +522,155 @@ class Simulator {
         s.state = State::kOffloaded;
         resident_ -= m.bytes;
         set_away(m.tensor, m.tier);
+        s.drain_job = m.tier == Tier::kHost ? kCleanOffload : -1;
         return;
       }
       advance_all(now);
       s.state = State::kWriting;
       s.job = new_job(m.channel, m.tensor, key);
+      s.drain_job = s.job;
     } else if (m.kind == ActionKind::kStage) {
       if (s.state != State::kOffloaded || !s.on_ssd || s.on_host || s.stage_job >= 0) return;
       advance_all(now);
       hold(s.staging, true, m.bytes, host_bytes_, peak_host_);
       s.stage_job = new_job(m.channel, m.tensor, key);
     } else {
-      if (s.state == State::kWriting) {
+      if (refresh_pending(m.tensor, now)) {
+        deferred_.push_back({m.tensor, key});
+      } else if (s.state == State::kWriting) {
         s.state = State::kResident;
         ++forwarded_;
       } else if (s.state == State::kOffloaded) {
         issue_read(m.tensor, key, now);
       }
     }
+  }
+
+  // Host tasks.
+
+  // The tensors the host tasks after op k rewrite are stale from op k's end on: before the
+  // migrations issued then, so that a read of one among them waits for its task.
+  void mark_refreshes(OpIndex k) {
+    std::size_t run = runs_.size();
+    for (const HostTask* task : tasks_after_[static_cast<std::size_t>(k)]) {
+      for (TensorId id : task->refreshes) refresh_run_[static_cast<std::size_t>(id)] =
+          static_cast<int>(run);
+      ++run;
+    }
+  }
+
+  // Queues the host tasks that follow op k (ended at t) and starts what can start.
+  void queue_host_tasks(OpIndex k, double t) {
+    for (const HostTask* task : tasks_after_[static_cast<std::size_t>(k)]) {
+      TaskRun r;
+      r.task = task;
+      r.queued = t;
+      for (TensorId id : task->inputs) {
+        const int j = state(id).drain_job;
+        TIDAL_EXPECT_AS(InvalidArgument,
+                        j == kCleanOffload || (j >= 0 && job(j).channel == Channel::kHostWrite),
+                        "host task '", task->name, "' reads tensor ", id, " ('",
+                        at(tr_.tensors, id).name, "'), which the plan does not write to host "
+                        "memory by op ", k);
+        if (j >= 0) r.jobs.push_back(j);
+      }
+      if (counting_) host_task_seconds_ += task->seconds;
+      runs_.push_back(std::move(r));
+    }
+    resolve_runs();
+  }
+
+  // Gives an end time to the queued tasks, in order, while their inputs' offloads are done.
+  void resolve_runs() {
+    while (next_run_ < runs_.size()) {
+      TaskRun& r = runs_[next_run_];
+      double ready = std::max(host_free_, r.queued);
+      for (int j : r.jobs) {
+        if (!job(j).done) return;
+        ready = std::max(ready, job(j).end);
+      }
+      r.end = ready + r.task->seconds;
+      host_free_ = r.end;
+      ++next_run_;
+    }
+  }
+
+  // The end of task run `index`, running the channels until its inputs are out (the device
+  // waits for it anyway).
+  double force_run(int index) {
+    const auto i = static_cast<std::size_t>(index);
+    while (runs_[i].end < 0) {
+      for (int j : runs_[next_run_].jobs) {
+        if (!job(j).done) run_until_done(j);
+      }
+      resolve_runs();
+    }
+    return runs_[i].end;
+  }
+
+  // Whether a host task still rewrites tensor `id` at time `now`.
+  bool refresh_pending(TensorId id, double now) {
+    int& r = refresh_run_[static_cast<std::size_t>(id)];
+    if (r < 0) return false;
+    if (static_cast<std::size_t>(r) >= runs_.size()) return true;  // queued when its op ends
+    const double end = runs_[static_cast<std::size_t>(r)].end;
+    if (end >= 0 && end <= now) {
+      r = -1;
+      return false;
+    }
+    return true;
+  }
+
+  // Op k (iteration position g, its turn at t) needs tensor `id` that a host task is still
+  // rewriting: the read starts when the task ends. Returns the read's job.
+  int read_refreshed(TensorId id, OpIndex k, double g, double t) {
+    const int r = refresh_run_[static_cast<std::size_t>(id)];
+    TensorState& s = state(id);
+    if (s.state == State::kWriting) run_until_done(s.job);  // its first offload is still out
+    TIDAL_EXPECT_AS(InvalidArgument, s.state == State::kOffloaded, "op ", k, " uses tensor ", id,
+                    " ('", at(tr_.tensors, id).name, "'), which host task '",
+                    runs_[static_cast<std::size_t>(r)].task->name,
+                    "' rewrites, but the plan keeps its stale copy in device memory");
+    const double end = force_run(r);
+    refresh_run_[static_cast<std::size_t>(id)] = -1;
+    const auto d = std::find_if(deferred_.begin(), deferred_.end(),
+                                [id](const DeferredRead& x) { return x.tensor == id; });
+    if (d != deferred_.end()) {
+      deferred_.erase(d);
+    } else {
+      ++misses_;
+    }
+    if (counting_) ++refresh_waits_;
+    const double when = std::max(t, end);
+    advance_all(when);
+    issue_read(id, g - 0.5, when);
+    return s.job;
+  }
+
+  // Serves the channels up to t, issuing each held-back read when the task it waits for ends.
+  void advance_to(double t) {
+    for (;;) {
+      resolve_runs();
+      std::size_t best = deferred_.size();
+      double best_end = t;
+      for (std::size_t i = 0; i < deferred_.size(); ++i) {
+        const int r = refresh_run_[static_cast<std::size_t>(deferred_[i].tensor)];
+        if (static_cast<std::size_t>(r) >= runs_.size() && r >= 0) continue;
+        const double end = r < 0 ? 0.0 : runs_[static_cast<std::size_t>(r)].end;
+        if (r >= 0 && end < 0) continue;  // its task has not started
+        if (end <= best_end) {
+          best = i;
+          best_end = end;
+        }
+      }
+      if (best == deferred_.size()) break;
+      const DeferredRead d = deferred_[best];
+      deferred_.erase(deferred_.begin() + static_cast<std::ptrdiff_t>(best));
+      refresh_run_[static_cast<std::size_t>(d.tensor)] = -1;
+      advance_all(best_end);
+      if (state(d.tensor).state == State::kOffloaded) issue_read(d.tensor, d.key, best_end);
+    }
+    advance_all(t);
   }
 
   const trace::Trace& tr_;
@@ -514,6 +691,14 @@ class Simulator {
   std::int64_t forwarded_ = 0;
   double io_compute_ = 0;  // Hardware::compute_seconds_per_byte of the transfers since the last op
   bool counting_ = false;
+  std::vector<std::vector<const HostTask*>> tasks_after_;  // by op
+  std::vector<TaskRun> runs_;                              // in the order queued
+  std::size_t next_run_ = 0;                               // the first without an end yet
+  double host_free_ = 0;                                   // when the host's last task ends
+  std::vector<int> refresh_run_;  // by tensor: the run rewriting it (-1: none)
+  std::vector<DeferredRead> deferred_;
+  double host_task_seconds_ = 0;
+  std::int64_t refresh_waits_ = 0;
 };
 
 }  // namespace

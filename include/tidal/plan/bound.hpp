@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "tidal/plan/hardware.hpp"
@@ -35,6 +36,8 @@ struct StallBound {
   /// windows empty, and a report says so instead of giving them.
   trace::OpIndex no_fit_op = -1;
   std::uint64_t no_fit_bytes = 0;  ///< what that op uses by itself
+  /// For a bound not made of windows (host_step_bound()): what limits it, in a few words.
+  std::string limit;
 };
 
 /// The bound (docs/simulator.md, "Lower bound"). For a window of ops i..j with compute time T:

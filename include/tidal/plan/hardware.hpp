@@ -31,7 +31,10 @@ struct Hardware {
   double gpu_mem_bw = 0;           ///< device memory bandwidth, bytes/s
   double matmul_efficiency = 0.8;  ///< fraction of gpu_flops a large matmul reaches
   double op_overhead_s = 5e-6;     ///< launch and framework overhead per op
-  double cpu_adam_rate = 0;        ///< parameters/s of the host CPU Adam (ZeRO baselines)
+  double cpu_adam_rate = 0;        ///< parameters/s of the host CPU Adam (ZeRO, host step)
+  /// Elements/s the host CPU adds a 16-bit gradient from the device into an fp32 one (the host
+  /// step's gradient accumulation, host_step.hpp).
+  double cpu_accumulate_rate = 0;
   double ssd_tbw = 0;              ///< endurance per SSD, bytes written (TBW)
   double memory_margin = 0.01;     ///< share of device memory the planner leaves free (G10)
   /// Compute time each byte started on a channel takes from the device (seconds per byte, by
@@ -89,6 +92,7 @@ struct HardwareOverrides {
   std::optional<double> gpu_flops_bf16;        ///< FLOP/s
   std::optional<double> gpu_mem_bw;            ///< bytes/s
   std::optional<double> cpu_adam_rate;         ///< parameters/s
+  std::optional<double> cpu_accumulate_rate;   ///< elements/s
   std::optional<double> ssd_tbw;               ///< bytes written per SSD over its life
   std::optional<double> memory_margin;         ///< in [0, 0.5)
 };

@@ -4,11 +4,13 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "tidal/plan/hardware.hpp"
+#include "tidal/plan/host_step.hpp"
 #include "tidal/plan/plan.hpp"
 #include "tidal/plan/planner.hpp"
 #include "tidal/plan/simulator.hpp"
@@ -53,6 +55,9 @@ struct PolicyOptions {
   /// pipeline_write off) runs each sub-group's swap-in, CPU Adam and swap-out one after the
   /// other, so the step takes read + compute + write; true overlaps them (the maximum).
   bool zero_overlap_step_io = false;
+  /// Where tidal's plan runs the optimizer step (host_step.hpp): on the device (the trace as
+  /// recorded), on the host, or whichever of the two simulates faster.
+  OptimizerPlacement optimizer_step = OptimizerPlacement::kDevice;
 };
 
 /// One policy's outcome on one trace and hardware.
@@ -64,8 +69,14 @@ struct PolicyResult {
   double planning_seconds = 0;  ///< tidal only
   std::string note;             ///< what was assumed or why it does not fit
   std::optional<Plan> plan;     ///< the plan simulated, where there is one
-  /// tidal: the stall bound of the trace, where its planner computed it (make_plan's `bound`).
+  /// tidal: the stall bound of the trace, where its planner computed it (make_plan's `bound`);
+  /// with PolicyOptions::optimizer_step host or auto, the bound of the class that was
+  /// considered (the lower of the two placements' where both were).
   std::optional<StallBound> bound;
+  /// tidal: where the plan runs the optimizer step, and the trace the plan and the simulation
+  /// are of where that is not the one given (the host step's device trace).
+  OptimizerPlacement optimizer_step = OptimizerPlacement::kDevice;
+  std::shared_ptr<const trace::Trace> plan_trace;
 };
 
 /// Runs one policy. `ideal_seconds` (> 0) sets fraction_of_ideal. Never throws for a policy

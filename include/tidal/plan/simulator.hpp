@@ -5,6 +5,7 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "tidal/plan/hardware.hpp"
@@ -13,6 +14,23 @@
 #include "tidal/trace/trace.hpp"
 
 namespace tidal::plan {
+
+/// Work the host CPU does beside the device's ops, in a plan whose optimizer step runs on the
+/// host (host_step.hpp): accumulating a gradient the device sent, or one parameter's Adam step.
+/// The host runs its tasks one at a time, in the order they are queued; the device does not
+/// wait for them, only for the tensors they rewrite.
+struct HostTask {
+  std::string name;
+  trace::OpIndex after = 0;  ///< queued when this device op ends, every iteration
+  double seconds = 0;        ///< host CPU time
+  /// Device tensors the task reads from host memory: it starts once the plan's offload of each
+  /// (to host memory, issued at or before `after`) has completed.
+  std::vector<trace::TensorId> inputs;
+  /// Device tensors whose host copy the task rewrites (a parameter's 16-bit copy): their device
+  /// copy is stale from then on, and their next read from host memory starts once the task is
+  /// done. The plan must have them away from device memory at that point.
+  std::vector<trace::TensorId> refreshes;
+};
 
 struct SimOptions {
   /// Iterations replayed; the last one is reported (the first starts with every persistent
@@ -26,6 +44,8 @@ struct SimOptions {
   std::optional<ChannelRates> channels;
   /// Fill SimResult::residency (ops x tensors states: for tests and comparisons).
   bool record_residency = false;
+  /// The host CPU's share of the iteration (empty: none).
+  std::vector<HostTask> host_tasks;
 };
 
 /// What one replayed iteration did. All byte counts are per iteration.
@@ -57,6 +77,10 @@ struct SimResult {
   double host_read_utilisation = 0;
   std::int64_t misses = 0;     ///< tensors needed but not resident nor on their way (read late)
   std::int64_t forwarded = 0;  ///< prefetches answered by a tensor whose write was in flight
+  /// Host CPU time of the host tasks queued in the iteration (SimOptions::host_tasks), and the
+  /// tensor reads that waited for one (a refreshed tensor the plan wanted back earlier).
+  double host_task_seconds = 0;
+  std::int64_t refresh_waits = 0;
   /// Days until the SSDs reach their rated endurance at this rate (0: no SSD writes or no
   /// endurance figure); iterations likewise.
   double ssd_lifetime_days = 0;
@@ -77,8 +101,12 @@ struct SimResult {
 /// at its full rate, earliest deadline first, preempting. Device memory counts a tensor from
 /// its creation (or prefetch issue) until its free point (or offload completion).
 ///
+/// Host tasks (SimOptions::host_tasks) run on their own timeline: each starts when the host is
+/// free, its op has ended and its inputs' offloads are done; a read of a tensor it refreshes
+/// (the plan's prefetch, or the op that needs it) starts no earlier than the task's end.
+///
 /// Throws tidal::InvalidArgument when the plan does not match the trace or uses a channel whose
-/// rate is zero.
+/// rate is zero, or when a host task reads a tensor the plan does not write to host memory.
 SimResult simulate(const trace::Trace& trace, const Plan* plan, const Hardware& hw,
                    const SimOptions& options = {});
 

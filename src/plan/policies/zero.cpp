@@ -2,6 +2,7 @@
 // ZeRO-3's parameter movement as a plan, and the CPU step.
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <sstream>
 #include <utility>
 #include <vector>
@@ -18,15 +19,17 @@ using trace::Phase;
 using trace::TensorClass;
 using trace::TensorId;
 
-namespace {
-
 // ZeRO accumulates gradients over micro-batches in its host buffer (DeepSpeed's offloaded
 // gradient accumulation): each micro-batch's backward makes a fresh gradient on the device and
 // ships it out after its last use there. The first op of a later pass that accumulates into a
 // gradient becomes the maker of a new tensor for that pass, which the pass's later ops use.
-void split_gradients_per_pass(trace::Trace& t) {
+void split_gradients_per_pass(trace::Trace& t, std::vector<TensorId>* origin) {
   const std::vector<int> pass = pass_of_ops(t);
   const std::size_t given = t.tensors.size();
+  if (origin != nullptr) {
+    origin->resize(given);
+    std::iota(origin->begin(), origin->end(), TensorId{0});
+  }
   std::vector<TensorId> current(given, -1);
   std::vector<int> current_pass(given, -1);
   for (auto& op : t.ops) {
@@ -43,6 +46,7 @@ void split_gradients_per_pass(trace::Trace& t) {
         copy.id = static_cast<TensorId>(t.tensors.size());
         copy.name += ".pass" + std::to_string(p);
         t.tensors.push_back(copy);
+        if (origin != nullptr) origin->push_back(id);
         current[i] = copy.id;
         current_pass[i] = p;
         made_here.push_back(id);
@@ -64,7 +68,8 @@ void split_gradients_per_pass(trace::Trace& t) {
 
 // The trace without the optimizer step and its states: the tensors and ops that are left,
 // renumbered, with `op_remap` taking each given op to its new index (kNoOp for the dropped).
-trace::Trace without_optimizer(const trace::Trace& in, std::vector<OpIndex>& op_remap) {
+trace::Trace without_optimizer(const trace::Trace& in, std::vector<OpIndex>& op_remap,
+                               std::vector<TensorId>* tensor_remap) {
   std::vector<TensorId> remap(in.tensors.size(), -1);
   trace::Trace out;
   out.version = in.version;
@@ -98,8 +103,11 @@ trace::Trace without_optimizer(const trace::Trace& in, std::vector<OpIndex>& op_
     }
     out.ops.push_back(std::move(o));
   }
+  if (tensor_remap != nullptr) *tensor_remap = std::move(remap);
   return out;
 }
+
+namespace {
 
 // One CPU op at the end of the trace that stands for the optimizer step.
 void append_cpu_step(trace::Trace& out, double cpu_step_seconds) {
@@ -111,6 +119,8 @@ void append_cpu_step(trace::Trace& out, double cpu_step_seconds) {
   cpu.end_s = cpu_step_seconds;
   out.ops.push_back(cpu);
 }
+
+}  // namespace
 
 // Fixes producers, frees and output slots from the uses after the ZeRO rewrite: gradients are
 // per-iteration tensors made by their first use where that use writes them; the other
@@ -153,6 +163,8 @@ void fix_zero_tensors(trace::Trace& out, const std::vector<OpIndex>& op_remap) {
   }
 }
 
+namespace {
+
 // The ZeRO rewrite: the optimizer step leaves the GPU (one CPU op instead) with the optimizer
 // states; gradients become per-iteration tensors that are shipped out after their last use.
 trace::Trace zero_trace(const trace::Trace& given, double cpu_step_seconds) {
@@ -166,12 +178,14 @@ trace::Trace zero_trace(const trace::Trace& given, double cpu_step_seconds) {
   return out;
 }
 
-// Bytes per parameter element of a trace: 2 where the whole trace is bf16, else 4 (fp32, and
-// bf16-mixed's fp32 weights).
+}  // namespace
+
 double parameter_element_bytes(const trace::Trace& t) {
   const auto it = t.meta.find("precision");
   return it != t.meta.end() && it->second == "bf16" ? 2.0 : 4.0;
 }
+
+namespace {
 
 // Whether ZeRO-3 moves parameter `x`: one above the persistence threshold.
 bool managed(const trace::Tensor& x, const PolicyOptions& opt) {

@@ -1,0 +1,357 @@
+// The optimizer step on the host (host_step.hpp): the trace rewritten for it, its plan and its
+// lower bound.
+#include "tidal/plan/host_step.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <iomanip>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "plan/policies/policies_impl.hpp"
+#include "tidal/common/enum_names.hpp"
+#include "tidal/common/error.hpp"
+#include "tidal/common/units.hpp"
+#include "tidal/plan/planner.hpp"
+#include "tidal/trace/lifetime.hpp"
+
+namespace tidal::plan {
+
+using trace::OpIndex;
+using trace::Phase;
+using trace::TensorClass;
+using trace::TensorId;
+
+namespace {
+
+std::string meta_of(const trace::Trace& t, const std::string& key) {
+  const auto it = t.meta.find(key);
+  return it == t.meta.end() ? std::string() : it->second;
+}
+
+// A parameter and its gradient as the optimizer step updates them (the given trace's ids).
+struct Updated {
+  TensorId weight = -1;
+  TensorId gradient = -1;
+};
+
+// The parameters the optimizer ops update with their gradients: each op's parameters and
+// gradients, paired in the order the op lists them.
+std::vector<Updated> updated_parameters(const trace::Trace& t) {
+  std::vector<Updated> out;
+  std::vector<bool> seen(t.tensors.size(), false);
+  for (const auto& op : t.ops) {
+    if (op.phase != Phase::kOptimizer) continue;
+    std::vector<TensorId> weights;
+    std::vector<TensorId> grads;
+    for (TensorId id : op.inputs) {
+      const TensorClass cls = t.tensors[static_cast<std::size_t>(id)].cls;
+      if (cls == TensorClass::kParameter) weights.push_back(id);
+      if (cls == TensorClass::kGradient) grads.push_back(id);
+    }
+    TIDAL_EXPECT_AS(InvalidArgument, weights.size() == grads.size(), "optimizer op ", op.index,
+                    " ('", op.name, "') reads ", weights.size(), " parameters and ", grads.size(),
+                    " gradients: the optimizer step on the host needs them in pairs");
+    for (std::size_t i = 0; i < weights.size(); ++i) {
+      if (seen[static_cast<std::size_t>(weights[i])]) continue;
+      seen[static_cast<std::size_t>(weights[i])] = true;
+      out.push_back({weights[i], grads[i]});
+    }
+  }
+  TIDAL_EXPECT_AS(InvalidArgument, !out.empty(), "the trace",
+                  t.model.empty() ? "" : " of " + t.model,
+                  " has no optimizer op that updates a parameter with its gradient, so there is "
+                  "no optimizer step to run on the host");
+  return out;
+}
+
+// The last op that uses each tensor (kNoOp: none).
+std::vector<OpIndex> last_uses(const trace::Trace& t) {
+  std::vector<OpIndex> last(t.tensors.size(), trace::kNoOp);
+  for (const auto& op : t.ops) {
+    for (const auto* ids : {&op.inputs, &op.outputs}) {
+      for (TensorId id : *ids) last[static_cast<std::size_t>(id)] = op.index;
+    }
+  }
+  return last;
+}
+
+// The first op of each forward/backward pass.
+std::vector<OpIndex> pass_starts(const std::vector<int>& pass) {
+  std::vector<OpIndex> first;
+  for (std::size_t k = 0; k < pass.size(); ++k) {
+    if (pass[k] >= static_cast<int>(first.size())) first.push_back(static_cast<OpIndex>(k));
+  }
+  return first;
+}
+
+// The host's tasks for one parameter: an accumulation per pass before the last, and the last
+// pass's accumulation with the Adam step, which refreshes the 16-bit copy.
+void add_tasks(HostStepModel& m, const std::string& name, TensorId weight,
+               std::vector<std::pair<OpIndex, TensorId>> grads, double elements,
+               const Hardware& hw, const std::vector<int>& pass,
+               const std::vector<OpIndex>& first_of_pass) {
+  std::sort(grads.begin(), grads.end());
+  const double accumulate = elements / hw.cpu_accumulate_rate;
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    const auto [after, g] = grads[i];
+    const int p = pass[static_cast<std::size_t>(after)];
+    const bool last = i + 1 == grads.size();
+    m.drained.push_back(g);
+    m.drain_deadline.push_back(p + 1 < static_cast<int>(first_of_pass.size())
+                                   ? first_of_pass[static_cast<std::size_t>(p + 1)]
+                                   : 0);
+    HostTask task;
+    task.after = after;
+    task.inputs = {g};
+    if (last) {
+      task.name = "adamw." + name;
+      task.seconds = accumulate + elements / hw.cpu_adam_rate;
+      task.refreshes = {weight};
+      m.refreshed.push_back(weight);
+      m.refresh_task.push_back(m.tasks.size());
+    } else {
+      task.name = "accumulate." + name + ".pass" + std::to_string(p);
+      task.seconds = accumulate;
+    }
+    m.host_seconds += task.seconds;
+    m.tasks.push_back(std::move(task));
+  }
+}
+
+// Replaces the planner's actions on a refreshed parameter over the iteration's end with its
+// way out to host memory after its last use `a` and back by its first use `b`, read no earlier
+// than the end of op `task_after`, after which its host task is queued (the planner's trigger
+// where that is later).
+void route_refresh_through_host(Plan& p, TensorId w, std::uint64_t bytes, OpIndex a, OpIndex b,
+                                OpIndex task_after) {
+  const auto n = static_cast<OpIndex>(p.num_ops);
+  const auto in_wrap = [&](OpIndex k) { return k >= a || k < b; };
+  // Position in the span from a over the iteration's end to b.
+  const auto from_a = [&](OpIndex k) { return (k - a + n) % n; };
+  OpIndex trigger = task_after;
+  std::vector<PlanAction> kept;
+  for (const PlanAction& x : p.actions) {
+    if (x.tensor != w) {
+      kept.push_back(x);
+    } else if (x.kind == ActionKind::kPrefetch && x.deadline == b) {
+      // The planner brought it back in time from there.
+      if (from_a(x.trigger) > from_a(task_after)) trigger = x.trigger;
+    } else if (!in_wrap(x.trigger)) {
+      kept.push_back(x);
+    }
+  }
+  p.actions = std::move(kept);
+  PlanAction off;
+  detail::policy::set_action(off, w, bytes, ActionKind::kOffload, a, (a + 1) % n, Target::kHost);
+  PlanAction pre;
+  detail::policy::set_action(pre, w, bytes, ActionKind::kPrefetch, trigger, b, Target::kHost);
+  p.actions.push_back(off);
+  p.actions.push_back(pre);
+}
+
+}  // namespace
+
+TIDAL_ENUM_NAMES(OptimizerPlacement, optimizer_placement_from_string, "optimizer step placement",
+                 {OptimizerPlacement::kDevice, "device"}, {OptimizerPlacement::kHost, "host"},
+                 {OptimizerPlacement::kAuto, "auto"})
+
+HostStepModel host_step_model(const trace::Trace& tr, const Hardware& hw) {
+  TIDAL_EXPECT_AS(InvalidArgument, hw.cpu_adam_rate > 0 && hw.cpu_accumulate_rate > 0,
+                  "the optimizer step on the host needs the host CPU's Adam and gradient "
+                  "accumulation rates, and hardware '",
+                  hw.name, "' lacks one");
+  const std::vector<Updated> updated = updated_parameters(tr);
+  namespace pol = detail::policy;
+  std::vector<OpIndex> op_remap;
+  std::vector<TensorId> remap;
+  HostStepModel m;
+  m.device = pol::without_optimizer(pol::gaps_in_durations(tr), op_remap, &remap);
+  std::vector<TensorId> origin;
+  pol::split_gradients_per_pass(m.device, &origin);
+  pol::fix_zero_tensors(m.device, op_remap);
+  pol::retime(m.device);
+  m.device.meta["optimizer_step"] = "host";
+  trace::validate(m.device);
+
+  const bool mixed = meta_of(tr, "precision") == "bf16-mixed";
+  const bool accumulates_on_device =
+      meta_of(tr, "micro_batch_order") == "layer-major" && meta_of(tr, "micro_batches") != "";
+  const double element_bytes = pol::parameter_element_bytes(tr);
+  const std::vector<OpIndex> last = last_uses(m.device);
+  const std::vector<int> pass = pol::pass_of_ops(m.device);
+  const std::vector<OpIndex> first_of_pass = pass_starts(pass);
+  // The per-pass gradients of each given gradient.
+  std::vector<std::vector<TensorId>> per_pass(m.device.tensors.size());
+  for (std::size_t i = 0; i < origin.size(); ++i) {
+    if (m.device.tensors[i].cls == TensorClass::kGradient) {
+      per_pass[static_cast<std::size_t>(origin[i])].push_back(static_cast<TensorId>(i));
+    }
+  }
+  for (const Updated& u : updated) {
+    const TensorId w = remap[static_cast<std::size_t>(u.weight)];
+    const TensorId g = remap[static_cast<std::size_t>(u.gradient)];
+    if (w < 0 || g < 0) continue;
+    trace::Tensor& weight = m.device.tensors[static_cast<std::size_t>(w)];
+    const double elements = static_cast<double>(weight.bytes) / element_bytes;
+    const auto elements_u = static_cast<std::uint64_t>(elements);
+    if (mixed) weight.bytes = 2 * elements_u;
+    std::vector<std::pair<OpIndex, TensorId>> grads;
+    for (TensorId x : per_pass[static_cast<std::size_t>(g)]) {
+      if (last[static_cast<std::size_t>(x)] == trace::kNoOp) continue;
+      if (mixed && !accumulates_on_device) m.device.tensors[static_cast<std::size_t>(x)].bytes =
+          2 * elements_u;
+      grads.emplace_back(last[static_cast<std::size_t>(x)], x);
+    }
+    if (grads.empty()) continue;
+    add_tasks(m, weight.name, w, std::move(grads), elements, hw, pass, first_of_pass);
+    m.parameters += static_cast<std::int64_t>(elements_u);
+    m.host_state_bytes += 16 * elements_u + (mixed ? 2 * elements_u : 0);
+  }
+  trace::validate(m.device);
+  return m;
+}
+
+Plan host_step_plan(const HostStepModel& m, const Hardware& hw, const PlannerOptions& options,
+                    std::uint64_t reserve) {
+  Hardware planned = hw;
+  planned.device_memory = hw.device_memory > reserve ? hw.device_memory - reserve : 0;
+  planned.host_memory =
+      hw.host_memory > m.host_state_bytes ? hw.host_memory - m.host_state_bytes : 0;
+  Plan p = make_plan(m.device, planned, options);
+  const auto la = trace::analyze_lifetimes(m.device);
+  for (std::size_t i = 0; i < m.refreshed.size(); ++i) {
+    const TensorId w = m.refreshed[i];
+    const auto& life = la.tensors[static_cast<std::size_t>(w)];
+    if (life.uses.empty()) continue;
+    route_refresh_through_host(p, w, m.device.tensors[static_cast<std::size_t>(w)].bytes,
+                               life.uses.back(), life.uses.front(),
+                               m.tasks[m.refresh_task[i]].after);
+  }
+  for (std::size_t i = 0; i < m.drained.size(); ++i) {
+    const TensorId g = m.drained[i];
+    const OpIndex a = la.tensors[static_cast<std::size_t>(g)].uses.back();
+    PlanAction off;
+    detail::policy::set_action(off, g, m.device.tensors[static_cast<std::size_t>(g)].bytes,
+                               ActionKind::kOffload, a, m.drain_deadline[i], Target::kHost);
+    p.actions.push_back(off);
+  }
+  p.hardware = hw.name;
+  p.summary.capacity_bytes = hw.device_memory;
+  detail::policy::sort_actions(p);
+  validate_plan(p, m.device);
+  return p;
+}
+
+StallBound host_step_bound(const HostStepModel& m, const Hardware& hw, double compute_seconds,
+                           const std::function<void(double)>& progress) {
+  StallBound device = stall_lower_bound(m.device, hw, progress);
+  if (device.no_fit_op >= 0) return device;
+  const ChannelRates rates = hw.channels();
+  const trace::Trace& t = m.device;
+  std::vector<double> before(t.ops.size() + 1, 0.0);  // compute of the ops before op k
+  for (std::size_t k = 0; k < t.ops.size(); ++k) before[k + 1] = before[k] + t.op_seconds(k);
+  const auto la = trace::analyze_lifetimes(t);
+  double drained = 0;
+  for (TensorId g : m.drained) drained += static_cast<double>(t.tensors[static_cast<std::size_t>(g)].bytes);
+  double refreshed = 0;
+  double chain = 0;
+  std::string chain_of;
+  for (std::size_t i = 0; i < m.refreshed.size(); ++i) {
+    const TensorId w = m.refreshed[i];
+    const HostTask& task = m.tasks[m.refresh_task[i]];
+    const auto bytes = static_cast<double>(t.tensors[static_cast<std::size_t>(w)].bytes);
+    refreshed += bytes;
+    const auto& uses = la.tensors[static_cast<std::size_t>(w)].uses;
+    if (uses.empty()) continue;
+    const auto g = static_cast<std::size_t>(task.inputs.front());
+    const double out = static_cast<double>(t.tensors[g].bytes) / rates[Channel::kHostWrite];
+    const double back = bytes / rates[Channel::kHostRead];
+    const double c = before[static_cast<std::size_t>(task.after) + 1] -
+                     before[static_cast<std::size_t>(uses.front())] + out + task.seconds + back;
+    if (c > chain) {
+      chain = c;
+      chain_of = task.name;
+    }
+  }
+  const std::vector<std::pair<double, std::string>> terms = {
+      {device.iteration_seconds, "the device trace's transfers"},
+      {m.host_seconds, "the host's Adam and accumulation"},
+      {drained / rates[Channel::kHostWrite], "the gradients' way to host memory"},
+      {refreshed / rates[Channel::kHostRead], "the 16-bit weights' way back"},
+      {chain, "from the first use of a weight to its refresh (" + chain_of + ")"},
+  };
+  const auto top = std::max_element(terms.begin(), terms.end());
+  // The windows are of the device trace's ops: a report of the given trace cannot name them.
+  StallBound b;
+  b.iteration_seconds = top->first;
+  b.stall_seconds = std::max(0.0, b.iteration_seconds - compute_seconds);
+  b.limit = top->second;
+  return b;
+}
+
+}  // namespace tidal::plan
+
+namespace tidal::plan::detail::policy {
+
+namespace {
+
+// The better of two simulated host-step plans: one that fits first, then the faster.
+bool better(const SimResult& a, const SimResult& b) {
+  if (a.fits != b.fits) return a.fits;
+  return a.fits ? a.iteration_seconds < b.iteration_seconds : a.peak_bytes < b.peak_bytes;
+}
+
+}  // namespace
+
+PolicyResult run_host_step(const trace::Trace& tr, const Hardware& hw, const PolicyOptions& opt) {
+  PolicyResult r;
+  r.policy = Policy::kTidal;
+  r.optimizer_step = OptimizerPlacement::kHost;
+  auto model = std::make_shared<HostStepModel>(host_step_model(tr, hw));
+  SimOptions so = opt.sim;
+  so.host_tasks = model->tasks;
+  // The planner does not see the gradients on their way out: plan for less device memory by
+  // what they took over it in the last attempt, up to four attempts.
+  std::uint64_t reserve = 0;
+  std::optional<Plan> best_plan;
+  SimResult best;
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    Plan p = host_step_plan(*model, hw, opt.planner, reserve);
+    SimResult sim = simulate(model->device, &p, hw, so);
+    r.planning_seconds += p.summary.planning_seconds;
+    const bool fits = sim.fits;
+    const std::uint64_t over = fits ? 0 : sim.peak_bytes - sim.capacity_bytes;
+    if (!best_plan || better(sim, best)) {
+      best = std::move(sim);
+      best_plan = std::move(p);
+    }
+    if (fits || reserve + over >= hw.device_memory) break;
+    reserve += over + over / 4;
+  }
+  r.sim = std::move(best);
+  const std::uint64_t host_needed = r.sim.peak_host_bytes + model->host_state_bytes;
+  r.fits = r.sim.fits && host_needed <= hw.host_memory;
+  std::ostringstream note;
+  note << "optimizer step on the host: " << format_seconds(r.sim.host_task_seconds)
+       << " of host CPU a step for " << std::fixed << std::setprecision(2)
+       << static_cast<double>(model->parameters) / 1e9 << "B parameters; " << best_plan->summary.offloads_ssd << " offloads to SSD, "
+       << best_plan->summary.offloads_host << " to host, " << model->drained.size()
+       << " gradients sent to host";
+  if (r.sim.refresh_waits > 0) note << "; " << r.sim.refresh_waits << " weight reads waited";
+  if (host_needed > hw.host_memory) {
+    note << "; out of host memory: needs " << format_bytes(static_cast<double>(host_needed))
+         << ", has " << format_bytes(static_cast<double>(hw.host_memory));
+  }
+  r.note = note.str();
+  r.plan = std::move(best_plan);
+  r.bound = host_step_bound(*model, hw, tr.compute_seconds());
+  r.plan_trace = std::shared_ptr<const trace::Trace>(model, &model->device);
+  return r;
+}
+
+}  // namespace tidal::plan::detail::policy
