@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <iomanip>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -94,9 +95,10 @@ std::vector<OpIndex> pass_starts(const std::vector<int>& pass) {
 void add_tasks(HostStepModel& m, const std::string& name, TensorId weight,
                std::vector<std::pair<OpIndex, TensorId>> grads, double elements,
                const Hardware& hw, const std::vector<int>& pass,
-               const std::vector<OpIndex>& first_of_pass) {
+               const std::vector<OpIndex>& first_of_pass, bool on_host) {
   std::sort(grads.begin(), grads.end());
-  const double accumulate = elements / hw.cpu_accumulate_rate;
+  // An fp32 gradient accumulated on the device lands as it is; a 16-bit one is widened.
+  const double accumulate = on_host ? elements / hw.cpu_accumulate_rate : 0.0;
   for (std::size_t i = 0; i < grads.size(); ++i) {
     const auto [after, g] = grads[i];
     const int p = pass[static_cast<std::size_t>(after)];
@@ -160,19 +162,40 @@ TIDAL_ENUM_NAMES(OptimizerPlacement, optimizer_placement_from_string, "optimizer
                  {OptimizerPlacement::kDevice, "device"}, {OptimizerPlacement::kHost, "host"},
                  {OptimizerPlacement::kAuto, "auto"})
 
-HostStepModel host_step_model(const trace::Trace& tr, const Hardware& hw) {
+TIDAL_ENUM_TO_STRING(GradientAccumulation, {GradientAccumulation::kHost, "host"},
+                     {GradientAccumulation::kDevice, "device"})
+
+HostStepModel host_step_model(const trace::Trace& tr, const Hardware& hw,
+                              GradientAccumulation accumulation) {
   TIDAL_EXPECT_AS(InvalidArgument, hw.cpu_adam_rate > 0 && hw.cpu_accumulate_rate > 0,
                   "the optimizer step on the host needs the host CPU's Adam and gradient "
                   "accumulation rates, and hardware '",
                   hw.name, "' lacks one");
+  const ChannelRates rates = hw.channels();
+  TIDAL_EXPECT_AS(InvalidArgument,
+                  rates[Channel::kHostWrite] > 0 && rates[Channel::kHostRead] > 0,
+                  "the optimizer step on the host sends gradients and weights over the host link, "
+                  "but on hardware '", hw.name, "' the SSDs take all of it (link ",
+                  format_bandwidth(hw.host_link_bw), ", SSDs ",
+                  format_bandwidth(hw.ssd_write_total()), " write, ",
+                  format_bandwidth(hw.ssd_read_total()),
+                  " read) or there is no host memory: give a faster host link, fewer SSDs or "
+                  "host memory");
   const std::vector<Updated> updated = updated_parameters(tr);
   namespace pol = detail::policy;
   std::vector<OpIndex> op_remap;
   std::vector<TensorId> remap;
   HostStepModel m;
+  m.accumulation = accumulation;
+  const bool on_host = accumulation == GradientAccumulation::kHost;
   m.device = pol::without_optimizer(pol::gaps_in_durations(tr), op_remap, &remap);
   std::vector<TensorId> origin;
-  pol::split_gradients_per_pass(m.device, &origin);
+  if (on_host) {
+    pol::split_gradients_per_pass(m.device, &origin);
+  } else {
+    origin.resize(m.device.tensors.size());
+    std::iota(origin.begin(), origin.end(), TensorId{0});
+  }
   pol::fix_zero_tensors(m.device, op_remap);
   pol::retime(m.device);
   m.device.meta["optimizer_step"] = "host";
@@ -203,12 +226,12 @@ HostStepModel host_step_model(const trace::Trace& tr, const Hardware& hw) {
     std::vector<std::pair<OpIndex, TensorId>> grads;
     for (TensorId x : per_pass[static_cast<std::size_t>(g)]) {
       if (last[static_cast<std::size_t>(x)] == trace::kNoOp) continue;
-      if (mixed && !accumulates_on_device) m.device.tensors[static_cast<std::size_t>(x)].bytes =
+      if (on_host && mixed && !accumulates_on_device) m.device.tensors[static_cast<std::size_t>(x)].bytes =
           2 * elements_u;
       grads.emplace_back(last[static_cast<std::size_t>(x)], x);
     }
     if (grads.empty()) continue;
-    add_tasks(m, weight.name, w, std::move(grads), elements, hw, pass, first_of_pass);
+    add_tasks(m, weight.name, w, std::move(grads), elements, hw, pass, first_of_pass, on_host);
     m.parameters += static_cast<std::int64_t>(elements_u);
     m.host_state_bytes += 16 * elements_u + (mixed ? 2 * elements_u : 0);
   }
@@ -259,8 +282,21 @@ StallBound host_step_bound(const HostStepModel& m, const Hardware& hw, double co
   double drained = 0;
   for (TensorId g : m.drained) drained += static_cast<double>(t.tensors[static_cast<std::size_t>(g)].bytes);
   double refreshed = 0;
-  double chain = 0;
-  std::string chain_of;
+  // Each refreshed parameter: its first use u, the op g after which its last gradient is out,
+  // and its task's time. For the set S of the parameters whose gradients complete last (g at or
+  // after some op), the host runs all of S's tasks after the earliest g of S, and the one it runs
+  // last is needed by its first use in the next iteration: T >= compute(max u .. min g) +
+  // (their tasks) + a refresh, where max u <= min g. One parameter alone is such a set too,
+  // with its gradient's way out.
+  struct Refresh {
+    OpIndex u = 0;
+    OpIndex g = 0;
+    double task = 0;
+    double out = 0;
+    double back = 0;
+    std::string name;
+  };
+  std::vector<Refresh> rs;
   for (std::size_t i = 0; i < m.refreshed.size(); ++i) {
     const TensorId w = m.refreshed[i];
     const HostTask& task = m.tasks[m.refresh_task[i]];
@@ -269,13 +305,36 @@ StallBound host_step_bound(const HostStepModel& m, const Hardware& hw, double co
     const auto& uses = la.tensors[static_cast<std::size_t>(w)].uses;
     if (uses.empty()) continue;
     const auto g = static_cast<std::size_t>(task.inputs.front());
-    const double out = static_cast<double>(t.tensors[g].bytes) / rates[Channel::kHostWrite];
-    const double back = bytes / rates[Channel::kHostRead];
-    const double c = before[static_cast<std::size_t>(task.after) + 1] -
-                     before[static_cast<std::size_t>(uses.front())] + out + task.seconds + back;
+    rs.push_back({uses.front(), task.after, task.seconds,
+                  static_cast<double>(t.tensors[g].bytes) / rates[Channel::kHostWrite],
+                  bytes / rates[Channel::kHostRead], task.name});
+  }
+  const auto compute = [&](OpIndex a, OpIndex b) {  // ops a..b, inclusive
+    return before[static_cast<std::size_t>(b) + 1] - before[static_cast<std::size_t>(a)];
+  };
+  double chain = 0;
+  std::string chain_of;
+  for (const Refresh& r : rs) {
+    if (r.u > r.g) continue;
+    const double c = compute(r.u, r.g) + r.out + r.task + r.back;
     if (c > chain) {
       chain = c;
-      chain_of = task.name;
+      chain_of = r.name;
+    }
+  }
+  std::sort(rs.begin(), rs.end(), [](const Refresh& a, const Refresh& b) { return a.g > b.g; });
+  double tasks = 0;
+  OpIndex u_max = 0;
+  double back_min = 0;
+  for (std::size_t k = 0; k < rs.size(); ++k) {
+    tasks += rs[k].task;
+    u_max = std::max(u_max, rs[k].u);
+    back_min = k == 0 ? rs[k].back : std::min(back_min, rs[k].back);
+    if (u_max > rs[k].g) continue;
+    const double c = compute(u_max, rs[k].g) + tasks + back_min;
+    if (c > chain) {
+      chain = c;
+      chain_of = std::to_string(k + 1) + " parameters' tasks after " + rs[k].name + "'s gradient";
     }
   }
   const std::vector<std::pair<double, std::string>> terms = {
@@ -283,7 +342,8 @@ StallBound host_step_bound(const HostStepModel& m, const Hardware& hw, double co
       {m.host_seconds, "the host's Adam and accumulation"},
       {drained / rates[Channel::kHostWrite], "the gradients' way to host memory"},
       {refreshed / rates[Channel::kHostRead], "the 16-bit weights' way back"},
-      {chain, "from the first use of a weight to its refresh (" + chain_of + ")"},
+      {chain, "the host's tasks between a weight's last gradient and its next use (" + chain_of +
+                   ")"},
   };
   const auto top = std::max_element(terms.begin(), terms.end());
   // The windows are of the device trace's ops: a report of the given trace cannot name them.
@@ -308,15 +368,18 @@ bool better(const SimResult& a, const SimResult& b) {
 
 }  // namespace
 
-PolicyResult run_host_step(const trace::Trace& tr, const Hardware& hw, const PolicyOptions& opt) {
+namespace {
+
+// One host-step model planned (within up to four attempts: the planner does not see the
+// gradients on their way out, so each attempt plans for less device memory by what they took
+// over it in the one before) and simulated.
+PolicyResult plan_host_step(std::shared_ptr<const HostStepModel> model, const trace::Trace& tr,
+                            const Hardware& hw, const PolicyOptions& opt) {
   PolicyResult r;
   r.policy = Policy::kTidal;
   r.optimizer_step = OptimizerPlacement::kHost;
-  auto model = std::make_shared<HostStepModel>(host_step_model(tr, hw));
   SimOptions so = opt.sim;
   so.host_tasks = model->tasks;
-  // The planner does not see the gradients on their way out: plan for less device memory by
-  // what they took over it in the last attempt, up to four attempts.
   std::uint64_t reserve = 0;
   std::optional<Plan> best_plan;
   SimResult best;
@@ -337,9 +400,11 @@ PolicyResult run_host_step(const trace::Trace& tr, const Hardware& hw, const Pol
   const std::uint64_t host_needed = r.sim.peak_host_bytes + model->host_state_bytes;
   r.fits = r.sim.fits && host_needed <= hw.host_memory;
   std::ostringstream note;
-  note << "optimizer step on the host: " << format_seconds(r.sim.host_task_seconds)
+  note << "optimizer step on the host, gradients accumulated on the "
+       << to_string(model->accumulation) << ": " << format_seconds(r.sim.host_task_seconds)
        << " of host CPU a step for " << std::fixed << std::setprecision(2)
-       << static_cast<double>(model->parameters) / 1e9 << "B parameters; " << best_plan->summary.offloads_ssd << " offloads to SSD, "
+       << static_cast<double>(model->parameters) / 1e9 << "B parameters; "
+       << best_plan->summary.offloads_ssd << " offloads to SSD, "
        << best_plan->summary.offloads_host << " to host, " << model->drained.size()
        << " gradients sent to host";
   if (r.sim.refresh_waits > 0) note << "; " << r.sim.refresh_waits << " weight reads waited";
@@ -352,6 +417,39 @@ PolicyResult run_host_step(const trace::Trace& tr, const Hardware& hw, const Pol
   r.bound = host_step_bound(*model, hw, tr.compute_seconds());
   r.plan_trace = std::shared_ptr<const trace::Trace>(model, &model->device);
   return r;
+}
+
+}  // namespace
+
+PolicyResult run_host_step(const trace::Trace& tr, const Hardware& hw, const PolicyOptions& opt) {
+  // The variants: the gradients accumulated on the host or on the device, on the trace as it
+  // is and with layer-wise activation checkpointing (ZeRO-Offload's companion: more compute,
+  // far fewer activations to move).
+  const trace::Trace checkpointed = recompute_trace(tr);
+  const bool has_layers = checkpointed.ops.size() != tr.ops.size();
+  std::optional<PolicyResult> best;
+  std::optional<StallBound> bound;
+  for (const trace::Trace* t : {&tr, &checkpointed}) {
+    if (t == &checkpointed && !has_layers) continue;
+    for (GradientAccumulation a : {GradientAccumulation::kHost, GradientAccumulation::kDevice}) {
+      PolicyResult r =
+          plan_host_step(std::make_shared<HostStepModel>(host_step_model(*t, hw, a)), tr, hw, opt);
+      if (t == &checkpointed) r.note += "; with layer-wise activation checkpointing";
+      if (!bound || (r.bound->no_fit_op < 0 && (bound->no_fit_op >= 0 ||
+                                                r.bound->iteration_seconds < bound->iteration_seconds))) {
+        bound = r.bound;
+      }
+      const bool wins = !best || (r.fits != best->fits ? r.fits : better(r.sim, best->sim));
+      if (wins) {
+        if (best) r.planning_seconds += best->planning_seconds;
+        best = std::move(r);
+      } else {
+        best->planning_seconds += r.planning_seconds;
+      }
+    }
+  }
+  best->bound = bound;
+  return std::move(*best);
 }
 
 }  // namespace tidal::plan::detail::policy

@@ -32,14 +32,28 @@ const char* to_string(OptimizerPlacement p);
 /// Inverse of to_string; throws tidal::InvalidArgument listing the names.
 OptimizerPlacement optimizer_placement_from_string(const std::string& s);
 
+/// Where the gradients of several micro-batches (forward/backward passes) add up, with the
+/// optimizer step on the host.
+enum class GradientAccumulation : std::uint8_t {
+  /// Each pass's gradient goes to host memory after its last use there, 16-bit where it holds
+  /// one micro-batch of a bf16-mixed trace (autocast's gradient before its cast to fp32), and
+  /// the host adds it into the fp32 gradient (a host task per pass).
+  kHost,
+  /// The gradient stays one tensor over the passes, at the trace's gradient size (fp32), and the
+  /// planner moves it between its uses like any other; it goes to host memory once, after the
+  /// last pass's last use.
+  kDevice,
+};
+const char* to_string(GradientAccumulation a);
+
 /// A trace rewritten for the optimizer step on the host.
 struct HostStepModel {
+  GradientAccumulation accumulation = GradientAccumulation::kHost;
   /// The device's ops: the trace without its optimizer ops and states; parameters at their
-  /// 16-bit size where the trace is bf16-mixed; a gradient per forward/backward pass (each
-  /// micro-batch's, in the sequential order; the whole batch's in the layer-major order, where
-  /// a layer's micro-batches accumulate on the device), 16-bit where it holds one micro-batch
-  /// of a bf16-mixed trace (autocast's gradient before its cast to fp32), else at the trace's
-  /// gradient size.
+  /// 16-bit size where the trace is bf16-mixed; the gradients as `accumulation` says (with
+  /// kHost, one per forward/backward pass: each micro-batch's in the sequential order, the
+  /// whole batch's in the layer-major order, where a layer's micro-batches accumulate on the
+  /// device at the trace's gradient size).
   trace::Trace device;
   /// The host's work: per gradient of a pass before the last, its accumulation into the fp32
   /// gradient; per parameter, the last pass's accumulation and the Adam step, which refreshes
@@ -67,8 +81,10 @@ struct HostStepModel {
 /// with their gradients (one AdamW op per parameter, as the analytic traces have, or multi-tensor
 /// ops listing parameters and gradients in the same order). Throws tidal::InvalidArgument when
 /// the trace has no optimizer op, when an optimizer op's parameters and gradients do not pair
-/// up, or when either rate is 0.
-HostStepModel host_step_model(const trace::Trace& trace, const Hardware& hw);
+/// up, when either rate is 0, or when the host-memory channels have no bandwidth
+/// (Hardware::channels(): the SSDs take the whole link, or there is no host memory).
+HostStepModel host_step_model(const trace::Trace& trace, const Hardware& hw,
+                              GradientAccumulation accumulation = GradientAccumulation::kHost);
 
 /// The plan tidal's planner makes for the model: the device trace planned within the device
 /// memory (less `reserve` bytes kept for gradients on their way out) and the host memory the

@@ -50,8 +50,8 @@ void split_gradients_per_pass(trace::Trace& t, std::vector<trace::TensorId>* ori
 /// where that use writes them; the other non-persistent tensors keep their producer and free,
 /// moved by `op_remap`.
 void fix_zero_tensors(trace::Trace& out, const std::vector<trace::OpIndex>& op_remap);
-/// Bytes per parameter element of a trace: 2 where the whole trace is bf16, else 4 (fp32, and
-/// bf16-mixed's fp32 weights).
+/// Bytes per parameter element of a trace: meta["parameter_element_bytes"] where a rewrite set
+/// it, else 2 where the whole trace is bf16, else 4 (fp32, and bf16-mixed's fp32 weights).
 double parameter_element_bytes(const trace::Trace& t);
 /// ZeRO-Offload (`infinity` false: optimizer states and step in host memory) or ZeRO-Infinity
 /// (on the SSDs) on `tr`: its plan and simulation, with layer-wise activation checkpointing

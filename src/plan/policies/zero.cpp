@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <numeric>
 #include <sstream>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -166,10 +167,19 @@ void fix_zero_tensors(trace::Trace& out, const std::vector<OpIndex>& op_remap) {
 namespace {
 
 // The ZeRO rewrite: the optimizer step leaves the GPU (one CPU op instead) with the optimizer
-// states; gradients become per-iteration tensors that are shipped out after their last use.
+// states; gradients become per-iteration tensors that are shipped out after their last use. In
+// bf16-mixed precision the GPU holds DeepSpeed's bf16 copy of each parameter (its fp32 master
+// is with the optimizer state).
 trace::Trace zero_trace(const trace::Trace& given, double cpu_step_seconds) {
   std::vector<OpIndex> op_remap;
   trace::Trace out = without_optimizer(gaps_in_durations(given), op_remap);
+  const auto precision = given.meta.find("precision");
+  if (precision != given.meta.end() && precision->second == "bf16-mixed") {
+    for (auto& t : out.tensors) {
+      if (t.cls == TensorClass::kParameter) t.bytes /= 2;
+    }
+    out.meta["parameter_element_bytes"] = "2";
+  }
   split_gradients_per_pass(out);
   append_cpu_step(out, cpu_step_seconds);
   fix_zero_tensors(out, op_remap);
@@ -181,6 +191,8 @@ trace::Trace zero_trace(const trace::Trace& given, double cpu_step_seconds) {
 }  // namespace
 
 double parameter_element_bytes(const trace::Trace& t) {
+  const auto given = t.meta.find("parameter_element_bytes");
+  if (given != t.meta.end()) return std::stod(given->second);
   const auto it = t.meta.find("precision");
   return it != t.meta.end() && it->second == "bf16" ? 2.0 : 4.0;
 }
