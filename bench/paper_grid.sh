@@ -20,7 +20,10 @@
 # ..."), TIDAL_GRID_HARDWARE (default h100-4ssd), TIDAL_GRID_ORDER (the micro-batch order:
 # sequential, the default, as the paper's training loop runs them; layer-major; or auto, where
 # tidal plans both and keeps the faster, its bound the lower of the two orders' and the ZeRO
-# baselines on the sequential order).
+# baselines on the sequential order), TIDAL_GRID_OPTIMIZER_STEP (device, the default, as the paper
+# ran it; host; or auto, where tidal plans the step on the device and on the host and keeps the
+# faster, its bound the lower of the two placements': docs/simulator.md, "The optimizer step on
+# the host").
 set -euo pipefail
 bin=${TIDAL_BIN:-./build/tidal}
 out=${1:-build/paper_grid.jsonl}
@@ -30,6 +33,7 @@ schedule=${TIDAL_GRID_SCHEDULE:-}
 hardware=${TIDAL_GRID_HARDWARE:-h100-4ssd}
 parallel=${TIDAL_GRID_PARALLEL:-tensor}
 order=${TIDAL_GRID_ORDER:-sequential}
+optimizer_step=${TIDAL_GRID_OPTIMIZER_STEP:-device}
 cases=${TIDAL_GRID_CASES:-"llama3-8b:32:1024 llama3-8b:32:2048 llama3-8b:32:4096 llama3-8b:64:2048 llama3-8b:128:1024 granite-8b:32:1024 granite-8b:32:2048 granite-8b:64:2048 llama3-70b:16:1024 llama3-70b:16:2048 llama3-70b:32:2048"}
 [ -x "$bin" ] || { echo "no tidal binary at $bin: build first (scripts/build.sh)" >&2; exit 1; }
 mkdir -p "$(dirname "$out")"
@@ -45,7 +49,7 @@ for c in $cases; do
   mb=$((per_gpu / micro))
   [ "$mb" -ge 1 ] || mb=1
   [ $((per_gpu % mb)) -eq 0 ] || { echo "batch $batch does not split into $mb micro-batches per GPU" >&2; exit 1; }
-  common=(--model "$model" --batch "$batch" --seq "$seq" "${split[@]}" --micro-batches "$mb" --precision "$precision" --hardware "$hardware")
+  common=(--model "$model" --batch "$batch" --seq "$seq" "${split[@]}" --micro-batches "$mb" --precision "$precision" --hardware "$hardware" --optimizer-step "$optimizer_step")
   [ "$mb" -gt 1 ] && common+=(--micro-batch-order "$order")
   # shellcheck disable=SC2206
   common+=($schedule)
@@ -65,6 +69,7 @@ def frac(j, p):
     out = {"fraction": r["fraction_of_ideal"], "fits": r["fits"]}
     if p == "tidal":
         out["order"] = j.get("micro_batch_order", "sequential")
+        out["optimizer_step"] = r.get("optimizer_step", "device")
     return out
 print(json.dumps({
     "model": model, "batch": int(batch), "seq": int(seq), "micro_batches_per_gpu": int(mb),
@@ -76,7 +81,7 @@ print(json.dumps({
 EOF
 done
 
-python3 - "$out" "$precision" "${schedule:-after-backward}" "$parallel" "$order" <<'EOF'
+python3 - "$out" "$precision" "${schedule:-after-backward}" "$parallel" "$order" "$optimizer_step" <<'EOF'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 # TERAIO (arXiv 2506.06472) gives per-model averages, not per-cell figures (shared/REFERENCES.md):
@@ -87,9 +92,12 @@ def cell(r):
         return "-"
     # With TIDAL_GRID_ORDER=auto, the cells where tidal kept the layer-major order say so.
     lm = " LM" if sys.argv[5] == "auto" and r.get("order") == "layer-major" else ""
+    # With TIDAL_GRID_OPTIMIZER_STEP=auto, the cells where tidal put the step on the host.
+    lm += " H" if sys.argv[6] == "auto" and r.get("optimizer_step") == "host" else ""
     return f"{100 * r['fraction']:.1f}%{lm}" + ("" if r["fits"] else " (no fit)")
 print(f"precision {sys.argv[2]}, optimizer step {sys.argv[3]}, {sys.argv[4]} parallel over 2 GPUs, "
-      f"micro-batch order {sys.argv[5]}{' (LM: tidal kept layer-major)' if sys.argv[5] == 'auto' else ''}; "
+      f"micro-batch order {sys.argv[5]}{' (LM: tidal kept layer-major)' if sys.argv[5] == 'auto' else ''}, "
+      f"optimizer step placement {sys.argv[6]}{' (H: tidal put it on the host)' if sys.argv[6] == 'auto' else ''}; "
       "fractions of ideal")
 print("| model | batch | seq | micro-batches/GPU | ideal s | TERAIO published | tidal-SSD | tidal-Mixed | ZeRO-Offload | ZeRO-Infinity | lower bound | tidal-Mixed / bound |")
 print("|---|---|---|---|---|---|---|---|---|---|---|---|")
