@@ -3,6 +3,7 @@
 #include "tidal/plan/host_step.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <iomanip>
 #include <memory>
@@ -233,7 +234,7 @@ HostStepModel host_step_model(const trace::Trace& tr, const Hardware& hw,
     if (grads.empty()) continue;
     add_tasks(m, weight.name, w, std::move(grads), elements, hw, pass, first_of_pass, on_host);
     m.parameters += static_cast<std::int64_t>(elements_u);
-    m.host_state_bytes += 16 * elements_u + (mixed ? 2 * elements_u : 0);
+    m.host_state_bytes += 16 * elements_u;
   }
   trace::validate(m.device);
   return m;
@@ -243,8 +244,12 @@ Plan host_step_plan(const HostStepModel& m, const Hardware& hw, const PlannerOpt
                     std::uint64_t reserve) {
   Hardware planned = hw;
   planned.device_memory = hw.device_memory > reserve ? hw.device_memory - reserve : 0;
-  planned.host_memory =
-      hw.host_memory > m.host_state_bytes ? hw.host_memory - m.host_state_bytes : 0;
+  // The step's state, and the weights' copies, which the plan adds on host memory over the
+  // iteration's end, are not the planner's to place.
+  std::uint64_t weights = 0;
+  for (TensorId w : m.refreshed) weights += m.device.tensors[static_cast<std::size_t>(w)].bytes;
+  const std::uint64_t taken = m.host_state_bytes + weights;
+  planned.host_memory = hw.host_memory > taken ? hw.host_memory - taken : 0;
   Plan p = make_plan(m.device, planned, options);
   const auto la = trace::analyze_lifetimes(m.device);
   for (std::size_t i = 0; i < m.refreshed.size(); ++i) {
@@ -421,35 +426,88 @@ PolicyResult plan_host_step(std::shared_ptr<const HostStepModel> model, const tr
 
 }  // namespace
 
+namespace {
+
+// The host step's variants planned so far: the fastest that fits, and the lowest bound.
+class VariantSearch {
+ public:
+  VariantSearch(const trace::Trace& tr, const Hardware& hw, const PolicyOptions& opt)
+      : tr_(tr), hw_(hw), opt_(opt) {
+    for (const auto& op : tr.ops) layers_ = std::max(layers_, op.layer + 1);
+  }
+  [[nodiscard]] int layers() const { return layers_; }
+
+  // Plans the variant with the first `checkpointed` layers checkpointed and gradients
+  // accumulated as `a`; returns its iteration (infinite where it does not fit).
+  double run(int checkpointed, GradientAccumulation a) {
+    const trace::Trace t = checkpointed > 0 ? recompute_trace(tr_, checkpointed) : tr_;
+    PolicyResult r = plan_host_step(std::make_shared<HostStepModel>(host_step_model(t, hw_, a)),
+                                    tr_, hw_, opt_);
+    if (checkpointed >= layers_) {
+      r.note += "; with layer-wise activation checkpointing";
+    } else if (checkpointed > 0) {
+      r.note += "; with layer-wise activation checkpointing of the first " +
+                std::to_string(checkpointed) + " of " + std::to_string(layers_) + " layers";
+    }
+    if (!bound_ || (r.bound->no_fit_op < 0 &&
+                    (bound_->no_fit_op >= 0 ||
+                     r.bound->iteration_seconds < bound_->iteration_seconds))) {
+      bound_ = r.bound;
+    }
+    planning_ += r.planning_seconds;
+    const double seconds = r.fits ? r.sim.iteration_seconds : INFINITY;
+    if (!best_ || (r.fits != best_->fits ? r.fits : better(r.sim, best_->sim))) {
+      best_ = std::move(r);
+      best_accumulation_ = a;
+    }
+    return seconds;
+  }
+  [[nodiscard]] GradientAccumulation best_accumulation() const { return best_accumulation_; }
+
+  PolicyResult take() {
+    best_->bound = bound_;
+    best_->planning_seconds = planning_;
+    return std::move(*best_);
+  }
+
+ private:
+  const trace::Trace& tr_;
+  const Hardware& hw_;
+  const PolicyOptions& opt_;
+  int layers_ = 0;
+  std::optional<PolicyResult> best_;
+  GradientAccumulation best_accumulation_ = GradientAccumulation::kHost;
+  std::optional<StallBound> bound_;
+  double planning_ = 0;
+};
+
+}  // namespace
+
 PolicyResult run_host_step(const trace::Trace& tr, const Hardware& hw, const PolicyOptions& opt) {
-  // The variants: the gradients accumulated on the host or on the device, on the trace as it
-  // is and with layer-wise activation checkpointing (ZeRO-Offload's companion: more compute,
-  // far fewer activations to move).
-  const trace::Trace checkpointed = recompute_trace(tr);
-  const bool has_layers = checkpointed.ops.size() != tr.ops.size();
-  std::optional<PolicyResult> best;
-  std::optional<StallBound> bound;
-  for (const trace::Trace* t : {&tr, &checkpointed}) {
-    if (t == &checkpointed && !has_layers) continue;
-    for (GradientAccumulation a : {GradientAccumulation::kHost, GradientAccumulation::kDevice}) {
-      PolicyResult r =
-          plan_host_step(std::make_shared<HostStepModel>(host_step_model(*t, hw, a)), tr, hw, opt);
-      if (t == &checkpointed) r.note += "; with layer-wise activation checkpointing";
-      if (!bound || (r.bound->no_fit_op < 0 && (bound->no_fit_op >= 0 ||
-                                                r.bound->iteration_seconds < bound->iteration_seconds))) {
-        bound = r.bound;
-      }
-      const bool wins = !best || (r.fits != best->fits ? r.fits : better(r.sim, best->sim));
-      if (wins) {
-        if (best) r.planning_seconds += best->planning_seconds;
-        best = std::move(r);
+  // The variants: the gradients accumulated on the host or on the device, on the trace as it is
+  // and with layer-wise activation checkpointing (ZeRO-Offload's companion: more compute, far
+  // fewer activations to move); then checkpointing of the first half of the layers with the
+  // better accumulation, and of a quarter or three quarters on the side where that helped.
+  VariantSearch search(tr, hw, opt);
+  const int L = search.layers();
+  double none = INFINITY;
+  double all = INFINITY;
+  for (GradientAccumulation a : {GradientAccumulation::kHost, GradientAccumulation::kDevice}) {
+    none = std::min(none, search.run(0, a));
+    if (L > 0) all = std::min(all, search.run(L, a));
+  }
+  if (L >= 2) {
+    const GradientAccumulation a = search.best_accumulation();
+    const double half = search.run(L / 2, a);
+    if (L >= 4) {
+      if (half < all || all == INFINITY) {
+        if (none == INFINITY || half < none) search.run(L / 4, a);
       } else {
-        best->planning_seconds += r.planning_seconds;
+        search.run(3 * L / 4, a);
       }
     }
   }
-  best->bound = bound;
-  return std::move(*best);
+  return search.take();
 }
 
 }  // namespace tidal::plan::detail::policy

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <map>
+#include <string>
 #include <sstream>
 
 #include "plan/policies/policies_impl.hpp"
@@ -138,7 +140,9 @@ struct CheckpointBlocks {
   [[nodiscard]] int count() const { return static_cast<int>(forward.size()); }
 };
 
-CheckpointBlocks checkpoint_blocks(const trace::Trace& in, int max_layers) {
+// Blocks of layers from `checkpointed` on have no forward ops listed and no first backward op:
+// they are not recomputed.
+CheckpointBlocks checkpoint_blocks(const trace::Trace& in, int max_layers, int checkpointed) {
   // A pass starts at the first forward op after a backward op.
   const std::vector<int> pass_of = pass_of_ops(in);
   CheckpointBlocks blocks;
@@ -152,7 +156,7 @@ CheckpointBlocks checkpoint_blocks(const trace::Trace& in, int max_layers) {
   blocks.forward.resize(static_cast<std::size_t>(count));
   blocks.first_backward.assign(static_cast<std::size_t>(count), trace::kNoOp);
   for (const auto& op : in.ops) {
-    if (op.layer < 0) continue;
+    if (op.layer < 0 || op.layer >= checkpointed) continue;
     const auto l = static_cast<std::size_t>(blocks.of(op.index));
     if (op.phase == Phase::kForward) blocks.forward[l].push_back(op.index);
     if (op.phase == Phase::kBackward && blocks.first_backward[l] == trace::kNoOp) {
@@ -271,17 +275,23 @@ std::vector<OpIndex> append_with_recomputation(const trace::Trace& in,
 }  // namespace
 
 trace::Trace recompute_trace(const trace::Trace& given) {
+  return recompute_trace(given, std::numeric_limits<int>::max());
+}
+
+trace::Trace recompute_trace(const trace::Trace& given, int layers) {
   trace::Trace in = gaps_in_durations(given);
   const auto la = trace::analyze_lifetimes(in);
   int max_layers = 0;
   for (const auto& op : in.ops) max_layers = std::max(max_layers, op.layer + 1);
   if (max_layers == 0) return in;
-  const CheckpointBlocks blocks = checkpoint_blocks(in, max_layers);
+  const CheckpointBlocks blocks = checkpoint_blocks(in, max_layers, layers);
   const std::vector<char> recompute = recomputed_tensors(in, la, blocks);
 
   trace::Trace out = in;
   out.ops.clear();
-  out.meta["rewrite"] = "layer-wise activation checkpointing";
+  out.meta["rewrite"] = layers >= max_layers ? "layer-wise activation checkpointing"
+                                             : "layer-wise activation checkpointing of the first " +
+                                                   std::to_string(layers) + " layers";
   const std::vector<OpIndex> op_remap = append_with_recomputation(in, blocks, recompute, out);
   for (std::size_t i = 0; i < in.tensors.size(); ++i) {
     trace::Tensor& t = out.tensors[i];

@@ -186,7 +186,7 @@ TEST(HostStepModel, SixteenBitWeightsAndGradientsOnTheDeviceTheRestOnTheHost) {
       // A gradient per micro-batch, 16-bit, where the host accumulates; one fp32 one where the
       // device does.
       EXPECT_EQ(grads, on_host ? 3 * 2 * params : 4 * params) << name;
-      EXPECT_EQ(m.host_state_bytes, 18 * params);
+      EXPECT_EQ(m.host_state_bytes, 16 * params);
       const double expected = static_cast<double>(params) *
                               ((on_host ? 3.0 / hw.cpu_accumulate_rate : 0.0) +
                                1.0 / hw.cpu_adam_rate);

@@ -70,7 +70,7 @@ struct HostStepModel {
   /// The Adam task of each refreshed parameter (index into `tasks`), parallel to `refreshed`.
   std::vector<std::size_t> refresh_task;
   /// Host memory the step's state takes: fp32 master weights, gradients and two moments (16
-  /// bytes a parameter) and the 16-bit copy's host side.
+  /// bytes a parameter). The device copies' host side is the plan's (the simulator counts it).
   std::uint64_t host_state_bytes = 0;
   double host_seconds = 0;  ///< the tasks' CPU time per iteration
   std::int64_t parameters = 0;

@@ -95,6 +95,10 @@ std::vector<PolicyResult> run_policies(const std::vector<Policy>& policies,
 /// op, producing copies that the backward ops use instead. Needs Op::layer; a trace without it
 /// is returned unchanged.
 trace::Trace recompute_trace(const trace::Trace& trace);
+/// The same for the blocks of the first `layers` layers only (in every pass): the earliest
+/// layers' activations live longest, from their forward op to the end of backward, so they save
+/// the most memory for the compute they cost again. `layers` >= the model's layers: all.
+trace::Trace recompute_trace(const trace::Trace& trace, int layers);
 
 /// The SSDTrain-like plan: activations of at least min_bytes leave after their last forward
 /// use for the SSD and are prefetched `lookahead` ops before their first backward use; with
