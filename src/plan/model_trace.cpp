@@ -21,7 +21,11 @@ std::int64_t TransformerConfig::parameters() const {
   std::int64_t per_layer = 0;
   std::int64_t rest = 0;
   if (arch == Architecture::kLlama) {
-    per_layer = 2 * h + h * h + 2 * h * kv + h * h + 3 * h * ffn;
+    const std::int64_t mlp =
+        moe() ? h * experts + experts * 3 * h * expert_ffn +
+                    (shared_expert_ffn > 0 ? 3 * h * shared_expert_ffn + h : 0)
+              : 3 * h * ffn;
+    per_layer = 2 * h + h * h + 2 * h * kv + h * h + mlp;
     rest = vocab * h + h + (tied_embeddings ? 0 : vocab * h);
   } else {
     per_layer = 4 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * ffn + ffn) + (ffn * h + h);

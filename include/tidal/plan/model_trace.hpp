@@ -33,6 +33,17 @@ struct TransformerConfig {
   std::int64_t max_seq = 0;  ///< position table size (GPT-2), longest sequence (reference trainer)
   bool tied_embeddings = false;
   double rope_theta = 10000.0;  ///< rotary base (Llama)
+  /// Mixture of experts (Llama architecture only; 0: a dense MLP of width `ffn`): each block's
+  /// MLP is `experts` SwiGLU experts of width `expert_ffn`, a router (a linear layer of hidden x
+  /// experts) sends each token to `experts_per_token` of them (Mixtral), and where
+  /// `shared_expert_ffn` > 0 every token also goes through one shared SwiGLU expert of that
+  /// width with a sigmoid gate (a linear layer of hidden x 1; Qwen2-MoE).
+  int experts = 0;
+  int experts_per_token = 0;
+  std::int64_t expert_ffn = 0;
+  std::int64_t shared_expert_ffn = 0;
+
+  [[nodiscard]] bool moe() const { return experts > 0; }
 
   /// Number of parameters (elements).
   [[nodiscard]] std::int64_t parameters() const;
