@@ -64,6 +64,7 @@ int main(int argc, char** argv) {
   tidal::cli::add_bench_io_command(app);
   tidal::cli::add_plan_command(app);
   tidal::cli::add_simulate_command(app);
+  tidal::cli::add_estimate_command(app);
 #ifdef TIDAL_WITH_TORCH
   tidal::cli::add_train_command(app);
   tidal::cli::add_profile_command(app);

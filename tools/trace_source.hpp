@@ -18,6 +18,7 @@
 #include "tidal/common/units.hpp"
 #include "tidal/io/measure.hpp"
 #include "tidal/plan/hardware.hpp"
+#include "tidal/plan/hf_config.hpp"
 #include "tidal/plan/model_trace.hpp"
 #include "tidal/trace/io.hpp"
 
@@ -26,6 +27,7 @@ namespace tidal::cli {
 struct TraceSource {
   std::string trace_path;
   std::string model;
+  std::string hf_config;  ///< a Hugging Face config.json instead of --model
   std::int64_t batch = 0;
   std::int64_t seq = 0;
   plan::ModelOverrides shape;
@@ -38,7 +40,7 @@ struct TraceSource {
   bool layer_major = false;  ///< --layer-major: --micro-batch-order layer-major
   int data_parallel = 1;
   int tensor_parallel = 1;
-  std::string precision = "fp32";
+  std::string precision;  ///< empty: fp32, or with --hf-config what its torch_dtype says
   std::string hardware = "h100-4ssd";
   HardwareFlags hw;
   std::optional<std::string> measure_dirs;  ///< measure these store directories (SSD figures)
@@ -118,6 +120,10 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
   cmd->add_option("--model", s.model,
                   "or an analytic trace of a transformer: gpt2-small|gpt2-medium|gpt2-large|"
                   "gpt2-xl|llama3.2-1b|llama3-8b|granite-8b|llama3-70b|llama3.1-405b");
+  cmd->add_option("--hf-config", s.hf_config,
+                  "or an analytic trace of the decoder a Hugging Face config.json describes "
+                  "(llama, mistral, qwen2, mixtral, qwen2_moe, gpt2; nothing is downloaded)")
+      ->check(CLI::ExistingFile);
   cmd->add_option("--batch", s.batch, "batch size (with --model)");
   cmd->add_option("--seq", s.seq, "sequence length (with --model)");
   auto* in_backward = cmd->add_flag(
@@ -154,9 +160,10 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
                   "link); the trace is one GPU's")
       ->capture_default_str();
   cmd->add_option("--precision", s.precision,
-                  "with --model: fp32 (the paper), bf16-mixed (bf16 activations and matmuls, fp32 "
-                  "weights, gradients and Adam states: TorchTitan's default) or bf16 (everything)")
-      ->capture_default_str();
+                  "with --model: fp32 (the paper; the default), bf16-mixed (bf16 activations and "
+                  "matmuls, fp32 weights, gradients and Adam states: TorchTitan's default) or bf16 "
+                  "(everything); with --hf-config the default is what its torch_dtype says "
+                  "(bfloat16 or float16: bf16-mixed)");
   cmd->add_option("--layers", s.shape.layers, "override the number of blocks");
   cmd->add_option("--hidden", s.shape.hidden, "override the hidden size");
   cmd->add_option("--heads", s.shape.heads, "override the attention heads");
@@ -233,11 +240,12 @@ inline plan::Hardware source_hardware(const TraceSource& s) {
 
 /// A profiled trace (--trace): refuses the flags that only shape an analytic one.
 inline trace::Trace profiled_trace(const TraceSource& s) {
-  TIDAL_EXPECT_AS(InvalidArgument, s.model.empty(), "give either --trace or --model, not both");
+  TIDAL_EXPECT_AS(InvalidArgument, s.model.empty() && s.hf_config.empty(),
+                  "give either --trace or --model (--hf-config), not both");
   TIDAL_EXPECT_AS(InvalidArgument, !s.optimizer_in_backward && !s.optimizer_deferred,
                   "--optimizer-in-backward and --optimizer-deferred build an analytic trace "
                   "(--model); a profiled trace has the schedule its training loop ran");
-  TIDAL_EXPECT_AS(InvalidArgument, s.precision == "fp32",
+  TIDAL_EXPECT_AS(InvalidArgument, s.precision.empty() || s.precision == "fp32",
                   "--precision builds an analytic trace (--model); a profiled trace has the "
                   "sizes and times its training loop measured");
   TIDAL_EXPECT_AS(InvalidArgument,
@@ -252,9 +260,11 @@ inline trace::Trace profiled_trace(const TraceSource& s) {
 
 /// Checks the sizes an analytic trace (--model) is built from, naming the flags.
 inline void check_model_flags(const TraceSource& s) {
-  TIDAL_EXPECT_AS(InvalidArgument, !s.model.empty(),
+  TIDAL_EXPECT_AS(InvalidArgument, !s.model.empty() || !s.hf_config.empty(),
                   "give a trace (--trace T.json) or a model (--model llama3-8b --batch 8 --seq "
-                  "4096)");
+                  "4096, or --hf-config config.json --batch 8 --seq 4096)");
+  TIDAL_EXPECT_AS(InvalidArgument, s.model.empty() || s.hf_config.empty(),
+                  "give either --model or --hf-config, not both");
   TIDAL_EXPECT_AS(InvalidArgument, s.batch > 0 && s.seq > 0,
                   "--model needs --batch and --seq (positive)");
   // The library checks every size against what a trace can hold; this names the flags for the
@@ -278,7 +288,9 @@ inline void check_model_flags(const TraceSource& s) {
 /// The analytic traces of --model on `hw`: one per micro-batch order to plan.
 inline std::vector<trace::Trace> analytic_traces(const TraceSource& s, const plan::Hardware& hw) {
   check_model_flags(s);
-  plan::TransformerConfig cfg = plan::model_preset(s.model);
+  std::optional<plan::HfModel> hf;
+  if (!s.hf_config.empty()) hf = plan::read_hf_config(s.hf_config);
+  plan::TransformerConfig cfg = hf ? hf->config : plan::model_preset(s.model);
   plan::apply_overrides(cfg, s.shape);
   plan::AnalyticTraceOptions topt;
   topt.optimizer = optimizer_schedule(s.optimizer_in_backward, s.optimizer_deferred);
@@ -291,7 +303,9 @@ inline std::vector<trace::Trace> analytic_traces(const TraceSource& s, const pla
       "--micro-batches 2 or more");
   topt.data_parallel = s.data_parallel;
   topt.tensor_parallel = s.tensor_parallel;
-  topt.precision = plan::precision_from_string(s.precision);
+  topt.precision = !s.precision.empty()          ? plan::precision_from_string(s.precision)
+                   : hf && hf->precision.has_value() ? *hf->precision
+                                                     : plan::Precision::kFp32;
   check_trace_fits(plan::analytic_trace_size(cfg, s.batch, s.seq, hw, topt), cfg);
   // auto with one micro-batch: the two orders are the same trace.
   std::vector<plan::MicroBatchOrder> orders;

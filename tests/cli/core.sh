@@ -206,5 +206,30 @@ else
   fi
 fi
 
+# tidal estimate: a Hugging Face config.json's decoder, before it exists in memory.
+configs="$(dirname "$0")/../plan/hf_configs"
+for cfg in Meta-Llama-3-8B Qwen2.5-32B Mixtral-8x7B-v0.1; do
+  out=$(timeout 60 "$tidal" estimate --hf-config "$configs/$cfg.json" --batch 8 --seq 4096 \
+    --gpu-mem 80GiB --host-mem 256GiB --json 2>&1)
+  if python3 -c 'import json, sys
+j = json.loads(sys.argv[1].splitlines()[-1])
+assert j["fits"] and j["step_seconds"] >= j["lower_bound_seconds"] > 0, j
+assert j["ideal_seconds"] <= j["step_seconds"] and j["precision"] == "bf16-mixed", j' "$out"; then
+    echo "ok   tidal estimate --hf-config $cfg.json"
+  else
+    fail "tidal estimate --hf-config $cfg.json" "$out"
+  fi
+done
+printf '{"model_type": "bert", "hidden_size": 768}' >"$tmp/bert.json"
+expect "not a decoder-only" estimate --hf-config "$tmp/bert.json" --batch 1 --seq 128
+printf '{"model_type": "falcon"}' >"$tmp/falcon.json"
+expect "model_type 'falcon'" estimate --hf-config "$tmp/falcon.json" --batch 1 --seq 128
+printf '{"model_type": "llama", "hidden_size": 64}' >"$tmp/short.json"
+expect "has no 'num_hidden_layers'" estimate --hf-config "$tmp/short.json" --batch 1 --seq 128
+expect "no plan fits" estimate --hf-config "$configs/Meta-Llama-3-8B.json" --batch 4096 \
+  --seq 4096 --gpu-mem 8GiB --host-mem 0
+expect "give either --model or --hf-config" estimate --model llama3-8b \
+  --hf-config "$configs/Meta-Llama-3-8B.json" --batch 1 --seq 128
+
 ((failures == 0)) && echo "all torch-free CLI checks passed"
 exit $((failures > 0))
