@@ -33,6 +33,11 @@ Also printed: each side's forward / backward / optimizer-step seconds (DeepSpeed
 its NVMe swaps of the optimizer state; tidal's includes end_step), used to calibrate the
 simulator's ZeRO-Infinity model (docs/simulator.md); --save-trace FILE writes the first tidal
 run's profiled trace for `tidal simulate --trace FILE`.
+--ds-offload cpu runs DeepSpeed's ZeRO-Offload instead (ZeRO-3 with parameters and optimizer
+state in CPU memory, offload_param and offload_optimizer device cpu: the configuration the
+simulator's zero-offload policy models), to calibrate that model the same way. On the CPU
+accelerator "device" and host memory are one memory, so its SSD bytes are 0 and its optimizer
+step is CPU Adam plus DeepSpeed's gradient and parameter copies within that memory.
 """
 
 import argparse
@@ -62,8 +67,12 @@ def vm_hwm():
 
 
 def ds_config(a, nvme):
-    """ZeRO-3 with parameters and optimizer state on NVMe (ZeRO-Infinity), fp32 as tidal's side.
-    Each setting here is one the run needs on this machine; docs/results.md says why."""
+    """ZeRO-3 with parameters and optimizer state on NVMe (ZeRO-Infinity), fp32 as tidal's side;
+    with --ds-offload cpu, both in CPU memory instead (ZeRO-Offload as the simulator's
+    zero-offload policy models it). Each setting here is one the run needs on this machine;
+    docs/results.md says why."""
+    if a.ds_offload == "cpu":
+        return ds_config_cpu(a)
     return {
         "train_micro_batch_size_per_gpu": a.batch,
         "gradient_accumulation_steps": 1,
@@ -107,6 +116,60 @@ def ds_config(a, nvme):
     }
 
 
+def ds_config_cpu(a):
+    """ZeRO-Offload as the simulator's zero-offload policy models it (src/plan/policies/zero.cpp,
+    docs/simulator.md): ZeRO-3 with offload_param and offload_optimizer both device cpu, so the
+    fp32 master parameters, Adam moments and gradients live in CPU memory and DeepSpeed's CPU
+    Adam steps them after backward. The ZeRO-3 knobs are the NVMe run's, so the two runs differ
+    only in where the offloaded tensors go: parameters released after each use (reuse distance
+    0) and fetched again, gradients reduced through one matrix-sized bucket. pin_memory false:
+    pinned buffers would be allocated outside the meter."""
+    return {
+        "train_micro_batch_size_per_gpu": a.batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW",
+                      "params": {"lr": a.lr, "betas": [0.9, 0.999], "eps": 1e-8,
+                                 "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "cpu", "pin_memory": False},
+            "offload_optimizer": {"device": "cpu", "pin_memory": False},
+            "sub_group_size": a.ds_sub_group,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_max_reuse_distance": 0,
+            "stage3_max_live_parameters": 4 * 4 * a.d * a.d,
+            "stage3_prefetch_bucket_size": 2 * 4 * a.d * a.d,
+            "reduce_bucket_size": 4 * a.d * a.d,
+        },
+        "steps_per_print": 1 << 30,
+    }
+
+
+def time_inner_optimizer(engine):
+    """Times the optimizer ZeRO-3 wraps (DeepSpeed's CPU Adam): its step is replaced on the
+    instance by one that calls it and adds up the seconds it took. Returns a function that gives
+    the seconds since its last call (None when the engine wraps no optimizer)."""
+    inner = getattr(engine.optimizer, "optimizer", None)
+    if inner is None:
+        return None
+    total = [0.0]
+    step = inner.step
+
+    def timed_step(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            total[0] += time.perf_counter() - t
+
+    def take():
+        seconds, total[0] = total[0], 0.0
+        return seconds
+
+    inner.step = timed_step
+    return take
+
+
 def run_side(a):
     """One side in this process; writes its figures to a.json."""
     import torch
@@ -124,6 +187,7 @@ def run_side(a):
     rss0 = vm_hwm()
     store = tempfile.mkdtemp(prefix=f"vsds-{a.side}-", dir=a.dir)
     session = engine = None
+    adam_seconds = None
     try:
         if a.side == "deepspeed":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -142,6 +206,10 @@ def run_side(a):
             # is_fp16_supported() else torch.bfloat16 ...` gives bfloat16 on the CPU accelerator:
             # the swapper then sizes fp32 partitions as 2-byte elements (and with 1 MiB blocks
             # no parameter of this model reaches min_aio_bytes: nothing went to NVMe).
+            # Seeded again here: DeepSpeed's set-up above can draw from torch's generator (it
+            # did with offload to cpu: step 0's loss differed from the plain run's), and each
+            # side must start from the same weights.
+            torch.manual_seed(a.seed)
             with deepspeed.zero.Init(config_dict_or_path=cfg):
                 model = GPT(corpus.vocab, a.layers, a.d, a.heads, a.block)
             engine, _, _, _ = deepspeed.initialize(model=model,
@@ -151,6 +219,8 @@ def run_side(a):
             swapped = [p for p in engine.module.parameters()
                        if getattr(p.ds_tensor, "final_location", None) == "nvme"]
             out["parameters_on_nvme"] = sum(p.ds_numel for p in swapped)
+            out["ds_offload"] = a.ds_offload
+            adam_seconds = time_inner_optimizer(engine)
         else:
             model = GPT(corpus.vocab, a.layers, a.d, a.heads, a.block)
             opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
@@ -198,6 +268,9 @@ def run_side(a):
                    # forward (with tidal's begin_step), backward, optimizer step (with
                    # DeepSpeed's swaps of the step, or tidal's end_step)
                    "phases": [marks[0] - t0, marks[1] - marks[0], t0 + seconds - marks[1]]}
+            if adam_seconds:
+                # the optimizer step's own Adam (DeepSpeed's CPU Adam over every sub-group)
+                row["adam"] = adam_seconds()
             if session:
                 s = session.stats()
                 row.update(step_peak=s.step_peak, store_read=s.bytes_read,
@@ -238,7 +311,7 @@ def side_cmd(a, side, json_out, budget):
     cmd = [sys.executable, os.path.abspath(__file__), "--side", side, "--dir", a.dir,
            "--json", json_out, "--budget", str(budget)]
     for k in ("steps", "layers", "d", "heads", "block", "batch", "lr", "seed", "text",
-              "capacity", "ds_buffers", "ds_sub_group", "port"):
+              "capacity", "ds_buffers", "ds_sub_group", "port", "ds_offload"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     if a.ds_cap:
         cmd.append("--ds-cap")
@@ -301,7 +374,8 @@ def driver(a):
     a.work = tempfile.mkdtemp(prefix="vsds-work-")
     print(f"GPT (examples/python/gpt.py): {a.layers} layers, d {a.d}, {a.heads} heads, context "
           f"{a.block}, batch {a.batch}, AdamW lr {a.lr}, fp32, {a.steps} steps, the first "
-          f"{a.skip} not timed; store/swap directory {a.dir} (O_DIRECT both sides)", flush=True)
+          f"{a.skip} not timed; store/swap directory {a.dir} (O_DIRECT both sides); DeepSpeed "
+          f"offloads to {a.ds_offload}", flush=True)
     ref = run_one(a, "none", 0, "none")
     if ref.get("error"):
         sys.exit(f"the reference run failed: {ref['error']}")
@@ -369,10 +443,11 @@ def driver(a):
     ok = {k: [s for s in v if "seconds" in s] for k, v in per.items()}
     if ok["deepspeed"] and ok["tidal"]:
         def ratio(key):
-            return med([s[key] for s in ok["tidal"]]) / med([s[key] for s in ok["deepspeed"]])
-        print(f"ratios tidal/DeepSpeed (medians over rounds): step time {ratio('seconds'):.2f}x, "
-              f"peak {ratio('peak'):.2f}x, SSD read {ratio('read'):.2f}x, "
-              f"SSD write {ratio('write'):.2f}x")
+            # "-" where DeepSpeed's figure is 0 (no SSD bytes when it offloads to cpu)
+            d = med([s[key] for s in ok["deepspeed"]])
+            return f"{med([s[key] for s in ok['tidal']]) / d:.2f}x" if d else "-"
+        print(f"ratios tidal/DeepSpeed (medians over rounds): step time {ratio('seconds')}, "
+              f"peak {ratio('peak')}, SSD read {ratio('read')}, SSD write {ratio('write')}")
         ds_first = [t["seconds"] / d["seconds"] for i, (t, d) in
                     enumerate(zip(per["tidal"], per["deepspeed"]))
                     if "seconds" in t and "seconds" in d]
@@ -384,6 +459,12 @@ def driver(a):
     print("forward/backward/optimizer-step seconds (medians of the timed steps, all rounds): "
           f"plain {phases_of(ref, a.skip)}, " +
           ", ".join(f"{side} {phases(side)}" for side in runs))
+    for side in [k for k in runs if k.startswith("deepspeed")]:
+        adam = [x["adam"] for r in runs[side] for x in r["steps"][a.skip:] if "adam" in x]
+        if adam:
+            n = runs[side][0]["parameters"]
+            print(f"{side}: CPU Adam inside its optimizer step {med(adam):.3f} s (median), "
+                  f"{n / med(adam) / 1e9:.2f}e9 parameters/s over its {n} parameters")
     for side in [k for k in runs if k.startswith("tidal")]:
         t = runs[side][0]
         if not t.get("budget"):
@@ -392,7 +473,11 @@ def driver(a):
               f"steps over it {t.get('steps_over_budget')}, refusals {t.get('refusals')}, step boundary {t.get('between_steps')}; "
               f"{t.get('plan_summary', '')}")
     d = runs["deepspeed"][0]
-    if d.get("parameters_on_nvme") is not None:
+    if d.get("ds_offload") == "cpu":
+        print(f"DeepSpeed: ZeRO-Offload, parameters and optimizer state in CPU memory "
+              f"(offload_param and offload_optimizer device cpu), {d['parameters']} parameter "
+              f"elements")
+    elif d.get("parameters_on_nvme") is not None:
         print(f"DeepSpeed: {d['parameters_on_nvme']} of {d['parameters']} parameter elements on "
               f"NVMe (the rest below min_aio_bytes, in CPU memory); swap files "
               f"{mib(d.get('store_files_bytes', 0))} MiB at the end")
@@ -440,6 +525,9 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text", default=os.path.join(ROOT, "README.md"))
     p.add_argument("--capacity", default="4GiB")
+    p.add_argument("--ds-offload", choices=["nvme", "cpu"], default="nvme",
+                   help="where DeepSpeed's ZeRO-3 offloads parameters and optimizer state: nvme "
+                        "(ZeRO-Infinity, the default) or cpu (ZeRO-Offload: CPU memory)")
     p.add_argument("--ds-buffers", type=int, default=8)
     p.add_argument("--ds-sub-group", type=int, default=1 << 20)
     p.add_argument("--port", type=int, default=29517)

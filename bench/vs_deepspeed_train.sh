@@ -5,7 +5,12 @@
 # alternating rounds (bench/vs_deepspeed_train.py says what each figure is).
 #
 #   bash bench/vs_deepspeed_train.sh [--dir /var/tmp] [--rounds 3] [--steps 20] [--budget B]
-#                                    [--ds-cap] [--json FILE] [model options of the .py]
+#                                    [--ds-offload nvme|cpu] [--ds-cap] [--json FILE]
+#                                    [model options of the .py]
+#
+# --ds-offload cpu: DeepSpeed's ZeRO-Offload instead (ZeRO-3 with parameters and optimizer state
+# in CPU memory, the configuration the simulator's zero-offload policy models); it needs no
+# async_io op.
 #
 # Needs the Python module (build/python, or $TIDAL_BUILD/python) and DeepSpeed in the venv
 # ($TIDAL_VENV, default .venv): bench/vs_deepspeed.sh installs it (a benchmark-only install,
