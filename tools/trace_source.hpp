@@ -117,9 +117,9 @@ inline void check_trace_fits(const plan::AnalyticTraceSize& size,
 
 inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
   cmd->add_option("--trace", s.trace_path, "trace JSON from `tidal profile`");
-  cmd->add_option("--model", s.model,
-                  "or an analytic trace of a transformer: gpt2-small|gpt2-medium|gpt2-large|"
-                  "gpt2-xl|llama3.2-1b|llama3-8b|granite-8b|llama3-70b|llama3.1-405b");
+  std::string models;
+  for (const auto& n : plan::model_preset_names()) models += (models.empty() ? "" : "|") + n;
+  cmd->add_option("--model", s.model, "or an analytic trace of a transformer: " + models);
   cmd->add_option("--hf-config", s.hf_config,
                   "or an analytic trace of the decoder a Hugging Face config.json describes "
                   "(llama, mistral, qwen2, mixtral, qwen2_moe, gpt2; nothing is downloaded)")
@@ -168,7 +168,8 @@ inline void add_trace_source_options(CLI::App* cmd, TraceSource& s) {
   cmd->add_option("--hidden", s.shape.hidden, "override the hidden size");
   cmd->add_option("--heads", s.shape.heads, "override the attention heads");
   cmd->add_option("--kv-heads", s.shape.kv_heads, "override the key/value heads");
-  cmd->add_option("--ffn", s.shape.ffn, "override the MLP width");
+  cmd->add_option("--ffn", s.shape.ffn,
+                  "override the MLP width (a mixture of experts: each expert's)");
   cmd->add_option("--vocab", s.shape.vocab, "override the vocabulary size");
   cmd->add_option("--hardware", s.hardware, "h100-4ssd|a100-2ssd|cpu-here")->capture_default_str();
   add_hardware_flags(cmd, s.hw);

@@ -149,9 +149,10 @@ class LlamaBlockImpl : public BlockBaseImpl {
   torch::nn::Linear w1_{nullptr}, w2_{nullptr}, w3_{nullptr};
 };
 
-// Whether the reference trainer builds this preset: GPT-2 (tied head) and Llama with its own head.
+// Whether the reference trainer builds this preset: GPT-2 (tied head) and Llama with its own head,
+// without experts (its blocks are dense).
 bool trainable(const plan::TransformerConfig& c) {
-  return c.arch == plan::Architecture::kGpt2 || !c.tied_embeddings;
+  return !c.moe() && (c.arch == plan::Architecture::kGpt2 || !c.tied_embeddings);
 }
 
 std::int64_t round_up(std::int64_t n, std::int64_t m) { return (n + m - 1) / m * m; }

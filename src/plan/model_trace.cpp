@@ -21,10 +21,9 @@ std::int64_t TransformerConfig::parameters() const {
   std::int64_t per_layer = 0;
   std::int64_t rest = 0;
   if (arch == Architecture::kLlama) {
-    const std::int64_t mlp =
-        moe() ? h * experts + experts * 3 * h * expert_ffn +
-                    (shared_expert_ffn > 0 ? 3 * h * shared_expert_ffn + h : 0)
-              : 3 * h * ffn;
+    const std::int64_t mlp = moe() ? h * experts + experts * 3 * h * expert_ffn +
+                                         (shared_expert_ffn > 0 ? 3 * h * shared_expert_ffn + h : 0)
+                                   : 3 * h * ffn;
     per_layer = 2 * h + h * h + 2 * h * kv + h * h + mlp;
     rest = vocab * h + h + (tied_embeddings ? 0 : vocab * h);
   } else {
@@ -51,10 +50,15 @@ struct ModelPreset {
   std::int64_t max_seq;
   bool tied;
   double rope_theta;
+  int experts = 0;
+  int experts_per_token = 0;
+  std::int64_t expert_ffn = 0;
+  std::int64_t shared_expert_ffn = 0;
 };
 
 // name, architecture, layers, hidden, heads, kv heads, MLP width, vocabulary, longest sequence,
-// tied embeddings, rotary base.
+// tied embeddings, rotary base; for a mixture of experts, the experts, experts per token, expert
+// width and shared expert width (the MLP width is then the expert width).
 constexpr ModelPreset kModelPresets[] = {
     {"gpt-tiny", kGpt, 2, 64, 4, 4, 256, 256, 256, true, 10000},
     {"gpt2-small", kGpt, 12, 768, 12, 12, 3072, 50257, 1024, true, 10000},
@@ -67,6 +71,11 @@ constexpr ModelPreset kModelPresets[] = {
     {"granite-8b", kLlama, 36, 4096, 32, 8, 14336, 49152, 4096, true, 10000000},
     {"llama3-70b", kLlama, 80, 8192, 64, 8, 28672, 128256, 8192, false, 500000},
     {"llama3.1-405b", kLlama, 126, 16384, 128, 8, 53248, 128256, 131072, false, 500000},
+    {"mixtral-8x7b", kLlama, 32, 4096, 32, 8, 14336, 32000, 32768, false, 1e6, 8, 2, 14336},
+    // Qwen1.5-MoE-A2.7B (the Qwen2-MoE architecture); the biases of its query, key and value
+    // projections (about 0.15M parameters) are not modelled.
+    {"qwen2-moe-a2.7b", kLlama, 24, 2048, 16, 16, 1408, 151936, 8192, false, 1e6, 60, 4, 1408,
+     5632},
 };
 
 }  // namespace
@@ -92,6 +101,10 @@ TransformerConfig model_preset(const std::string& name) {
     c.max_seq = m.max_seq;
     c.tied_embeddings = m.tied;
     c.rope_theta = m.rope_theta;
+    c.experts = m.experts;
+    c.experts_per_token = m.experts_per_token;
+    c.expert_ffn = m.expert_ffn;
+    c.shared_expert_ffn = m.shared_expert_ffn;
     return c;
   }
   std::string names;
@@ -112,6 +125,7 @@ void apply_overrides(TransformerConfig& cfg, const ModelOverrides& o) {
   }
   if (o.kv_heads) cfg.kv_heads = *o.kv_heads;
   if (o.ffn) cfg.ffn = *o.ffn;
+  if (o.ffn && cfg.moe()) cfg.expert_ffn = *o.ffn;
   if (o.vocab) cfg.vocab = *o.vocab;
   if (cfg.arch == Architecture::kGpt2) cfg.kv_heads = cfg.heads;
   if (any) cfg.name += "-custom";

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "plan/trace_names.hpp"
+#include "plan/transformer/moe_block.hpp"
 #include "plan/transformer/trace_builder.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/plan/model_trace.hpp"
@@ -22,6 +23,9 @@ using detail::transformer::Builder;
 using detail::transformer::check_arguments;
 using detail::transformer::kFloat;
 using detail::transformer::kNone;
+using detail::transformer::MoeBlock;
+using detail::transformer::MoeParams;
+using detail::transformer::MoeSaved;
 using detail::transformer::Param;
 
 // The parameters of one block (indices into the builder's parameters; kNone where the
@@ -30,6 +34,7 @@ struct LayerParams {
   std::size_t n1 = kNone, n1b = kNone, n2 = kNone, n2b = kNone, q = kNone, k = kNone, v = kNone,
               o = kNone, ob = kNone, w1 = kNone, w2 = kNone, w3 = kNone, qkv = kNone, qkvb = kNone,
               fc = kNone, fcb = kNone, proj = kNone, projb = kNone;
+  MoeParams moe;          ///< a mixture of experts' MLP (Llama with experts)
   std::size_t first = 0;  ///< first parameter of the block
   std::size_t end = 0;    ///< one past its last
 };
@@ -38,6 +43,7 @@ struct LayerParams {
 struct Saved {
   TensorId x = -1, n1 = -1, s1 = -1, q = -1, k = -1, v = -1, qkv = -1, o = -1, lse = -1, h1 = -1,
            n2 = -1, s2 = -1, a = -1, up = -1, act = -1, m = -1;
+  MoeSaved moe;
 };
 
 // One GPU's share of the model's dimensions under tensor parallelism: attention heads, the MLP
@@ -65,7 +71,8 @@ class TransformerTraceBuilder {
         llama_(cfg.arch == Architecture::kLlama),
         mb_batch_(batch / o.data_parallel / o.micro_batches),
         seq_(seq),
-        b_(hw, mb_batch_ * seq, o.precision) {
+        b_(hw, mb_batch_ * seq, o.precision),
+        moe_(b_, cfg, mb_batch_ * seq, o.tensor_parallel) {
     const int tp = o.tensor_parallel;
     d_.h = cfg.hidden;
     d_.q = cfg.hidden / tp;
@@ -133,6 +140,10 @@ class TransformerTraceBuilder {
     x.v = add(p + "attention.wv.weight", h * d_.kv);
     x.o = add(p + "attention.wo.weight", d_.q * h);
     x.n2 = add(p + "ffn_norm.weight", h);
+    if (cfg_.moe()) {
+      x.moe = moe_.add_parameters(p);
+      return;
+    }
     x.w1 = add(p + "feed_forward.w1.weight", h * d_.f);
     x.w3 = add(p + "feed_forward.w3.weight", h * d_.f);
     x.w2 = add(p + "feed_forward.w2.weight", d_.f * h);
@@ -160,33 +171,13 @@ class TransformerTraceBuilder {
   TensorId linear(const std::string& name, int layer, TensorId x, std::size_t w, std::int64_t in,
                   std::int64_t outf, TensorClass cls = TensorClass::kActivation,
                   std::size_t bias = kNone) {
-    const TensorId y = b_.act(name + ".out", outf, cls);
-    std::vector<TensorId> ins{x, W(w)};
-    if (bias != kNone) ins.push_back(W(bias));
-    b_.op(
-        name, Phase::kForward, layer, ins, {y},
-        2.0 * static_cast<double>(tokens()) * static_cast<double>(in) * static_cast<double>(outf));
-    return y;
+    return b_.linear(name, layer, x, w, tokens(), in, outf, cls, bias);
   }
 
-  // Backward of a linear: grad of the input (unless need_input_grad is false) and of the weight
-  // (and bias).
+  // Backward of a linear over all tokens: grad of the input and of the weight (and bias).
   TensorId linear_bwd(const std::string& name, int layer, TensorId gy, TensorId x, std::size_t w,
-                      std::int64_t in, std::int64_t outf, std::size_t bias = kNone,
-                      bool need_input_grad = true) {
-    TensorId gx = -1;
-    const double flops =
-        2.0 * static_cast<double>(tokens()) * static_cast<double>(in) * static_cast<double>(outf);
-    if (need_input_grad) {
-      gx = b_.temp(name + ".grad_in", in);
-      b_.op(name + ".bwd_in", Phase::kBackward, layer, {gy, W(w)}, {gx}, flops);
-    }
-    std::vector<TensorId> ins{x, gy};
-    std::vector<TensorId> outs;
-    b_.grad(w, ins, outs);
-    if (bias != kNone) b_.grad(bias, ins, outs);
-    b_.op(name + ".bwd_w", Phase::kBackward, layer, ins, outs, flops);
-    return gx;
+                      std::int64_t in, std::int64_t outf, std::size_t bias = kNone) {
+    return b_.linear_bwd(name, layer, gy, x, w, tokens(), in, outf, bias);
   }
 
   // A norm's backward op: the output's gradient, the input, the saved statistics and the weight
@@ -337,6 +328,7 @@ class TransformerTraceBuilder {
 
   TensorId llama_mlp_forward(int l, const std::string& p, const LayerParams& P, Saved& s) {
     b_.op(p + "ffn_norm", Phase::kForward, l, {s.h1, W(P.n2)}, {s.n2, s.s2}, 0);
+    if (cfg_.moe()) return moe_.forward(l, p, P.moe, s.n2, s.moe);
     s.a = linear(p + "feed_forward.w1", l, s.n2, P.w1, d_.h, d_.f);
     s.up = linear(p + "feed_forward.w3", l, s.n2, P.w3, d_.h, d_.f);
     s.act = b_.act(p + "silu.out", d_.f);
@@ -421,6 +413,7 @@ class TransformerTraceBuilder {
 
   TensorId llama_mlp_backward(int l, const std::string& p, const LayerParams& P, const Saved& s,
                               TensorId gx) {
+    if (cfg_.moe()) return moe_.backward(l, p, P.moe, s.moe, s.n2, gx);
     const TensorId g_m = linear_bwd(p + "feed_forward.w2", l, gx, s.m, P.w2, d_.f, d_.h);
     const TensorId g_sa = b_.temp(p + "mul.grad_a", d_.f);
     const TensorId g_b = b_.temp(p + "mul.grad_b", d_.f);
@@ -486,6 +479,7 @@ class TransformerTraceBuilder {
   std::int64_t seq_;
   Dims d_;
   Builder b_;
+  MoeBlock moe_;  ///< the blocks' mixture-of-experts MLP, where the model has experts
   std::size_t wte_ = kNone, wpe_ = kNone, wf_ = kNone, wfb_ = kNone, head_ = kNone;
   std::vector<LayerParams> lp_;
   std::vector<Saved> saved_;

@@ -27,8 +27,8 @@ struct TransformerConfig {
   int layers = 0;
   std::int64_t hidden = 0;
   int heads = 0;
-  int kv_heads = 0;  ///< grouped-query attention; equal to heads for GPT-2
-  std::int64_t ffn = 0;
+  int kv_heads = 0;      ///< grouped-query attention; equal to heads for GPT-2
+  std::int64_t ffn = 0;  ///< the dense MLP's width (unused by a mixture of experts)
   std::int64_t vocab = 0;
   std::int64_t max_seq = 0;  ///< position table size (GPT-2), longest sequence (reference trainer)
   bool tied_embeddings = false;
@@ -52,13 +52,16 @@ struct TransformerConfig {
 /// Names of the built-in configs, one table for the analytic traces and the reference trainer
 /// (models::model_config): gpt-tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl, llama-tiny,
 /// llama3.2-1b, llama3-8b, granite-8b (IBM's granite-8b-code-base: Llama's blocks, 36 of them, a
-/// 49,152-token vocabulary, tied embeddings), llama3-70b, llama3.1-405b.
+/// 49,152-token vocabulary, tied embeddings), llama3-70b, llama3.1-405b, and the mixtures of
+/// experts mixtral-8x7b (8 experts, 2 per token) and qwen2-moe-a2.7b (Qwen1.5-MoE-A2.7B: 60
+/// experts, 4 per token, a shared expert).
 std::vector<std::string> model_preset_names();
 
 /// A built-in config. Throws tidal::InvalidArgument listing the names on an unknown one.
 TransformerConfig model_preset(const std::string& name);
 
-/// Shape overrides (--layers, --hidden, --heads, --kv-heads, --ffn, --vocab).
+/// Shape overrides (--layers, --hidden, --heads, --kv-heads, --ffn, --vocab). `ffn` is the MLP
+/// width: a mixture of experts' expert width (expert_ffn), a dense model's ffn.
 struct ModelOverrides {
   std::optional<int> layers;
   std::optional<std::int64_t> hidden;
@@ -140,15 +143,23 @@ struct AnalyticTraceOptions {
   /// block in forward (after the attention and MLP output projections) and two in backward,
   /// one on the embedding's output, one on the head's input gradient and a small one for the
   /// vocabulary-parallel loss. Every GPU runs the whole batch. Key/value heads, MLP width and
-  /// vocabulary must divide by it.
+  /// vocabulary must divide by it. In a mixture of experts, each expert's width (and the shared
+  /// expert's) is split like the dense MLP and must divide by it; the router is whole on every
+  /// GPU, and a small all-reduce adds the routing weights' gradients in backward. The experts
+  /// are not spread over the GPUs: expert parallelism is not modelled.
   int tensor_parallel = 1;
 };
 
 /// The trace of one training iteration with fp32 weights, gradients (created in backward,
 /// freed by the optimizer step: zero_grad(set_to_none=True)), AdamW states and activations.
 /// Attention is the memory-efficient kind (saves its output and log-sum-exp, not the score
-/// matrix). Op times: max(flops / (gpu_flops x matmul_efficiency), bytes / gpu_mem_bw) plus the
-/// per-op overhead. Op::layer is the transformer block (-1 for embedding, head, loss, optimizer).
+/// matrix). A Llama config with experts (TransformerConfig::moe()) gets mixture-of-experts MLPs:
+/// the router (a linear layer and its softmax and top-k), each expert's SwiGLU on its share of
+/// the tokens, a combination weighted by the routing weights, and the shared expert with its
+/// sigmoid gate where there is one; routing is balanced (each expert gets tokens x
+/// experts_per_token / experts tokens, rounded up) and drops no token (no capacity factor). Op
+/// times: max(flops / (gpu_flops x matmul_efficiency), bytes / gpu_mem_bw) plus the per-op
+/// overhead. Op::layer is the transformer block (-1 for embedding, head, loss, optimizer).
 /// options.optimizer reorders the AdamW ops (optimizer_in_backward(), optimizer_deferred());
 /// Trace::meta["optimizer_schedule"] says which schedule it is.
 /// Throws tidal::InvalidArgument when batch or seq is not positive.

@@ -32,6 +32,11 @@ void check_sizes(const TransformerConfig& cfg, std::int64_t batch, std::int64_t 
   };
   std::vector<Dim> dims{{"hidden", cfg.hidden}, {"ffn", cfg.ffn}, {"vocab", cfg.vocab}};
   if (cfg.arch == Architecture::kGpt2) dims.push_back({"max_seq", cfg.max_seq});
+  if (cfg.moe()) {
+    dims.push_back({"experts", cfg.experts});
+    dims.push_back({"expert_ffn", cfg.expert_ffn});
+    dims.push_back({"shared_expert_ffn", cfg.shared_expert_ffn});
+  }
   const Dim& hidden = dims.front();  // every weight has the hidden size as one side
   for (const Dim& d : dims) {
     TIDAL_EXPECT_AS(InvalidArgument,
@@ -59,6 +64,31 @@ void check_sizes(const TransformerConfig& cfg, std::int64_t batch, std::int64_t 
       "micro-batches");
 }
 
+// A mixture of experts that the trace can build: a Llama block, at least one expert per token
+// and no more than there are, positive widths that split over the tensor-parallel GPUs.
+void check_experts(const TransformerConfig& cfg, int tp) {
+  TIDAL_EXPECT_AS(InvalidArgument, cfg.experts >= 0, cfg.name, " has ", cfg.experts,
+                  " experts: give 0 (a dense MLP) or more");
+  if (!cfg.moe()) return;
+  TIDAL_EXPECT_AS(InvalidArgument, cfg.arch == Architecture::kLlama, cfg.name,
+                  " is a GPT-2 model with experts: mixture-of-experts blocks are built for the "
+                  "Llama architecture only; give 0 experts");
+  TIDAL_EXPECT_AS(InvalidArgument,
+                  cfg.experts_per_token >= 1 && cfg.experts_per_token <= cfg.experts, cfg.name,
+                  " routes each token to ", cfg.experts_per_token, " of its ", cfg.experts,
+                  " experts: give between 1 and ", cfg.experts, " experts per token");
+  TIDAL_EXPECT_AS(InvalidArgument, cfg.expert_ffn > 0 && cfg.shared_expert_ffn >= 0, cfg.name,
+                  " has an expert width of ", cfg.expert_ffn, " and a shared expert width of ",
+                  cfg.shared_expert_ffn,
+                  ": the expert width must be positive, the shared one positive or 0 (none)");
+  TIDAL_EXPECT_AS(InvalidArgument,
+                  tp >= 1 && cfg.expert_ffn % tp == 0 && cfg.shared_expert_ffn % tp == 0,
+                  "tensor parallelism over ", tp, " GPUs splits each expert's width (",
+                  cfg.expert_ffn, ") and the shared expert's (", cfg.shared_expert_ffn,
+                  "): each must divide evenly (the experts themselves are not spread over the "
+                  "GPUs)");
+}
+
 }  // namespace
 
 void check_arguments(const TransformerConfig& cfg, std::int64_t batch, std::int64_t seq,
@@ -76,11 +106,13 @@ void check_arguments(const TransformerConfig& cfg, std::int64_t batch, std::int6
   const int M = o.micro_batches;
   TIDAL_EXPECT_AS(InvalidArgument, M >= 1 && (batch / dp) % M == 0, "each GPU's batch (",
                   batch / dp, ") must split into micro_batches (", M, ") of equal size");
-  TIDAL_EXPECT_AS(InvalidArgument,
-                  tp >= 1 && cfg.kv_heads % tp == 0 && cfg.ffn % tp == 0 && cfg.vocab % tp == 0,
-                  "tensor parallelism over ", tp, " GPUs splits the key/value heads (",
-                  cfg.kv_heads, "), the MLP (", cfg.ffn, ") and the vocabulary (", cfg.vocab,
-                  "): each must divide evenly");
+  // A mixture of experts has no dense MLP: its widths are checked by check_experts.
+  TIDAL_EXPECT_AS(
+      InvalidArgument,
+      tp >= 1 && cfg.kv_heads % tp == 0 && (cfg.moe() || cfg.ffn % tp == 0) && cfg.vocab % tp == 0,
+      "tensor parallelism over ", tp, " GPUs splits the key/value heads (", cfg.kv_heads,
+      "), the MLP (", cfg.ffn, ") and the vocabulary (", cfg.vocab, "): each must divide evenly");
+  check_experts(cfg, tp);
   check_sizes(cfg, batch, seq, o);
   TIDAL_EXPECT_AS(InvalidArgument, (dp == 1 && tp == 1) || hw.gpu_link_bw > 0,
                   "more than one GPU needs the bandwidth of the link between them (gpu_link_bw; "

@@ -79,8 +79,14 @@ class Builder {
   // A per-pass tensor of `per_token` elements per token, named within the current micro-batch.
   TensorId act(const std::string& name, std::int64_t per_token,
                TensorClass cls = TensorClass::kActivation) {
-    return tensor(prefix_ + name,
-                  static_cast<std::uint64_t>(per_token * tokens_) * bytes_.activation, cls);
+    return rows(name, tokens_, per_token, cls);
+  }
+  // A per-pass tensor of `per_row` elements for each of `rows` tokens (a share of the
+  // micro-batch's tokens, such as an expert's), named within the current micro-batch.
+  TensorId rows(const std::string& name, std::int64_t rows, std::int64_t per_row,
+                TensorClass cls = TensorClass::kActivation) {
+    return tensor(prefix_ + name, static_cast<std::uint64_t>(per_row * rows) * bytes_.activation,
+                  cls);
   }
   // Names of the ops and activations that follow: "mb<i>." within micro-batch i of several.
   void set_prefix(std::string prefix) { prefix_ = std::move(prefix); }
@@ -134,6 +140,36 @@ class Builder {
     timed_op(name, phase, layer, std::move(in), std::move(out), std::max(compute, memory));
   }
 
+  // y = x W^T (+ b) over `rows` tokens: the forward op, and its output of `outf` per token.
+  TensorId linear(const std::string& name, int layer, TensorId x, std::size_t w, std::int64_t rows,
+                  std::int64_t in, std::int64_t outf, TensorClass cls = TensorClass::kActivation,
+                  std::size_t bias = kNone) {
+    const TensorId y = this->rows(name + ".out", rows, outf, cls);
+    std::vector<TensorId> ins{x, weight(w)};
+    if (bias != kNone) ins.push_back(weight(bias));
+    op(name, Phase::kForward, layer, ins, {y}, linear_flops(rows, in, outf));
+    return y;
+  }
+
+  // Backward of linear(): the input's gradient (unless need_input_grad is false; -1 then) and
+  // the weight's (and bias's), made or accumulated.
+  TensorId linear_bwd(const std::string& name, int layer, TensorId gy, TensorId x, std::size_t w,
+                      std::int64_t rows, std::int64_t in, std::int64_t outf,
+                      std::size_t bias = kNone, bool need_input_grad = true) {
+    TensorId gx = -1;
+    const double flops = linear_flops(rows, in, outf);
+    if (need_input_grad) {
+      gx = this->rows(name + ".grad_in", rows, in, TensorClass::kTemporary);
+      op(name + ".bwd_in", Phase::kBackward, layer, {gy, weight(w)}, {gx}, flops);
+    }
+    std::vector<TensorId> ins{x, gy};
+    std::vector<TensorId> outs;
+    grad(w, ins, outs);
+    if (bias != kNone) grad(bias, ins, outs);
+    op(name + ".bwd_w", Phase::kBackward, layer, ins, outs, flops);
+    return gx;
+  }
+
   // A ring all-reduce of `tensors` in place over `group` GPUs on the GPU link: each GPU sends
   // and receives 2 (group - 1) / group of the bytes. The collective runs between the compute ops
   // (in the profile it is an op like the others), so the ideal iteration includes it.
@@ -156,6 +192,10 @@ class Builder {
   trace::Trace take() { return std::move(trace_); }
 
  private:
+  static double linear_flops(std::int64_t rows, std::int64_t in, std::int64_t outf) {
+    return 2.0 * static_cast<double>(rows) * static_cast<double>(in) * static_cast<double>(outf);
+  }
+
   void timed_op(const std::string& name, Phase phase, int layer, std::vector<TensorId> in,
                 std::vector<TensorId> out, double seconds) {
     trace::Op o;
