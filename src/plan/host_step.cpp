@@ -275,56 +275,54 @@ Plan host_step_plan(const HostStepModel& m, const Hardware& hw, const PlannerOpt
   return p;
 }
 
-StallBound host_step_bound(const HostStepModel& m, const Hardware& hw, double compute_seconds,
-                           const std::function<void(double)>& progress) {
-  StallBound device = stall_lower_bound(m.device, hw, progress);
-  if (device.no_fit_op >= 0) return device;
-  const ChannelRates rates = hw.channels();
+namespace {
+
+// A refreshed parameter as the bound sees it: its first use u, the op g after which its last
+// gradient is complete, its task's time, its gradient's way out and its copy's way back.
+struct Refresh {
+  OpIndex u = 0;
+  OpIndex g = 0;
+  double task = 0;
+  double out = 0;
+  double back = 0;
+  std::string name;
+};
+
+std::vector<Refresh> refreshes(const HostStepModel& m, const trace::LifetimeAnalysis& la,
+                               const ChannelRates& rates) {
   const trace::Trace& t = m.device;
-  std::vector<double> before(t.ops.size() + 1, 0.0);  // compute of the ops before op k
-  for (std::size_t k = 0; k < t.ops.size(); ++k) before[k + 1] = before[k] + t.op_seconds(k);
-  const auto la = trace::analyze_lifetimes(t);
-  double drained = 0;
-  for (TensorId g : m.drained) drained += static_cast<double>(t.tensors[static_cast<std::size_t>(g)].bytes);
-  double refreshed = 0;
-  // Each refreshed parameter: its first use u, the op g after which its last gradient is out,
-  // and its task's time. For the set S of the parameters whose gradients complete last (g at or
-  // after some op), the host runs all of S's tasks after the earliest g of S, and the one it runs
-  // last is needed by its first use in the next iteration: T >= compute(max u .. min g) +
-  // (their tasks) + a refresh, where max u <= min g. One parameter alone is such a set too,
-  // with its gradient's way out.
-  struct Refresh {
-    OpIndex u = 0;
-    OpIndex g = 0;
-    double task = 0;
-    double out = 0;
-    double back = 0;
-    std::string name;
-  };
   std::vector<Refresh> rs;
   for (std::size_t i = 0; i < m.refreshed.size(); ++i) {
-    const TensorId w = m.refreshed[i];
+    const auto w = static_cast<std::size_t>(m.refreshed[i]);
     const HostTask& task = m.tasks[m.refresh_task[i]];
-    const auto bytes = static_cast<double>(t.tensors[static_cast<std::size_t>(w)].bytes);
-    refreshed += bytes;
-    const auto& uses = la.tensors[static_cast<std::size_t>(w)].uses;
+    const auto& uses = la.tensors[w].uses;
     if (uses.empty()) continue;
     const auto g = static_cast<std::size_t>(task.inputs.front());
     rs.push_back({uses.front(), task.after, task.seconds,
                   static_cast<double>(t.tensors[g].bytes) / rates[Channel::kHostWrite],
-                  bytes / rates[Channel::kHostRead], task.name});
+                  static_cast<double>(t.tensors[w].bytes) / rates[Channel::kHostRead],
+                  task.name});
   }
+  return rs;
+}
+
+// Terms 4 and 5 of host_step_bound (host_step.hpp): one parameter from its first use to its
+// refresh; and for the set S of the parameters whose gradients complete last, the host runs all
+// of S's tasks after the earliest of those gradients, and the one it runs last is needed by its
+// first use in the next iteration: T >= compute(max u .. min g) + S's tasks + a refresh, where
+// max u <= min g. Returns the largest, and in `of` what it is of.
+double refresh_chain(std::vector<Refresh> rs, const std::vector<double>& before,
+                     std::string& of) {
   const auto compute = [&](OpIndex a, OpIndex b) {  // ops a..b, inclusive
     return before[static_cast<std::size_t>(b) + 1] - before[static_cast<std::size_t>(a)];
   };
   double chain = 0;
-  std::string chain_of;
   for (const Refresh& r : rs) {
     if (r.u > r.g) continue;
     const double c = compute(r.u, r.g) + r.out + r.task + r.back;
     if (c > chain) {
       chain = c;
-      chain_of = r.name;
+      of = r.name;
     }
   }
   std::sort(rs.begin(), rs.end(), [](const Refresh& a, const Refresh& b) { return a.g > b.g; });
@@ -339,9 +337,33 @@ StallBound host_step_bound(const HostStepModel& m, const Hardware& hw, double co
     const double c = compute(u_max, rs[k].g) + tasks + back_min;
     if (c > chain) {
       chain = c;
-      chain_of = std::to_string(k + 1) + " parameters' tasks after " + rs[k].name + "'s gradient";
+      of = std::to_string(k + 1) + " parameters' tasks after " + rs[k].name + "'s gradient";
     }
   }
+  return chain;
+}
+
+}  // namespace
+
+StallBound host_step_bound(const HostStepModel& m, const Hardware& hw, double compute_seconds,
+                           const std::function<void(double)>& progress) {
+  StallBound device = stall_lower_bound(m.device, hw, progress);
+  if (device.no_fit_op >= 0) return device;
+  const ChannelRates rates = hw.channels();
+  const trace::Trace& t = m.device;
+  std::vector<double> before(t.ops.size() + 1, 0.0);  // compute of the ops before op k
+  for (std::size_t k = 0; k < t.ops.size(); ++k) before[k + 1] = before[k] + t.op_seconds(k);
+  const auto la = trace::analyze_lifetimes(t);
+  double drained = 0;
+  for (TensorId g : m.drained) {
+    drained += static_cast<double>(t.tensors[static_cast<std::size_t>(g)].bytes);
+  }
+  double refreshed = 0;
+  for (TensorId w : m.refreshed) {
+    refreshed += static_cast<double>(t.tensors[static_cast<std::size_t>(w)].bytes);
+  }
+  std::string chain_of;
+  const double chain = refresh_chain(refreshes(m, la, rates), before, chain_of);
   const std::vector<std::pair<double, std::string>> terms = {
       {device.iteration_seconds, "the device trace's transfers"},
       {m.host_seconds, "the host's Adam and accumulation"},

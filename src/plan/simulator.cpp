@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <array>
+#include <functional>
 #include <optional>
 #include <queue>
 
 #include "plan/int_index.hpp"
+#include "plan/simulator/host_timeline.hpp"
+#include "plan/simulator/state.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/plan/schedule.hpp"
 
@@ -17,74 +20,23 @@ using trace::TensorId;
 namespace {
 
 using detail::at;
+namespace sim = detail::sim;
+using sim::Job;
+using sim::kCleanOffload;
+using sim::State;
+using sim::TensorState;
 
-enum class State : std::uint8_t { kAbsent, kResident, kWriting, kOffloaded, kReading };
-
-struct Job {
-  double remaining = 0;  // bytes
-  double key = 0;        // deadline as a global op number; earliest first
-  std::int64_t seq = 0;
-  TensorId tensor = 0;
-  Channel channel = Channel::kSsdWrite;
-  std::uint64_t bytes = 0;
-  std::uint64_t version = 0;
-  bool done = false;
-  double end = 0;  // when it completed (once done)
-};
-
-struct TensorState {
-  State state = State::kAbsent;
-  std::uint64_t version = 0;
-  // The version of the tensor each lower tier holds a copy of (SSD, host; -1: none). Each tier
-  // keeps its copy until the tensor changes, whatever the other tier does.
-  std::array<std::int64_t, 2> copy_version{-1, -1};
-  bool dead = false;  // freed by the program while a transfer was in flight
-  bool on_host = false;
-  bool on_ssd = false;
-  bool staging = false;  // host memory taken for a stage in flight
-  int job = -1;          // the transfer in flight
-  int stage_job = -1;    // the stage in flight
-  // This instance's last offload: its job, kCleanOffload when the tier's copy was current (no
-  // write), -1 when none was issued. A host task reading the tensor waits for it.
-  int drain_job = -1;
-};
-
-constexpr int kCleanOffload = -2;
-
-// One host task queued in one iteration.
-struct TaskRun {
-  const HostTask* task = nullptr;
-  double queued = 0;      // when its op ended
-  std::vector<int> jobs;  // the offloads of its inputs
-  double end = -1;        // when it ends; -1 until known
-};
-
-// A prefetch held back until the host task that rewrites its tensor is done.
-struct DeferredRead {
-  TensorId tensor = 0;
-  double key = 0;
-};
 
 class Simulator {
  public:
   Simulator(const trace::Trace& tr, const Plan* plan, const Hardware& hw, const SimOptions& opt)
-      : tr_(tr), sched_(compile_schedule(tr, plan)), hw_(hw), opt_(opt) {
+      : tr_(tr),
+        sched_(compile_schedule(tr, plan)),
+        hw_(hw),
+        opt_(opt),
+        host_(opt_.host_tasks, sched_.num_ops, sched_.num_tensors) {
     const ChannelRates rates = opt.channels ? *opt.channels : hw.channels();
     for (Channel c : kChannels) channel(c).rate = rates[c];
-    tasks_after_.resize(tr.ops.size());
-    refresh_run_.assign(tr.tensors.size(), -1);
-    for (const HostTask& task : opt_.host_tasks) {
-      TIDAL_EXPECT_AS(InvalidArgument, task.after >= 0 && task.after < sched_.num_ops,
-                      "host task '", task.name, "' follows op ", task.after,
-                      ", which the trace does not have");
-      for (const auto* ids : {&task.inputs, &task.refreshes}) {
-        for (TensorId id : *ids) {
-          TIDAL_EXPECT_AS(InvalidArgument, id >= 0 && id < sched_.num_tensors, "host task '",
-                          task.name, "' names tensor ", id, ", which the trace does not have");
-        }
-      }
-      tasks_after_[static_cast<std::size_t>(task.after)].push_back(&task);
-    }
   }
 
   // Replays the iterations; the last one is reported.
@@ -135,8 +87,8 @@ class Simulator {
     if (opt_.record_residency) res.residency.assign(static_cast<std::size_t>(n), {});
     peak_host_ = host_bytes_;
     peak_ssd_ = ssd_bytes_;
-    misses_ = forwarded_ = refresh_waits_ = 0;
-    host_task_seconds_ = 0;
+    misses_ = forwarded_ = 0;
+    host_.start_counting();
     counting_ = true;
     return busy;
   }
@@ -157,7 +109,7 @@ class Simulator {
     std::vector<int> waits;
     for (TensorId id : sched_.uses[kk]) {
       TensorState& s = state(id);
-      if (refresh_pending(id, t)) {
+      if (host_.pending(id, t)) {
         waits.push_back(read_refreshed(id, k, g, t));
         continue;
       }
@@ -189,7 +141,7 @@ class Simulator {
     if (report != nullptr) report->io_compute_seconds += io_compute_;
     io_compute_ = 0;
     advance_to(t);
-    mark_refreshes(k);
+    host_.mark_refreshes(k);
     for (std::int32_t m : sched_.issued_after[kk]) fire(at(sched_.migrations, m), it, n, t);
     queue_host_tasks(k, t);
     for (TensorId id : sched_.freed[kk]) release(id);
@@ -221,8 +173,8 @@ class Simulator {
     res.peak_ssd_bytes = peak_ssd_;
     res.misses = misses_;
     res.forwarded = forwarded_;
-    res.host_task_seconds = host_task_seconds_;
-    res.refresh_waits = refresh_waits_;
+    res.host_task_seconds = host_.seconds();
+    res.refresh_waits = host_.waits();
     const auto util = [&](Channel c) {
       if (res.iteration_seconds <= 0) return 0.0;
       return std::min(1.0, (channel(c).busy - busy0[index_of(c)]) / res.iteration_seconds);
@@ -535,8 +487,8 @@ class Simulator {
       hold(s.staging, true, m.bytes, host_bytes_, peak_host_);
       s.stage_job = new_job(m.channel, m.tensor, key);
     } else {
-      if (refresh_pending(m.tensor, now)) {
-        deferred_.push_back({m.tensor, key});
+      if (host_.pending(m.tensor, now)) {
+        host_.defer(m.tensor, key);
       } else if (s.state == State::kWriting) {
         s.state = State::kResident;
         ++forwarded_;
@@ -546,101 +498,44 @@ class Simulator {
     }
   }
 
-  // Host tasks.
+  // Host tasks (plan/simulator/host_timeline.hpp).
 
-  // The tensors the host tasks after op k rewrite are stale from op k's end on: before the
-  // migrations issued then, so that a read of one among them waits for its task.
-  void mark_refreshes(OpIndex k) {
-    std::size_t run = runs_.size();
-    for (const HostTask* task : tasks_after_[static_cast<std::size_t>(k)]) {
-      for (TensorId id : task->refreshes) refresh_run_[static_cast<std::size_t>(id)] =
-          static_cast<int>(run);
-      ++run;
-    }
+  [[nodiscard]] std::function<sim::JobView(int)> job_view() const {
+    return [this](int j) { return sim::JobView{job(j).done, job(j).end}; };
   }
+  void resolve_host() { host_.resolve(job_view()); }
 
   // Queues the host tasks that follow op k (ended at t) and starts what can start.
   void queue_host_tasks(OpIndex k, double t) {
-    for (const HostTask* task : tasks_after_[static_cast<std::size_t>(k)]) {
-      TaskRun r;
-      r.task = task;
-      r.queued = t;
-      for (TensorId id : task->inputs) {
-        const int j = state(id).drain_job;
-        TIDAL_EXPECT_AS(InvalidArgument,
-                        j == kCleanOffload || (j >= 0 && job(j).channel == Channel::kHostWrite),
-                        "host task '", task->name, "' reads tensor ", id, " ('",
-                        at(tr_.tensors, id).name, "'), which the plan does not write to host "
-                        "memory by op ", k);
-        if (j >= 0) r.jobs.push_back(j);
-      }
-      if (counting_) host_task_seconds_ += task->seconds;
-      runs_.push_back(std::move(r));
-    }
-    resolve_runs();
-  }
-
-  // Gives an end time to the queued tasks, in order, while their inputs' offloads are done.
-  void resolve_runs() {
-    while (next_run_ < runs_.size()) {
-      TaskRun& r = runs_[next_run_];
-      double ready = std::max(host_free_, r.queued);
-      for (int j : r.jobs) {
-        if (!job(j).done) return;
-        ready = std::max(ready, job(j).end);
-      }
-      r.end = ready + r.task->seconds;
-      host_free_ = r.end;
-      ++next_run_;
-    }
-  }
-
-  // The end of task run `index`, running the channels until its inputs are out (the device
-  // waits for it anyway).
-  double force_run(int index) {
-    const auto i = static_cast<std::size_t>(index);
-    while (runs_[i].end < 0) {
-      for (int j : runs_[next_run_].jobs) {
-        if (!job(j).done) run_until_done(j);
-      }
-      resolve_runs();
-    }
-    return runs_[i].end;
-  }
-
-  // Whether a host task still rewrites tensor `id` at time `now`.
-  bool refresh_pending(TensorId id, double now) {
-    int& r = refresh_run_[static_cast<std::size_t>(id)];
-    if (r < 0) return false;
-    if (static_cast<std::size_t>(r) >= runs_.size()) return true;  // queued when its op ends
-    const double end = runs_[static_cast<std::size_t>(r)].end;
-    if (end >= 0 && end <= now) {
-      r = -1;
-      return false;
-    }
-    return true;
+    host_.queue(
+        k, t,
+        [&](TensorId id) {
+          const int j = state(id).drain_job;
+          TIDAL_EXPECT_AS(InvalidArgument,
+                          j == kCleanOffload || (j >= 0 && job(j).channel == Channel::kHostWrite),
+                          "a host task after op ", k, " reads tensor ", id, " ('",
+                          at(tr_.tensors, id).name,
+                          "'), which the plan does not write to host memory by then");
+          return j;
+        },
+        counting_);
+    resolve_host();
   }
 
   // Op k (iteration position g, its turn at t) needs tensor `id` that a host task is still
   // rewriting: the read starts when the task ends. Returns the read's job.
   int read_refreshed(TensorId id, OpIndex k, double g, double t) {
-    const int r = refresh_run_[static_cast<std::size_t>(id)];
+    const int r = host_.run_of(id);
     TensorState& s = state(id);
     if (s.state == State::kWriting) run_until_done(s.job);  // its first offload is still out
     TIDAL_EXPECT_AS(InvalidArgument, s.state == State::kOffloaded, "op ", k, " uses tensor ", id,
                     " ('", at(tr_.tensors, id).name, "'), which host task '",
-                    runs_[static_cast<std::size_t>(r)].task->name,
+                    host_.task_name(r),
                     "' rewrites, but the plan keeps its stale copy in device memory");
-    const double end = force_run(r);
-    refresh_run_[static_cast<std::size_t>(id)] = -1;
-    const auto d = std::find_if(deferred_.begin(), deferred_.end(),
-                                [id](const DeferredRead& x) { return x.tensor == id; });
-    if (d != deferred_.end()) {
-      deferred_.erase(d);
-    } else {
-      ++misses_;
-    }
-    if (counting_) ++refresh_waits_;
+    const double end = host_.force(r, job_view(), [this](int j) { run_until_done(j); });
+    host_.forget(id);
+    if (!host_.take_deferred(id)) ++misses_;
+    if (counting_) host_.count_wait();
     const double when = std::max(t, end);
     advance_all(when);
     issue_read(id, g - 0.5, when);
@@ -650,25 +545,12 @@ class Simulator {
   // Serves the channels up to t, issuing each held-back read when the task it waits for ends.
   void advance_to(double t) {
     for (;;) {
-      resolve_runs();
-      std::size_t best = deferred_.size();
-      double best_end = t;
-      for (std::size_t i = 0; i < deferred_.size(); ++i) {
-        const int r = refresh_run_[static_cast<std::size_t>(deferred_[i].tensor)];
-        if (static_cast<std::size_t>(r) >= runs_.size() && r >= 0) continue;
-        const double end = r < 0 ? 0.0 : runs_[static_cast<std::size_t>(r)].end;
-        if (r >= 0 && end < 0) continue;  // its task has not started
-        if (end <= best_end) {
-          best = i;
-          best_end = end;
-        }
-      }
-      if (best == deferred_.size()) break;
-      const DeferredRead d = deferred_[best];
-      deferred_.erase(deferred_.begin() + static_cast<std::ptrdiff_t>(best));
-      refresh_run_[static_cast<std::size_t>(d.tensor)] = -1;
-      advance_all(best_end);
-      if (state(d.tensor).state == State::kOffloaded) issue_read(d.tensor, d.key, best_end);
+      resolve_host();
+      const auto ready = host_.next_ready(t);
+      if (!ready) break;
+      advance_all(ready->second);
+      const TensorId id = ready->first.tensor;
+      if (state(id).state == State::kOffloaded) issue_read(id, ready->first.key, ready->second);
     }
     advance_all(t);
   }
@@ -691,14 +573,7 @@ class Simulator {
   std::int64_t forwarded_ = 0;
   double io_compute_ = 0;  // Hardware::compute_seconds_per_byte of the transfers since the last op
   bool counting_ = false;
-  std::vector<std::vector<const HostTask*>> tasks_after_;  // by op
-  std::vector<TaskRun> runs_;                              // in the order queued
-  std::size_t next_run_ = 0;                               // the first without an end yet
-  double host_free_ = 0;                                   // when the host's last task ends
-  std::vector<int> refresh_run_;  // by tensor: the run rewriting it (-1: none)
-  std::vector<DeferredRead> deferred_;
-  double host_task_seconds_ = 0;
-  std::int64_t refresh_waits_ = 0;
+  sim::HostTimeline host_;
 };
 
 }  // namespace
