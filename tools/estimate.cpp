@@ -1,22 +1,21 @@
 // `tidal estimate`: before a model exists in memory, whether it trains on a machine (device
 // memory, host memory, SSDs) at a batch and sequence length, and how fast: tidal's plan of its
 // analytic trace, simulated, against the ideal and the lower bound.
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
-
 #include "commands.hpp"
-#include "trace_source.hpp"
 #include "tidal/common/error.hpp"
 #include "tidal/common/units.hpp"
 #include "tidal/plan/order_choice.hpp"
 #include "tidal/plan/policies.hpp"
+#include "trace_source.hpp"
 
 namespace tidal::cli {
 namespace {
@@ -77,8 +76,7 @@ Estimate run_estimate(const EstimateArgs& a) {
   if (e.tidal.optimizer_step == plan::OptimizerPlacement::kHost) {
     e.host_needed += 16 * static_cast<std::uint64_t>(e.parameters);
   }
-  e.wall_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  e.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return e;
 }
 
@@ -97,15 +95,15 @@ void print_estimate(const Estimate& e, const TraceSource& s, const plan::Hardwar
     std::printf("fits: NO: %s\n", e.tidal.note.c_str());
   }
   std::printf("step: %s planned, ideal %s (%s of ideal); no plan of this kind beats %s (%s)\n",
-              format_seconds(r.iteration_seconds).c_str(),
-              format_seconds(e.ideal_seconds).c_str(), pct(e.tidal.fraction_of_ideal).c_str(),
+              format_seconds(r.iteration_seconds).c_str(), format_seconds(e.ideal_seconds).c_str(),
+              pct(e.tidal.fraction_of_ideal).c_str(),
               format_seconds(e.bound.iteration_seconds).c_str(),
               pct(e.ideal_seconds / e.bound.iteration_seconds).c_str());
   std::printf("moves a step: %s to host memory and %s back, %s to the SSDs and %s back\n",
               gib(r.host_bytes_written).c_str(), gib(r.host_bytes_read).c_str(),
               gib(r.ssd_bytes_written).c_str(), gib(r.ssd_bytes_read).c_str());
-  std::printf("optimizer step: on the %s; plan: %s\n",
-              plan::to_string(e.tidal.optimizer_step), e.tidal.note.c_str());
+  std::printf("optimizer step: on the %s; plan: %s\n", plan::to_string(e.tidal.optimizer_step),
+              e.tidal.note.c_str());
   std::printf("to train it: tidal.Session(model, optimizer, budget=\"%s\", host_memory=\"%s\")%s\n",
               gib(hw.device_memory).c_str(), gib(e.host_needed).c_str(),
               e.tidal.optimizer_step == plan::OptimizerPlacement::kHost

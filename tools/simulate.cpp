@@ -170,13 +170,13 @@ Simulation simulate_policies(const LoadedSource& src, const std::vector<plan::Po
     out.results = plan::run_policies(policies, sequential, hw, opt);
   }
   out.policies_seconds = seconds_since(t0) - out.bound_seconds;
-  const auto tidal = std::find_if(out.results.begin(), out.results.end(),
-                                  [](const plan::PolicyResult& r) {
-                                    return r.policy == plan::Policy::kTidal && r.bound;
-                                  });
+  const auto tidal = std::find_if(
+      out.results.begin(), out.results.end(),
+      [](const plan::PolicyResult& r) { return r.policy == plan::Policy::kTidal && r.bound; });
   if (out.choice) {
     out.bound = out.choice->bound();
-  } else if (opt.optimizer_step != plan::OptimizerPlacement::kDevice && tidal != out.results.end()) {
+  } else if (opt.optimizer_step != plan::OptimizerPlacement::kDevice &&
+             tidal != out.results.end()) {
     out.bound = *tidal->bound;  // the bound of the placements considered
   } else {
     t0 = std::chrono::steady_clock::now();
@@ -248,11 +248,12 @@ void print_policy_table(const std::vector<plan::PolicyResult>& results) {
 void print_bound(const Simulation& sim, const trace::Trace& bound_trace, double ideal_seconds,
                  const plan::Hardware& hw) {
   const plan::StallBound& bound = sim.bound;
-  std::string bound_of =
-      sim.choice ? "either micro-batch order (the " +
-                       sim.choice->candidates[sim.choice->bound_from].order + " order's)"
-                 : "this trace";
-  if (!bound.limit.empty()) bound_of += " with the optimizer step on the host, set by " + bound.limit;
+  std::string bound_of = sim.choice ? "either micro-batch order (the " +
+                                          sim.choice->candidates[sim.choice->bound_from].order +
+                                          " order's)"
+                                    : "this trace";
+  if (!bound.limit.empty())
+    bound_of += " with the optimizer step on the host, set by " + bound.limit;
   if (bound.no_fit_op >= 0) {
     const trace::Op& op = bound_trace.ops[static_cast<std::size_t>(bound.no_fit_op)];
     std::printf(

@@ -304,7 +304,7 @@ inline std::vector<trace::Trace> analytic_traces(const TraceSource& s, const pla
       "--micro-batches 2 or more");
   topt.data_parallel = s.data_parallel;
   topt.tensor_parallel = s.tensor_parallel;
-  topt.precision = !s.precision.empty()          ? plan::precision_from_string(s.precision)
+  topt.precision = !s.precision.empty()              ? plan::precision_from_string(s.precision)
                    : hf && hf->precision.has_value() ? *hf->precision
                                                      : plan::Precision::kFp32;
   check_trace_fits(plan::analytic_trace_size(cfg, s.batch, s.seq, hw, topt), cfg);

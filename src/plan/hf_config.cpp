@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -59,8 +59,8 @@ class Fields {
 };
 
 int small(std::int64_t v, const std::string& name, const char* key) {
-  TIDAL_EXPECT_AS(InvalidArgument, v <= (1 << 30), "config.json of ", name, ": '", key, "' is ",
-                  v, ", more than a model of this kind can have");
+  TIDAL_EXPECT_AS(InvalidArgument, v <= (1 << 30), "config.json of ", name, ": '", key, "' is ", v,
+                  ", more than a model of this kind can have");
   return static_cast<int>(v);
 }
 
@@ -84,10 +84,10 @@ TransformerConfig llama_like(const Fields& f, const std::string& name, const std
     c.expert_ffn = f.count("intermediate_size");
     c.ffn = c.expert_ffn;
   } else if (type == "qwen2_moe") {
-    TIDAL_EXPECT_AS(InvalidArgument, f.count_or("decoder_sparse_step", 1) == 1,
-                    "config.json of ", name,
-                    ": decoder_sparse_step > 1 mixes dense and expert layers, which tidal's "
-                    "analytic trace does not build; estimate a model whose every layer has experts");
+    TIDAL_EXPECT_AS(
+        InvalidArgument, f.count_or("decoder_sparse_step", 1) == 1, "config.json of ", name,
+        ": decoder_sparse_step > 1 mixes dense and expert layers, which tidal's "
+        "analytic trace does not build; estimate a model whose every layer has experts");
     c.experts = small(f.count("num_experts"), name, "num_experts");
     c.experts_per_token = small(f.count("num_experts_per_tok"), name, "num_experts_per_tok");
     c.expert_ffn = f.count("moe_intermediate_size");
@@ -134,23 +134,23 @@ HfModel parse_hf_config(const std::string& text, const std::string& given_name) 
   try {
     j = json::parse(text);
   } catch (const json::exception& e) {
-    TIDAL_EXPECT_AS(InvalidArgument, false, "config.json of ", name,
-                    " is not JSON (", e.what(), "): give a Hugging Face model's config.json");
+    TIDAL_EXPECT_AS(InvalidArgument, false, "config.json of ", name, " is not JSON (", e.what(),
+                    "): give a Hugging Face model's config.json");
   }
-  TIDAL_EXPECT_AS(InvalidArgument, j.is_object() && j.contains("model_type") &&
-                                       j["model_type"].is_string(),
-                  "config.json of ", name,
-                  " has no model_type: is it a Hugging Face model's config.json?");
+  TIDAL_EXPECT_AS(
+      InvalidArgument, j.is_object() && j.contains("model_type") && j["model_type"].is_string(),
+      "config.json of ", name, " has no model_type: is it a Hugging Face model's config.json?");
   const auto type = j["model_type"].get<std::string>();
   if (j.contains("_name_or_path") && j["_name_or_path"].is_string() &&
       !j["_name_or_path"].get<std::string>().empty()) {
     name = j["_name_or_path"].get<std::string>();
   }
-  const bool encoder = j.value("is_encoder_decoder", false) ||
-                       type == "bert" || type == "roberta" || type == "t5" || type == "bart";
+  const bool encoder = j.value("is_encoder_decoder", false) || type == "bert" ||
+                       type == "roberta" || type == "t5" || type == "bart";
   TIDAL_EXPECT_AS(InvalidArgument, !encoder, "config.json of ", name, " is a '", type,
                   "' model, not a decoder-only one: tidal estimates decoder-only language "
-                  "models (", joined(hf_model_types()), ")");
+                  "models (",
+                  joined(hf_model_types()), ")");
   const std::vector<std::string> known = hf_model_types();
   TIDAL_EXPECT_AS(InvalidArgument, std::find(known.begin(), known.end(), type) != known.end(),
                   "config.json of ", name, ": model_type '", type,

@@ -94,9 +94,9 @@ std::vector<OpIndex> pass_starts(const std::vector<int>& pass) {
 // The host's tasks for one parameter: an accumulation per pass before the last, and the last
 // pass's accumulation with the Adam step, which refreshes the 16-bit copy.
 void add_tasks(HostStepModel& m, const std::string& name, TensorId weight,
-               std::vector<std::pair<OpIndex, TensorId>> grads, double elements,
-               const Hardware& hw, const std::vector<int>& pass,
-               const std::vector<OpIndex>& first_of_pass, bool on_host) {
+               std::vector<std::pair<OpIndex, TensorId>> grads, double elements, const Hardware& hw,
+               const std::vector<int>& pass, const std::vector<OpIndex>& first_of_pass,
+               bool on_host) {
   std::sort(grads.begin(), grads.end());
   // An fp32 gradient accumulated on the device lands as it is; a 16-bit one is widened.
   const double accumulate = on_host ? elements / hw.cpu_accumulate_rate : 0.0;
@@ -173,12 +173,11 @@ HostStepModel host_step_model(const trace::Trace& tr, const Hardware& hw,
                   "accumulation rates, and hardware '",
                   hw.name, "' lacks one");
   const ChannelRates rates = hw.channels();
-  TIDAL_EXPECT_AS(InvalidArgument,
-                  rates[Channel::kHostWrite] > 0 && rates[Channel::kHostRead] > 0,
+  TIDAL_EXPECT_AS(InvalidArgument, rates[Channel::kHostWrite] > 0 && rates[Channel::kHostRead] > 0,
                   "the optimizer step on the host sends gradients and weights over the host link, "
-                  "but on hardware '", hw.name, "' the SSDs take all of it (link ",
-                  format_bandwidth(hw.host_link_bw), ", SSDs ",
-                  format_bandwidth(hw.ssd_write_total()), " write, ",
+                  "but on hardware '",
+                  hw.name, "' the SSDs take all of it (link ", format_bandwidth(hw.host_link_bw),
+                  ", SSDs ", format_bandwidth(hw.ssd_write_total()), " write, ",
                   format_bandwidth(hw.ssd_read_total()),
                   " read) or there is no host memory: give a faster host link, fewer SSDs or "
                   "host memory");
@@ -227,8 +226,8 @@ HostStepModel host_step_model(const trace::Trace& tr, const Hardware& hw,
     std::vector<std::pair<OpIndex, TensorId>> grads;
     for (TensorId x : per_pass[static_cast<std::size_t>(g)]) {
       if (last[static_cast<std::size_t>(x)] == trace::kNoOp) continue;
-      if (on_host && mixed && !accumulates_on_device) m.device.tensors[static_cast<std::size_t>(x)].bytes =
-          2 * elements_u;
+      if (on_host && mixed && !accumulates_on_device)
+        m.device.tensors[static_cast<std::size_t>(x)].bytes = 2 * elements_u;
       grads.emplace_back(last[static_cast<std::size_t>(x)], x);
     }
     if (grads.empty()) continue;
@@ -300,8 +299,7 @@ std::vector<Refresh> refreshes(const HostStepModel& m, const trace::LifetimeAnal
     const auto g = static_cast<std::size_t>(task.inputs.front());
     rs.push_back({uses.front(), task.after, task.seconds,
                   static_cast<double>(t.tensors[g].bytes) / rates[Channel::kHostWrite],
-                  static_cast<double>(t.tensors[w].bytes) / rates[Channel::kHostRead],
-                  task.name});
+                  static_cast<double>(t.tensors[w].bytes) / rates[Channel::kHostRead], task.name});
   }
   return rs;
 }
@@ -311,8 +309,7 @@ std::vector<Refresh> refreshes(const HostStepModel& m, const trace::LifetimeAnal
 // of S's tasks after the earliest of those gradients, and the one it runs last is needed by its
 // first use in the next iteration: T >= compute(max u .. min g) + S's tasks + a refresh, where
 // max u <= min g. Returns the largest, and in `of` what it is of.
-double refresh_chain(std::vector<Refresh> rs, const std::vector<double>& before,
-                     std::string& of) {
+double refresh_chain(std::vector<Refresh> rs, const std::vector<double>& before, std::string& of) {
   const auto compute = [&](OpIndex a, OpIndex b) {  // ops a..b, inclusive
     return before[static_cast<std::size_t>(b) + 1] - before[static_cast<std::size_t>(a)];
   };
@@ -369,8 +366,8 @@ StallBound host_step_bound(const HostStepModel& m, const Hardware& hw, double co
       {m.host_seconds, "the host's Adam and accumulation"},
       {drained / rates[Channel::kHostWrite], "the gradients' way to host memory"},
       {refreshed / rates[Channel::kHostRead], "the 16-bit weights' way back"},
-      {chain, "the host's tasks between a weight's last gradient and its next use (" + chain_of +
-                   ")"},
+      {chain,
+       "the host's tasks between a weight's last gradient and its next use (" + chain_of + ")"},
   };
   const auto top = std::max_element(terms.begin(), terms.end());
   // The windows are of the device trace's ops: a report of the given trace cannot name them.
@@ -463,17 +460,17 @@ class VariantSearch {
   // accumulated as `a`; returns its iteration (infinite where it does not fit).
   double run(int checkpointed, GradientAccumulation a) {
     const trace::Trace t = checkpointed > 0 ? recompute_trace(tr_, checkpointed) : tr_;
-    PolicyResult r = plan_host_step(std::make_shared<HostStepModel>(host_step_model(t, hw_, a)),
-                                    tr_, hw_, opt_);
+    PolicyResult r =
+        plan_host_step(std::make_shared<HostStepModel>(host_step_model(t, hw_, a)), tr_, hw_, opt_);
     if (checkpointed >= layers_) {
       r.note += "; with layer-wise activation checkpointing";
     } else if (checkpointed > 0) {
       r.note += "; with layer-wise activation checkpointing of the first " +
                 std::to_string(checkpointed) + " of " + std::to_string(layers_) + " layers";
     }
-    if (!bound_ || (r.bound->no_fit_op < 0 &&
-                    (bound_->no_fit_op >= 0 ||
-                     r.bound->iteration_seconds < bound_->iteration_seconds))) {
+    if (!bound_ ||
+        (r.bound->no_fit_op < 0 &&
+         (bound_->no_fit_op >= 0 || r.bound->iteration_seconds < bound_->iteration_seconds))) {
       bound_ = r.bound;
     }
     planning_ += r.planning_seconds;

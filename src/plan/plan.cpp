@@ -195,9 +195,10 @@ void validate_plan(const Plan& plan, const trace::Trace& trace) {
                     "target must be host");
     // A per-iteration tensor's offload may complete in the next iteration (a gradient on its
     // way to the host step); nothing of it waits across the iteration's end to come back.
-    TIDAL_EXPECT_AS(InvalidArgument,
-                    !a.wraps || trace.tensors[a.tensor].persistent || a.kind == ActionKind::kOffload,
-                    "plan action ", i, ": only a persistent tensor can wait across iterations");
+    TIDAL_EXPECT_AS(
+        InvalidArgument,
+        !a.wraps || trace.tensors[a.tensor].persistent || a.kind == ActionKind::kOffload,
+        "plan action ", i, ": only a persistent tensor can wait across iterations");
   }
 }
 

@@ -4,8 +4,8 @@
 #include <chrono>
 #include <limits>
 #include <map>
-#include <string>
 #include <sstream>
+#include <string>
 
 #include "plan/policies/policies_impl.hpp"
 #include "tidal/common/enum_names.hpp"
@@ -427,9 +427,9 @@ PolicyResult faster_placement(PolicyResult device, const trace::Trace& tr, const
       host.fits && (!device.fits || host.sim.iteration_seconds < device.sim.iteration_seconds);
   PolicyResult& kept = host_wins ? host : device;
   const PolicyResult& other = host_wins ? device : host;
-  kept.note += std::string("; with the optimizer step on the ") +
-               (host_wins ? "device" : "host") + ": " +
-               format_seconds(other.sim.iteration_seconds) + (other.fits ? "" : ", does not fit");
+  kept.note += std::string("; with the optimizer step on the ") + (host_wins ? "device" : "host") +
+               ": " + format_seconds(other.sim.iteration_seconds) +
+               (other.fits ? "" : ", does not fit");
   const bool host_lower =
       host_bound.no_fit_op < 0 && (device_bound.no_fit_op >= 0 ||
                                    host_bound.iteration_seconds < device_bound.iteration_seconds);

@@ -26,7 +26,6 @@ using sim::kCleanOffload;
 using sim::State;
 using sim::TensorState;
 
-
 class Simulator {
  public:
   Simulator(const trace::Trace& tr, const Plan* plan, const Hardware& hw, const SimOptions& opt)
@@ -529,8 +528,7 @@ class Simulator {
     TensorState& s = state(id);
     if (s.state == State::kWriting) run_until_done(s.job);  // its first offload is still out
     TIDAL_EXPECT_AS(InvalidArgument, s.state == State::kOffloaded, "op ", k, " uses tensor ", id,
-                    " ('", at(tr_.tensors, id).name, "'), which host task '",
-                    host_.task_name(r),
+                    " ('", at(tr_.tensors, id).name, "'), which host task '", host_.task_name(r),
                     "' rewrites, but the plan keeps its stale copy in device memory");
     const double end = host_.force(r, job_view(), [this](int j) { run_until_done(j); });
     host_.forget(id);

@@ -187,9 +187,9 @@ TEST(HostStepModel, SixteenBitWeightsAndGradientsOnTheDeviceTheRestOnTheHost) {
       // device does.
       EXPECT_EQ(grads, on_host ? 3 * 2 * params : 4 * params) << name;
       EXPECT_EQ(m.host_state_bytes, 16 * params);
-      const double expected = static_cast<double>(params) *
-                              ((on_host ? 3.0 / hw.cpu_accumulate_rate : 0.0) +
-                               1.0 / hw.cpu_adam_rate);
+      const double expected =
+          static_cast<double>(params) *
+          ((on_host ? 3.0 / hw.cpu_accumulate_rate : 0.0) + 1.0 / hw.cpu_adam_rate);
       EXPECT_NEAR(m.host_seconds, expected, 1e-9 * expected);
       EXPECT_EQ(m.refreshed.size(), m.refresh_task.size());
       for (std::size_t i = 0; i < m.refreshed.size(); ++i) {

@@ -35,8 +35,8 @@ struct Hardware {
   /// Elements/s the host CPU adds a 16-bit gradient from the device into an fp32 one (the host
   /// step's gradient accumulation, host_step.hpp).
   double cpu_accumulate_rate = 0;
-  double ssd_tbw = 0;              ///< endurance per SSD, bytes written (TBW)
-  double memory_margin = 0.01;     ///< share of device memory the planner leaves free (G10)
+  double ssd_tbw = 0;           ///< endurance per SSD, bytes written (TBW)
+  double memory_margin = 0.01;  ///< share of device memory the planner leaves free (G10)
   /// Compute time each byte started on a channel takes from the device (seconds per byte, by
   /// index_of(channel)): the host CPU's own work for the transfer when the device computes on
   /// that CPU (cpu-here, measured by the session: submission, checksums, copies, a virtual
