@@ -105,9 +105,8 @@ void add_tasks(HostStepModel& m, const std::string& name, TensorId weight,
     const int p = pass[static_cast<std::size_t>(after)];
     const bool last = i + 1 == grads.size();
     m.drained.push_back(g);
-    m.drain_deadline.push_back(p + 1 < static_cast<int>(first_of_pass.size())
-                                   ? first_of_pass[static_cast<std::size_t>(p + 1)]
-                                   : 0);
+    const auto next = static_cast<std::size_t>(p) + 1;  // the next pass, if any
+    m.drain_deadline.push_back(next < first_of_pass.size() ? first_of_pass[next] : 0);
     HostTask task;
     task.after = after;
     task.inputs = {g};
@@ -139,14 +138,10 @@ void route_refresh_through_host(Plan& p, TensorId w, std::uint64_t bytes, OpInde
   OpIndex trigger = task_after;
   std::vector<PlanAction> kept;
   for (const PlanAction& x : p.actions) {
-    if (x.tensor != w) {
-      kept.push_back(x);
-    } else if (x.kind == ActionKind::kPrefetch && x.deadline == b) {
-      // The planner brought it back in time from there.
-      if (from_a(x.trigger) > from_a(task_after)) trigger = x.trigger;
-    } else if (!in_wrap(x.trigger)) {
-      kept.push_back(x);
-    }
+    const bool wrap_prefetch = x.tensor == w && x.kind == ActionKind::kPrefetch && x.deadline == b;
+    // The planner brought it back in time from there.
+    if (wrap_prefetch && from_a(x.trigger) > from_a(task_after)) trigger = x.trigger;
+    if (x.tensor != w || (!wrap_prefetch && !in_wrap(x.trigger))) kept.push_back(x);
   }
   p.actions = std::move(kept);
   PlanAction off;
@@ -397,8 +392,8 @@ namespace {
 // One host-step model planned (within up to four attempts: the planner does not see the
 // gradients on their way out, so each attempt plans for less device memory by what they took
 // over it in the one before) and simulated.
-PolicyResult plan_host_step(std::shared_ptr<const HostStepModel> model, const trace::Trace& tr,
-                            const Hardware& hw, const PolicyOptions& opt) {
+PolicyResult plan_host_step(const std::shared_ptr<const HostStepModel>& model,
+                            const trace::Trace& tr, const Hardware& hw, const PolicyOptions& opt) {
   PolicyResult r;
   r.policy = Policy::kTidal;
   r.optimizer_step = OptimizerPlacement::kHost;

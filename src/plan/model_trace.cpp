@@ -21,7 +21,8 @@ std::int64_t TransformerConfig::parameters() const {
   std::int64_t per_layer = 0;
   std::int64_t rest = 0;
   if (arch == Architecture::kLlama) {
-    const std::int64_t mlp = moe() ? h * experts + experts * 3 * h * expert_ffn +
+    const auto e = static_cast<std::int64_t>(experts);
+    const std::int64_t mlp = moe() ? h * e + e * 3 * h * expert_ffn +
                                          (shared_expert_ffn > 0 ? 3 * h * shared_expert_ffn + h : 0)
                                    : 3 * h * ffn;
     per_layer = 2 * h + h * h + 2 * h * kv + h * h + mlp;
