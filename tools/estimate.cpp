@@ -15,6 +15,7 @@
 #include "tidal/common/units.hpp"
 #include "tidal/plan/order_choice.hpp"
 #include "tidal/plan/policies.hpp"
+#include "trace_report.hpp"
 #include "trace_source.hpp"
 
 namespace tidal::cli {
@@ -39,12 +40,6 @@ struct Estimate {
   std::uint64_t host_needed = 0;  // the optimizer step's state on the host and what the plan puts
   double wall_seconds = 0;
 };
-
-std::string pct(double x) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f%%", 100 * x);
-  return buf;
-}
 
 std::string gib(std::uint64_t b) { return format_bytes(static_cast<double>(b)); }
 

@@ -62,12 +62,6 @@ struct SimulateArgs {
   int profile_steps = 3;
 };
 
-std::string pct(double x) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.1f%%", 100 * x);
-  return buf;
-}
-
 // The bound as JSON: its iteration, stall and fraction of `compute`; where no plan fits, those
 // are null and "no_fit_op" names the op that needs more than device memory by itself.
 nlohmann::json bound_json(const plan::StallBound& b, double compute) {

@@ -1,13 +1,22 @@
-// What `tidal plan` and `tidal simulate` both say about the trace they planned: the optimizer
-// schedule and micro-batch order its meta records, as text lines and as JSON fields.
+// What `tidal plan`, `tidal simulate` and `tidal estimate` say about the trace they planned: the
+// optimizer schedule and micro-batch order its meta records, as text lines and as JSON fields;
+// shares as percentages.
 #pragma once
 
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "tidal/trace/trace.hpp"
 
 namespace tidal::cli {
+
+/// A share as a percentage with one decimal: 0.8123 -> "81.2%".
+inline std::string pct(double share) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f%%", 100 * share);
+  return buf;
+}
 
 /// Prints "optimizer step: <schedule>" when the trace records its optimizer schedule.
 inline void print_optimizer_step(const trace::Trace& tr) {
