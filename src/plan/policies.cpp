@@ -130,7 +130,8 @@ namespace {
 
 // The blocks of layer-wise activation checkpointing. A block is one layer in one
 // forward/backward pass: with gradient accumulation each micro-batch's pass checkpoints and
-// recomputes its own blocks.
+// recomputes its own blocks. In the layer-major order one pass holds every micro-batch, so a
+// block is one layer of one micro-batch, named by the analytic trace's "mb<i>." prefix.
 struct CheckpointBlocks {
   std::vector<int> of_op;                     // the block of each op; -1 outside the layers
   std::vector<std::vector<OpIndex>> forward;  // each block's forward ops, in order
@@ -140,19 +141,38 @@ struct CheckpointBlocks {
   [[nodiscard]] int count() const { return static_cast<int>(forward.size()); }
 };
 
+// The micro-batch of each op of a layer-major analytic trace ("mb<i>." names it), or the
+// forward/backward pass of each op of any other trace (a pass starts at the first forward op
+// after a backward op).
+std::vector<int> checkpoint_groups(const trace::Trace& in) {
+  const auto order = in.meta.find("micro_batch_order");
+  if (order == in.meta.end() || order->second != "layer-major") return pass_of_ops(in);
+  std::vector<int> group(in.ops.size(), 0);
+  for (const auto& op : in.ops) {
+    if (op.name.rfind("mb", 0) != 0) continue;
+    const auto dot = op.name.find('.');
+    if (dot == std::string::npos || dot <= 2) continue;
+    try {
+      group[static_cast<std::size_t>(op.index)] = std::stoi(op.name.substr(2, dot - 2));
+    } catch (const std::exception&) {
+      continue;  // not a micro-batch's name: group 0
+    }
+  }
+  return group;
+}
+
 // Blocks of layers from `checkpointed` on have no forward ops listed and no first backward op:
 // they are not recomputed.
 CheckpointBlocks checkpoint_blocks(const trace::Trace& in, int max_layers, int checkpointed) {
-  // A pass starts at the first forward op after a backward op.
-  const std::vector<int> pass_of = pass_of_ops(in);
+  const std::vector<int> group_of = checkpoint_groups(in);
   CheckpointBlocks blocks;
   blocks.of_op.assign(in.ops.size(), -1);
   for (const auto& op : in.ops) {
     const auto k = static_cast<std::size_t>(op.index);
-    if (op.layer >= 0) blocks.of_op[k] = pass_of[k] * max_layers + op.layer;
+    if (op.layer >= 0) blocks.of_op[k] = group_of[k] * max_layers + op.layer;
   }
-  const int passes = pass_of.back() + 1;
-  const int count = passes * max_layers;
+  const int groups = *std::max_element(group_of.begin(), group_of.end()) + 1;
+  const int count = groups * max_layers;
   blocks.forward.resize(static_cast<std::size_t>(count));
   blocks.first_backward.assign(static_cast<std::size_t>(count), trace::kNoOp);
   for (const auto& op : in.ops) {
