@@ -15,7 +15,8 @@
 # accumulation at 6e9 elements/s (the preset's; bench/host_adam.sh measures a machine's).
 # TIDAL_HOST_RICH_CASES: "name:model flags:budget" cases separated by ';' (default: the issue's
 # gpt2-xl at 8 GiB and a 3B Llama-style decoder at 16 GiB, bf16-mixed and fp32, from 4
-# micro-batches to 256k tokens per optimizer step). TIDAL_BIN (default ./build/tidal).
+# micro-batches to 256k tokens per optimizer step; in bf16-mixed tidal also chooses the
+# micro-batch order, --micro-batch-order auto, the ZeRO-Offload model runs the sequential one). TIDAL_BIN (default ./build/tidal).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -26,9 +27,9 @@ xl="--model gpt2-xl --seq 1024"
 l3="--model llama3.2-1b --layers 28 --hidden 3072 --heads 24 --kv-heads 8 --ffn 8192 --seq 2048"
 default_cases="gpt2-xl fp32 mb4:$xl --batch 16 --micro-batches 4 --precision fp32:8GiB;\
 gpt2-xl fp32 mb8:$xl --batch 32 --micro-batches 8 --precision fp32:8GiB;\
-gpt2-xl bf16-mixed mb4:$xl --batch 16 --micro-batches 4 --precision bf16-mixed:8GiB;\
-gpt2-xl bf16-mixed mb8:$xl --batch 32 --micro-batches 8 --precision bf16-mixed:8GiB;\
-gpt2-xl bf16-mixed 256k tokens:$xl --batch 256 --micro-batches 64 --precision bf16-mixed:8GiB;\
+gpt2-xl bf16-mixed mb4:$xl --batch 16 --micro-batches 4 --precision bf16-mixed --micro-batch-order auto:8GiB;\
+gpt2-xl bf16-mixed mb8:$xl --batch 32 --micro-batches 8 --precision bf16-mixed --micro-batch-order auto:8GiB;\
+gpt2-xl bf16-mixed 256k tokens:$xl --batch 256 --micro-batches 64 --precision bf16-mixed --micro-batch-order auto:8GiB;\
 3B bf16-mixed mb8:$l3 --batch 32 --micro-batches 8 --precision bf16-mixed --micro-batch-order auto:16GiB;\
 3B bf16-mixed 256k tokens:$l3 --batch 128 --micro-batches 32 --precision bf16-mixed --micro-batch-order auto:16GiB"
 cases=${TIDAL_HOST_RICH_CASES:-$default_cases}
