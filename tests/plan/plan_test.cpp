@@ -1363,11 +1363,12 @@ TEST(ModelTrace, PrecisionSetsBytesPerClassAndMatmulRate) {
   }
 }
 
-TEST(Policies, RecomputePerMicroBatch) {
+void expect_recompute_per_micro_batch(MicroBatchOrder order) {
   const TransformerConfig cfg = three_blocks("gpt2-small");
   const Hardware hw = hardware_preset("h100-4ssd");
   AnalyticTraceOptions opt;
   opt.micro_batches = 2;
+  opt.micro_batch_order = order;
   const trace::Trace t = transformer_trace(cfg, 2, 64, hw, opt);
   const trace::Trace r = recompute_trace(t);
   ASSERT_NO_THROW(trace::validate(r));
@@ -1385,6 +1386,14 @@ TEST(Policies, RecomputePerMicroBatch) {
     ASSERT_LT(j, r.ops.size());
     EXPECT_EQ(r.ops[j].phase, Phase::kBackward);
     EXPECT_EQ(micro_batch_of(r.ops[j]), mb) << op.name;
+  }
+}
+
+TEST(Policies, RecomputePerMicroBatch) {
+  // In both orders: in the layer-major one a block is one layer of one micro-batch too.
+  for (MicroBatchOrder order : {MicroBatchOrder::kSequential, MicroBatchOrder::kLayerMajor}) {
+    SCOPED_TRACE(to_string(order));
+    expect_recompute_per_micro_batch(order);
   }
 }
 
