@@ -506,6 +506,7 @@ class Simulator {
 
   // Queues the host tasks that follow op k (ended at t) and starts what can start.
   void queue_host_tasks(OpIndex k, double t) {
+    if (!host_.active()) return;
     host_.queue(
         k, t,
         [&](TensorId id) {
@@ -542,7 +543,7 @@ class Simulator {
 
   // Serves the channels up to t, issuing each held-back read when the task it waits for ends.
   void advance_to(double t) {
-    for (;;) {
+    while (host_.active()) {
       resolve_host();
       const auto ready = host_.next_ready(t);
       if (!ready) break;

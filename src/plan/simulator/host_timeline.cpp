@@ -14,7 +14,8 @@ using trace::TensorId;
 
 HostTimeline::HostTimeline(const std::vector<HostTask>& tasks, std::int32_t num_ops,
                            std::int32_t num_tensors)
-    : after_(static_cast<std::size_t>(num_ops)),
+    : active_(!tasks.empty()),
+      after_(static_cast<std::size_t>(num_ops)),
       refresh_run_(static_cast<std::size_t>(num_tensors), -1) {
   for (const HostTask& task : tasks) {
     TIDAL_EXPECT_AS(InvalidArgument, task.after >= 0 && task.after < num_ops, "host task '",

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "tidal/plan/simulator.hpp"
@@ -30,6 +32,9 @@ class HostTimeline {
  public:
   /// Throws tidal::InvalidArgument when a task names an op or tensor the trace does not have.
   HostTimeline(const std::vector<HostTask>& tasks, std::int32_t num_ops, std::int32_t num_tensors);
+
+  /// Whether there are tasks at all (without, the simulator skips this timeline).
+  [[nodiscard]] bool active() const { return active_; }
 
   /// The tensors the tasks after op k rewrite are stale from op k's end on: before the
   /// migrations issued then, so that a read of one among them waits for its task.
@@ -71,6 +76,7 @@ class HostTimeline {
     std::vector<int> jobs;  // the offloads of its inputs
     double end = -1;        // when it ends; -1 until known
   };
+  bool active_ = false;
   std::vector<std::vector<const HostTask*>> after_;  // by op
   std::vector<Run> runs_;                            // in the order queued
   std::size_t next_ = 0;                             // the first without an end yet
