@@ -71,9 +71,7 @@ def ds_config(a, nvme):
     with --ds-offload cpu, both in CPU memory instead (ZeRO-Offload as the simulator's
     zero-offload policy models it). Each setting here is one the run needs on this machine;
     docs/results.md says why."""
-    if a.ds_offload == "cpu":
-        return ds_config_cpu(a)
-    return {
+    config = {
         "train_micro_batch_size_per_gpu": a.batch,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW",
@@ -114,9 +112,10 @@ def ds_config(a, nvme):
                 "single_submit": False, "overlap_events": True},
         "steps_per_print": 1 << 30,
     }
+    return as_zero_offload(config) if a.ds_offload == "cpu" else config
 
 
-def ds_config_cpu(a):
+def as_zero_offload(config):
     """ZeRO-Offload as the simulator's zero-offload policy models it (src/plan/policies/zero.cpp,
     docs/simulator.md): ZeRO-3 with offload_param and offload_optimizer both device cpu, so the
     fp32 master parameters, Adam moments and gradients live in CPU memory and DeepSpeed's CPU
@@ -124,25 +123,11 @@ def ds_config_cpu(a):
     only in where the offloaded tensors go: parameters released after each use (reuse distance
     0) and fetched again, gradients reduced through one matrix-sized bucket. pin_memory false:
     pinned buffers would be allocated outside the meter."""
-    return {
-        "train_micro_batch_size_per_gpu": a.batch,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW",
-                      "params": {"lr": a.lr, "betas": [0.9, 0.999], "eps": 1e-8,
-                                 "weight_decay": 0.01}},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": {"device": "cpu", "pin_memory": False},
-            "offload_optimizer": {"device": "cpu", "pin_memory": False},
-            "sub_group_size": a.ds_sub_group,
-            "stage3_param_persistence_threshold": 0,
-            "stage3_max_reuse_distance": 0,
-            "stage3_max_live_parameters": 4 * 4 * a.d * a.d,
-            "stage3_prefetch_bucket_size": 2 * 4 * a.d * a.d,
-            "reduce_bucket_size": 4 * a.d * a.d,
-        },
-        "steps_per_print": 1 << 30,
-    }
+    zero = config["zero_optimization"]
+    zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    del config["aio"]
+    return config
 
 
 def time_inner_optimizer(engine):
