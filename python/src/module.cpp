@@ -13,6 +13,7 @@
 #include <cctype>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -186,6 +187,11 @@ py::dict time_report_dict(const tidal::plan::TimeReport& r) {
   return d;
 }
 
+// A Python context manager around tt::HostMemoryScope (entered and left on one thread).
+struct HostMemory {
+  std::optional<tt::HostMemoryScope> scope;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -201,7 +207,7 @@ PYBIND11_MODULE(_C, m) {
       [] {
         static tt::MemoryMeter meter(c10::Device(c10::kCPU));
         return TIDAL_FIELDS_DICT(meter.stats(), current_bytes, peak_bytes, allocations, frees,
-                                 refusals, reclaimed_bytes);
+                                 refusals, reclaimed_bytes, host_bytes, host_peak_bytes);
       },
       "CPU tensor memory counted by tidal's tracking allocator (installed at import of tidal).");
   m.def(
@@ -214,6 +220,18 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_memory_cap", &tt::set_cpu_memory_cap, py::arg("bytes"),
         "The strict meter: CPU allocations past `bytes` raise torch.OutOfMemoryError (0: none).");
   m.def("memory_cap", &tt::cpu_memory_cap, "The strict meter's cap in bytes, or 0 for none.");
+  // `with _C.host_memory():` (the thread's CPU allocations are host memory: tt::HostMemoryScope).
+  py::class_<HostMemory>(m, "host_memory")
+      .def(py::init<>())
+      .def("__enter__", [](HostMemory& h) { h.scope.emplace(); })
+      .def("__exit__", [](HostMemory& h, const py::args&) { h.scope.reset(); });
+  m.def(
+      "is_host_memory",
+      [](const at::Tensor& t) {
+        return t.defined() && t.has_storage() &&
+               tt::host_tier_storage(*t.storage().unsafeGetStorageImpl());
+      },
+      "True for a CPU tensor allocated inside `with host_memory():`.");
 
   using tidal::io::FaultPlan;
   using tidal::io::StoreOptions;

@@ -20,11 +20,13 @@ import torch  # noqa: F401  (first: the extension links libtorch_python, loaded 
 from . import _C
 from ._C import Error, InvalidArgument, IoError, format_bytes, parse_bytes
 from .activations import ActivationStats, offload_activations
+from .host_step import HostStep, optimizer_on_host
 from .session import Session, SessionStats
 
 __all__ = [
     "ActivationStats",
     "Error",
+    "HostStep",
     "InvalidArgument",
     "IoError",
     "Session",
@@ -33,6 +35,7 @@ __all__ = [
     "memory_cap",
     "memory_stats",
     "offload_activations",
+    "optimizer_on_host",
     "parse_bytes",
     "reset_peak_memory",
 ]
@@ -40,8 +43,9 @@ __all__ = [
 
 def memory_stats() -> dict:
     """CPU tensor memory counted since `import tidal`: current_bytes, peak_bytes (since the last
-    reset_peak_memory()), allocations, frees, and the strict meter's refusals and
-    reclaimed_bytes (memory_cap)."""
+    reset_peak_memory()), allocations, frees, the strict meter's refusals and reclaimed_bytes
+    (memory_cap), and host_bytes and host_peak_bytes: host memory on the CPU (the host step's),
+    outside the others."""
     return _C.memory_stats()
 
 

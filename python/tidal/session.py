@@ -22,6 +22,7 @@ from ._hooks import _Hook, _unwatch_torch_save, _watch_torch_save
 from ._hooks import _inert, _inert_hook  # noqa: F401
 from ._optimizer_split import OptimizerSplit, join_groups
 from .distributed import prepare_model
+from .host_step import HostStep, optimizer_on_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +158,10 @@ class Session:
     on its channel, stalls and memory against the budget (write_timeline), and where the time
     went (time_report). timeline: a file to write it to when the session closes (a Chrome trace
     for Perfetto, or an SVG picture for a name ending in .svg).
+    optimizer_step: where the optimizer's step runs: "device" (as written), or "host"
+    (tidal.host_step: the optimizer's parameters become host copies of the model's, its state and
+    the gradients live in host memory, outside the budget; the step is the user's optimizer run
+    there, bit-identical to it run on the host without tidal). "host" needs `optimizer`.
 
     Create it before the model when you can: the memory meter counts tensors allocated after
     `import tidal`, and the session's own meter after its creation.
@@ -164,7 +169,8 @@ class Session:
     Use `with session.step():` around forward, backward and the optimizer step, or
     `begin_step()` / `end_step()`. Call it from the thread that runs the loop.
     `close()` (or leaving `with tidal.Session(...) as session:`) ends it: every tensor it moved
-    comes back into memory, and its store's files and disk reservation are given back.
+    comes back into memory, and its store's files and disk reservation are given back; an
+    optimizer_step="host" stays on the host (`session.host_step.remove()` moves it back).
     Errors raise tidal.Error (tidal.InvalidArgument for a bad option, tidal.IoError for a failing
     store) with the C++ message.
     """
@@ -192,6 +198,7 @@ class Session:
                  device: Optional[Union[str, torch.device]] = None,
                  timeline_steps: int = 2,
                  timeline: Optional[str] = None,
+                 optimizer_step: str = "device",
                  _faults: Optional[dict] = None) -> None:
         if mode != "plan":
             tiers = {"host_memory": (host_memory, None)} if mode == "none" else {}
@@ -199,6 +206,7 @@ class Session:
                                  strict=(strict, None), strict_budget=(strict_budget, False),
                                  wall_by_retry=(wall_by_retry, False),
                                  between_steps=(between_steps, "auto"))
+        Session._check_optimizer_step(optimizer_step, model, optimizer)
         opt = _C.SessionOptions()
         opt.mode = mode
         # The device whose memory the budget is about and the meter measures: given, or the
@@ -253,6 +261,7 @@ class Session:
         self._param_names: dict[int, str] = {}
         self._in_step = False
         self._restore_groups = lambda: None  # _split_multi_tensor_steps sets it
+        self._host_step = optimizer_on_host(optimizer) if optimizer_step == "host" else None
         if model is not None:
             prepare_model(model, mode, self._session)
             self._fsdp = _fsdp.prepare(self._session, model, optimizer, mode)
@@ -263,10 +272,29 @@ class Session:
                 self._register(b, n, "parameter")
         self._register_optimizer()
         if mode == "plan":
-            self._preflight(model, optimizer)
+            # With the step on the host, its state is not the device's.
+            self._preflight(model, optimizer if self._host_step is None else None)
             self._hook_state_dicts(model, optimizer)
-            if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
+            if (optimizer is not None and self._host_step is None
+                    and hasattr(optimizer, "register_step_pre_hook")):
                 self._split_multi_tensor_steps(optimizer)
+
+    @staticmethod
+    def _check_optimizer_step(where: str, model, optimizer) -> None:
+        """optimizer_step: "device", or "host" with an optimizer the host step takes."""
+        if where not in ("device", "host"):
+            raise _C.InvalidArgument(f"optimizer_step={where!r}: give \"device\" (the step as "
+                                     "written) or \"host\" (the step on host copies)")
+        if where == "device":
+            return None
+        if optimizer is None:
+            raise _C.InvalidArgument("optimizer_step=\"host\" needs the optimizer: "
+                                     "Session(..., optimizer=opt, optimizer_step=\"host\")")
+        if _distributed(model):
+            raise _C.InvalidArgument(
+                "optimizer_step=\"host\" with DDP or FSDP2 is not supported yet (their "
+                "collectives read the gradients on the device): use FSDP2's CPUOffloadPolicy, "
+                "or optimizer_step=\"device\"")
 
     def _preflight(self, model, optimizer) -> None:
         # Before step 0: the choices left to the machine, and whether the model's state fits in
@@ -281,6 +309,9 @@ class Session:
         if not check["fits"]:
             session, self._session = self._session, None
             session.close()
+            if self._host_step is not None:  # the optimizer is the user's again
+                self._host_step.remove()
+                self._host_step = None
             raise _C.InvalidArgument(check["line"])
 
     def _hook_state_dicts(self, model, optimizer) -> None:
@@ -325,7 +356,8 @@ class Session:
         the model and optimizer, and its store's files and disk reservation are given back.
         stats() still answers. Call it between steps; calling it again does nothing. A DDP model
         keeps the communication hook plan mode installed (DDP cannot remove one): it holds the
-        store until the model goes."""
+        store until the model goes. A host optimizer step stays on the host: the device may not
+        hold its state (host_step.remove() moves it back)."""
         if self._session is None:
             return
         if self._in_step:
@@ -404,6 +436,12 @@ class Session:
 
     # -- what it did ------------------------------------------------------------------------
 
+    @property
+    def host_step(self) -> Optional[HostStep]:
+        """The optimizer step on the host (optimizer_step="host"): its host_bytes() and
+        parameters_per_second(); None otherwise."""
+        return self._host_step
+
     def stats(self) -> SessionStats:
         if self._session is None and getattr(self, "_final_stats", None) is not None:
             return self._final_stats  # a closed session's last word
@@ -463,8 +501,9 @@ class Session:
         self._live().register_persistent(_fsdp.local_tensor(t).detach(), name, cls)
 
     def _register_optimizer(self) -> None:
-        # Adam's state is made at its first step: looked for again at every step's start.
-        if self._optimizer is None:
+        # Adam's state is made at its first step: looked for again at every step's start. With
+        # the step on the host, that state is host memory: not the device's to register.
+        if self._optimizer is None or self._host_step is not None:
             return
         for i, (p, state) in enumerate(self._optimizer.state.items()):
             base = self._param_names.get(id(p), f"param{i}")

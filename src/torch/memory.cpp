@@ -5,6 +5,7 @@
 #include <ATen/ops/ones.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/StorageImpl.h>
 #include <c10/core/CachingDeviceAllocator.h>  // torch >= 2.9: any device's allocator statistics
 #include <c10/util/Exception.h>
 #include <sys/mman.h>
@@ -37,6 +38,7 @@ std::string format_bytes_u(std::uint64_t b) { return format_bytes(static_cast<do
 
 thread_local std::string t_shortfall;  // note_reclaim_shortfall, for the refusal being made
 thread_local std::uint64_t t_last_refused = 0;  // take_last_refused_bytes
+thread_local int t_host_scopes = 0;               // HostMemoryScope objects alive on this thread
 
 // TIDAL_HUGE_PAGES (default on): tensors of kHugePage or more on transparent huge pages.
 bool huge_pages() {
@@ -56,7 +58,7 @@ bool huge_pages() {
 // pointer), so the counters subtract exactly what they added.
 class TrackingCpuAllocator final : public c10::Allocator {
  public:
-  c10::DataPtr allocate(size_t n) override { return do_allocate(n); }
+  c10::DataPtr allocate(size_t n) override { return do_allocate(n, t_host_scopes > 0); }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);
   }
@@ -70,6 +72,8 @@ class TrackingCpuAllocator final : public c10::Allocator {
     s.frees = frees_.load(std::memory_order_relaxed);
     s.refusals = refusals_.load(std::memory_order_relaxed);
     s.reclaimed_bytes = reclaimed_.load(std::memory_order_relaxed);
+    s.host_bytes = host_current_.load(std::memory_order_relaxed);
+    s.host_peak_bytes = host_peak_.load(std::memory_order_relaxed);
     return s;
   }
 
@@ -86,7 +90,10 @@ class TrackingCpuAllocator final : public c10::Allocator {
     if (token == reclaimer_token_) reclaimer_.reset();
   }
 
-  void reset_peak() { peak_.store(current_.load(std::memory_order_relaxed)); }
+  void reset_peak() {
+    peak_.store(current_.load(std::memory_order_relaxed));
+    host_peak_.store(host_current_.load(std::memory_order_relaxed));
+  }
 
   std::uint64_t size_of(const void* ptr) const {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -94,18 +101,23 @@ class TrackingCpuAllocator final : public c10::Allocator {
     return it == sizes_.end() ? 0 : it->second;
   }
 
+  static bool is_host(const c10::DataPtr& d) { return d.get_deleter() == &release_host; }
+
   static TrackingCpuAllocator& instance() {
     static TrackingCpuAllocator* a = new TrackingCpuAllocator();  // never destroyed: tensors
     return *a;                                                    // may outlive static teardown
   }
 
  private:
-  c10::DataPtr do_allocate(size_t n) const {
+  // host: a HostMemoryScope is alive on this thread: the bytes are counted apart, the cap and
+  // the reclaimer do not apply, and the block's deleter (release_host) says so for its life.
+  c10::DataPtr do_allocate(size_t n, bool host) const {
     auto& self = const_cast<TrackingCpuAllocator&>(*this);
     const c10::Device cpu(c10::kCPU);
-    if (n == 0) return c10::DataPtr(nullptr, nullptr, &release, cpu);
+    const c10::DeleterFnPtr deleter = host ? &release_host : &release;
+    if (n == 0) return c10::DataPtr(nullptr, nullptr, deleter, cpu);
     const std::uint64_t padded = align_up(n, kHostAllocationAlignment);
-    if (cap() != 0) self.make_room(padded);
+    if (!host && cap() != 0) self.make_room(padded);
     void* p = nullptr;
     if (padded >= kHugePage && huge_pages()) {
       // On a 2 MiB boundary, its whole 2 MiB pages advised onto transparent huge pages before
@@ -125,11 +137,13 @@ class TrackingCpuAllocator final : public c10::Allocator {
       self.sizes_.emplace(p, padded);
     }
     self.allocations_.fetch_add(1, std::memory_order_relaxed);
-    const auto now = self.current_.fetch_add(padded, std::memory_order_relaxed) + padded;
-    auto peak = self.peak_.load(std::memory_order_relaxed);
-    while (now > peak && !self.peak_.compare_exchange_weak(peak, now)) {
+    auto& current = host ? self.host_current_ : self.current_;
+    auto& peak = host ? self.host_peak_ : self.peak_;
+    const auto now = current.fetch_add(padded, std::memory_order_relaxed) + padded;
+    auto seen = peak.load(std::memory_order_relaxed);
+    while (now > seen && !peak.compare_exchange_weak(seen, now)) {
     }
-    return c10::DataPtr(p, p, &release, cpu);
+    return c10::DataPtr(p, p, deleter, cpu);
   }
 
   // The strict meter: `padded` more bytes must fit under the cap, after the reclaimer has had
@@ -175,7 +189,10 @@ class TrackingCpuAllocator final : public c10::Allocator {
             "of the step's tensors out (plan mode, activation offloading).");
   }
 
-  static void release(void* p) {
+  static void release(void* p) { release_from(p, instance().current_); }
+  static void release_host(void* p) { release_from(p, instance().host_current_); }
+
+  static void release_from(void* p, std::atomic<std::uint64_t>& current) {
     if (p == nullptr) return;
     auto& self = instance();
     std::uint64_t bytes = 0;
@@ -187,7 +204,7 @@ class TrackingCpuAllocator final : public c10::Allocator {
         self.sizes_.erase(it);
       }
     }
-    self.current_.fetch_sub(bytes, std::memory_order_relaxed);
+    current.fetch_sub(bytes, std::memory_order_relaxed);
     self.frees_.fetch_add(1, std::memory_order_relaxed);
     std::free(p);
   }
@@ -200,6 +217,8 @@ class TrackingCpuAllocator final : public c10::Allocator {
   std::atomic<std::uint64_t> frees_{0};
   std::atomic<std::uint64_t> refusals_{0};
   std::atomic<std::uint64_t> reclaimed_{0};
+  std::atomic<std::uint64_t> host_current_{0};
+  std::atomic<std::uint64_t> host_peak_{0};
   std::atomic<std::uint64_t> cap_{0};
   std::mutex reclaimer_mutex_;
   std::shared_ptr<MemoryReclaimer> reclaimer_;
@@ -219,6 +238,17 @@ void install_tracking_cpu_allocator() {
 
 bool tracking_cpu_allocator_active() {
   return c10::GetCPUAllocator() == &TrackingCpuAllocator::instance();
+}
+
+HostMemoryScope::HostMemoryScope() {
+  install_tracking_cpu_allocator();
+  ++t_host_scopes;
+}
+
+HostMemoryScope::~HostMemoryScope() { --t_host_scopes; }
+
+bool host_tier_storage(const c10::StorageImpl& storage) {
+  return TrackingCpuAllocator::is_host(storage.data_ptr());
 }
 
 std::uint64_t tracked_allocation_bytes(const void* ptr) {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <c10/core/Device.h>
+#include <c10/core/StorageImpl.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -31,6 +32,10 @@ struct MemoryStats {
   std::uint64_t refusals = 0;
   /// Bytes the reclaimer freed when an allocation would have crossed the cap (CPU only).
   std::uint64_t reclaimed_bytes = 0;
+  /// Host memory (HostMemoryScope) held now and at its peak, apart from the bytes above (CPU
+  /// only).
+  std::uint64_t host_bytes = 0;
+  std::uint64_t host_peak_bytes = 0;
 };
 
 /// Installs the tracking allocator as the CPU allocator for the rest of the process. Idempotent
@@ -41,6 +46,23 @@ void install_tracking_cpu_allocator();
 /// True once install_tracking_cpu_allocator() has run and the allocator is still c10's CPU
 /// allocator.
 bool tracking_cpu_allocator_active();
+
+/// Host memory on a CPU device. While an object of this class lives on a thread, what that
+/// thread allocates through the tracking allocator is host memory, not the device's: counted
+/// apart (MemoryStats::host_bytes), never under the strict meter's cap, and marked for its life
+/// (host_tier_storage), so that the tracer leaves it out of the trace and the executor never
+/// moves it. What a host optimizer step keeps (fp32 masters, their gradients, the optimizer's
+/// state) lives there, as it would in a GPU machine's RAM. Installs the tracking allocator.
+class HostMemoryScope {
+ public:
+  HostMemoryScope();
+  ~HostMemoryScope();
+  HostMemoryScope(const HostMemoryScope&) = delete;
+  HostMemoryScope& operator=(const HostMemoryScope&) = delete;
+};
+
+/// True for a storage allocated inside a HostMemoryScope.
+bool host_tier_storage(const c10::StorageImpl& storage);
 
 /// Padded size of a live block of the tracking allocator that starts at `ptr`, or 0 when `ptr` is
 /// not such a block. Thread-safe.

@@ -43,12 +43,12 @@ void Tracer::Impl::begin_step(std::int64_t step, const std::vector<torch::Tensor
   }
   for (const auto& p : persistent_) {
     auto strong = p.storage.lock();
-    if (!strong) continue;
+    if (!strong || host_tier_storage(*strong)) continue;  // host memory is not the device's
     c10::Storage storage(std::move(strong));
     add_tensor(storage, storage.device(), p.name, p.cls, true, trace::kNoOp, -1);
   }
   for (std::size_t i = 0; i < inputs.size(); ++i) {
-    if (!usable(inputs[i])) continue;
+    if (!traced(inputs[i], options_.device)) continue;
     if (ids_.count(inputs[i].storage().unsafeGetStorageImpl()) != 0) continue;
     add_tensor(inputs[i].storage(), inputs[i].device(), "input:" + std::to_string(i),
                TensorClass::kInput, false, trace::kNoOp, -1);

@@ -244,7 +244,7 @@ std::unique_ptr<at::ObserverContext> Tracer::Impl::on_op_start(const at::RecordF
   const auto& inputs = reads_inputs(fn.name()) ? fn.inputs() : c10::ArrayRef<const c10::IValue>();
   for (const auto& v : inputs) {
     for_each_tensor(v, [&](const at::Tensor& t) {
-      if (!usable(t)) return;
+      if (!traced(t, options_.device)) return;
       const auto id = lookup_or_add_input(t);
       push_unique(op.inputs, id);
       if (listener_ != nullptr) refs.push_back({id, t.storage().unsafeGetStorageImpl()});
@@ -300,7 +300,7 @@ void Tracer::Impl::note_nested_outputs(const at::RecordFunction& fn) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (const auto& v : fn.outputs()) {
     for_each_tensor(v, [&](const at::Tensor& t) {
-      if (usable(t) && ids_.count(t.storage().unsafeGetStorageImpl()) == 0) {
+      if (traced(t, options_.device) && ids_.count(t.storage().unsafeGetStorageImpl()) == 0) {
         nested_outputs_.push_back(t.storage().getWeakStorageImpl());
       }
     });
@@ -349,7 +349,7 @@ std::int32_t Tracer::Impl::record_outputs(const at::RecordFunction& fn, OpIndex 
   std::int32_t slot = 0;
   for (const auto& v : fn.outputs()) {
     for_each_tensor(v, [&](const at::Tensor& t) {
-      if (usable(t)) {
+      if (traced(t, options_.device)) {
         auto it = ids_.find(t.storage().unsafeGetStorageImpl());
         if (it == ids_.end()) {
           add_output(index, slot, t.storage(), t.device());
@@ -390,7 +390,7 @@ std::vector<TensorRef> Tracer::Impl::adopt_nested_outputs(OpIndex index, std::in
 void Tracer::Impl::append_output_refs(const at::RecordFunction& fn, std::vector<TensorRef>& refs) {
   for (const auto& v : fn.outputs()) {
     for_each_tensor(v, [&](const at::Tensor& t) {
-      if (!usable(t)) return;
+      if (!traced(t, options_.device)) return;
       auto it = ids_.find(t.storage().unsafeGetStorageImpl());
       if (it != ids_.end()) refs.push_back({it->second, t.storage().unsafeGetStorageImpl()});
     });

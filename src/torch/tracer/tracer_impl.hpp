@@ -11,11 +11,19 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "tidal/torch/memory.hpp"
 #include "tidal/torch/tracer.hpp"
 
 namespace tidal::torch_layer {
 
 inline bool usable(const at::Tensor& t) { return t.defined() && t.has_storage(); }
+
+/// A tensor in the device's memory, which the trace is about: not another device's (a CPU
+/// tensor of a GPU step) and not host memory on a CPU device (HostMemoryScope).
+inline bool traced(const at::Tensor& t, const c10::Device& device) {
+  return usable(t) && t.device().type() == device.type() &&
+         !host_tier_storage(*t.storage().unsafeGetStorageImpl());
+}
 
 inline void push_unique(std::vector<trace::TensorId>& ids, trace::TensorId id) {
   if (std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(id);
