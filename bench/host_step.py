@@ -7,10 +7,12 @@ side in one run:
   device step   the same session with optimizer_step="device" (the state goes where the plan
                 puts it: the SSD store, as the machine has no host tier by default).
 
-B is what the process holds before the model plus --budget-copies times the parameters' bytes
-(default 2: the parameters and one gradient on its way out), plus --budget-extra for the
-activations. The device step's state (parameters, gradients, two moments: 4 copies) is over B,
-so its run must move state to the store; the host step's lives in host memory, outside B.
+B is the reference's peak (what its step held at most beyond what the process held before it)
+less --budget-less copies of the parameters (default 2.5: the two moments and most of the
+gradients, which the host step keeps in host memory), on top of what the process holds when the
+run starts. The device step must then move state to the store to stay within B; the host step's
+state lives in host memory, outside B. --fused makes both loops' AdamW fused=True (torch's
+vectorized CPU kernel), the fast host Adam; without it they use torch's default (for-loop).
 
 Printed per configuration: the median step time and its ratio to the reference, the largest
 step peak against B, whether every loss and every final parameter equals the reference's
@@ -21,7 +23,8 @@ the same run (bench/host_adam.py's loader; "not installed" when DeepSpeed is abs
 
     python bench/host_step.py [--layers 4] [--width 512] [--seq 128] [--batch 4]
                               [--micro-batches 2] [--steps 8] [--precision fp32,bf16]
-                              [--dir /var/tmp/tidal] [--json FILE]
+                              [--budget-less 2.5] [--fused] [--dir /var/tmp/tidal]
+                              [--json FILE]
 """
 
 import argparse
@@ -61,11 +64,14 @@ def run(a, data, precision, session_options=None):
     """One training run: (losses, final parameters, step seconds, session stats, host report)."""
     model = make_model(a)
     opt = torch.optim.AdamW(model.parameters(), lr=host_adam.LR, betas=host_adam.BETAS,
-                            eps=host_adam.EPS, weight_decay=host_adam.WEIGHT_DECAY)
+                            eps=host_adam.EPS, weight_decay=host_adam.WEIGHT_DECAY,
+                            **({"fused": True} if a.fused else {}))
     session = None
     if session_options is not None:
         session = tidal.Session(model=model, optimizer=opt, **session_options)
     losses, seconds, peaks = [], [], []
+    held = tidal.memory_stats()["current_bytes"]
+    tidal.reset_peak_memory()
     for micro_batches in data:
         t0 = time.perf_counter()
         if session is not None:
@@ -81,6 +87,8 @@ def run(a, data, precision, session_options=None):
             session.end_step()
             peaks.append(session.stats().step_peak)
         seconds.append(time.perf_counter() - t0)
+    if session is None:
+        peaks.append(tidal.memory_stats()["peak_bytes"] - held)
     stats = session.stats() if session is not None else None
     host = session.host_step if session is not None else None
     report = None
@@ -101,7 +109,7 @@ def adam_rates(shapes, threads: int) -> dict:
     out = {}
     ds_class, ds_reason = host_adam.load_deepspeed()
     n = sum(torch.Size(s).numel() for s in shapes)
-    for name in ("adamw-forloop", "deepspeed"):
+    for name in ("adamw-forloop", "adamw-fused", "deepspeed"):
         if name == "deepspeed" and ds_class is None:
             out[name] = ds_reason
             continue
@@ -128,8 +136,8 @@ def main():
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--precision", default="fp32,bf16")
-    p.add_argument("--budget-copies", type=float, default=2.0)
-    p.add_argument("--budget-extra", default="96MiB")
+    p.add_argument("--budget-less", type=float, default=2.5)
+    p.add_argument("--fused", action="store_true")
     p.add_argument("--dir", default=os.environ.get("TIDAL_TEST_DIR", "/var/tmp/tidal"))
     p.add_argument("--json", default="")
     a = p.parse_args()
@@ -140,7 +148,8 @@ def main():
     param_bytes = sum(q.nbytes for q in probe.parameters())
     del probe
     gc.collect()
-    print(f"model: GPT-2 (transformers), {a.layers} layers x {a.width}, "
+    print(f"model: GPT-2 (transformers), {a.layers} layers x {a.width}, AdamW "
+          f"{'fused' if a.fused else 'for-loop'}, "
           f"{sum(torch.Size(s).numel() for s in shapes) / 1e6:.1f}M parameters "
           f"({tidal.format_bytes(param_bytes)} fp32); {a.steps} steps of {a.micro_batches} "
           f"micro-batches of {a.batch}x{a.seq}; torch {torch.__version__}, {threads} threads")
@@ -149,11 +158,13 @@ def main():
     for precision in a.precision.split(","):
         ref = run(a, data, precision)
         held = tidal.memory_stats()["current_bytes"]
-        budget = held + int(a.budget_copies * param_bytes) + tidal.parse_bytes(a.budget_extra)
+        ref_peak = ref[4][0]
+        budget = held + ref_peak - int(a.budget_less * param_bytes)
         ref_median = statistics.median(ref[2][2:])
-        print(f"\n{precision}: budget {tidal.format_bytes(budget)} (the process held "
-              f"{tidal.format_bytes(held)} before the model); reference step "
-              f"{ref_median:.3f} s")
+        print(f"\n{precision}: reference step {ref_median:.3f} s, peak "
+              f"{tidal.format_bytes(ref_peak)}; budget {tidal.format_bytes(budget)} (its peak "
+              f"less {a.budget_less} copies of the parameters, on top of the "
+              f"{tidal.format_bytes(held)} the process holds)")
         for where in ("host", "device"):
             with tempfile.TemporaryDirectory(prefix="host-step-", dir=a.dir) as d:
                 try:
