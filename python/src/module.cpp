@@ -223,7 +223,7 @@ PYBIND11_MODULE(_C, m) {
   // `with _C.host_memory():` (the thread's CPU allocations are host memory: tt::HostMemoryScope).
   py::class_<HostMemory>(m, "host_memory")
       .def(py::init<>())
-      .def("__enter__", [](HostMemory& h) { h.scope.emplace(); })
+      .def("__enter__", [](HostMemory& h) { h.scope.emplace(true); })
       .def("__exit__", [](HostMemory& h, const py::args&) { h.scope.reset(); });
   m.def(
       "is_host_memory",

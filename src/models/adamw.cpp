@@ -2,7 +2,23 @@
 
 #include <cmath>
 
+#include "tidal/torch/memory.hpp"
+
 namespace tidal::models {
+
+namespace {
+
+// Host memory for the step's tensors: the meter's host scope on a CPU device (beside a GPU they
+// are made pinned on the CPU: host_like).
+bool host_scope(bool on_host, const torch::Tensor& p) { return on_host && p.device().is_cpu(); }
+
+torch::Tensor host_like(const torch::Tensor& p) {
+  auto options = p.options().device(torch::kCPU);
+  if (!p.device().is_cpu()) options = options.pinned_memory(true);
+  return torch::empty_strided(p.sizes(), p.strides(), options);
+}
+
+}  // namespace
 
 AdamW::AdamW(std::vector<torch::Tensor> params, Options options)
     : params_(std::move(params)), options_(options) {
@@ -10,8 +26,47 @@ AdamW::AdamW(std::vector<torch::Tensor> params, Options options)
   exp_avg_.reserve(params_.size());
   exp_avg_sq_.reserve(params_.size());
   for (const auto& p : params_) {
-    exp_avg_.push_back(torch::zeros_like(p));
-    exp_avg_sq_.push_back(torch::zeros_like(p));
+    const torch_layer::HostMemoryScope scope(host_scope(options_.on_host, p));
+    if (options_.on_host) {
+      copies_.push_back(host_like(p).copy_(p));
+      copy_grads_.emplace_back();
+    }
+    const auto& like = options_.on_host ? copies_.back() : p;
+    exp_avg_.push_back(torch::zeros_like(like));
+    exp_avg_sq_.push_back(torch::zeros_like(like));
+  }
+}
+
+torch::Tensor& AdamW::target(std::size_t i) {
+  return options_.on_host ? copies_.at(i) : params_.at(i);
+}
+
+torch::Tensor AdamW::gradient(std::size_t i) const {
+  return options_.on_host ? copy_grads_.at(i) : params_.at(i).grad();
+}
+
+void AdamW::take_gradient(std::size_t i) {
+  auto& p = params_.at(i);
+  const torch::Tensor g = p.grad();
+  if (!options_.on_host || !g.defined()) return;
+  {
+    torch::NoGradGuard no_grad;
+    const torch_layer::HostMemoryScope scope(host_scope(true, p));
+    auto& held = copy_grads_.at(i);
+    if (!held.defined()) {
+      held = host_like(g).copy_(g);
+    } else {
+      held.add_(g.device().is_cpu() ? g : g.to(torch::kCPU));
+    }
+  }
+  p.mutable_grad() = torch::Tensor();
+}
+
+void AdamW::refresh_copies() {
+  torch::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < copies_.size(); ++i) {
+    copies_[i].copy_(params_[i]);
+    copy_grads_[i] = torch::Tensor();
   }
 }
 
@@ -31,20 +86,28 @@ void AdamW::begin_step() {
 
 void AdamW::update(std::size_t i) {
   torch::NoGradGuard no_grad;
-  auto& p = params_.at(i);
-  const auto& g = p.grad();
+  const torch::Tensor g = gradient(i);
   if (!g.defined()) return;
-  if (options_.weight_decay != 0 && p.dim() >= 2) p.mul_(1.0 - options_.lr * options_.weight_decay);
-  exp_avg_[i].mul_(options_.beta1).add_(g, 1.0 - options_.beta1);
-  exp_avg_sq_[i].mul_(options_.beta2).addcmul_(g, g, 1.0 - options_.beta2);
-  auto denom = (exp_avg_sq_[i].sqrt() / sqrt_bc2_).add_(options_.eps);
-  p.addcdiv_(exp_avg_[i], denom, -step_size_);
+  {
+    const torch_layer::HostMemoryScope scope(host_scope(options_.on_host, params_.at(i)));
+    auto& p = target(i);
+    if (options_.weight_decay != 0 && p.dim() >= 2) {
+      p.mul_(1.0 - options_.lr * options_.weight_decay);
+    }
+    exp_avg_[i].mul_(options_.beta1).add_(g, 1.0 - options_.beta1);
+    exp_avg_sq_[i].mul_(options_.beta2).addcmul_(g, g, 1.0 - options_.beta2);
+    auto denom = (exp_avg_sq_[i].sqrt() / sqrt_bc2_).add_(options_.eps);
+    p.addcdiv_(exp_avg_[i], denom, -step_size_);
+  }
+  // Beside a GPU the copy is queued on the current stream: the step's end (reading the loss)
+  // waits for it before the next update changes the host copy.
+  if (options_.on_host) params_[i].copy_(copies_[i], /*non_blocking=*/true);
 }
 
 void AdamW::zero_grad() {
   torch::NoGradGuard no_grad;
-  for (auto& p : params_) {
-    auto g = p.grad();
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    auto g = gradient(i);
     if (g.defined()) g.zero_();
   }
 }

@@ -119,6 +119,7 @@ void Trainer::load_checkpoint(const std::string& path) {
                     p.tensor.sizes());
     p.tensor.copy_(saved);
   }
+  optimizer_.refresh_copies();  // a step on the host updates copies of the parameters
   const auto step = read_int("step");
   optimizer_.set_steps_taken(read_int("adamw.steps"));
   data_.set_position(read_string("data.position"));

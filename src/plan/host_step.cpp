@@ -451,17 +451,21 @@ class VariantSearch {
   }
   [[nodiscard]] int layers() const { return layers_; }
 
-  // Plans the variant with the first `checkpointed` layers checkpointed and gradients
-  // accumulated as `a`; returns its iteration (infinite where it does not fit).
-  double run(int checkpointed, GradientAccumulation a) {
-    const trace::Trace t = checkpointed > 0 ? recompute_trace(tr_, checkpointed) : tr_;
+  // Plans the variant with the first `checkpointed` layers checkpointed (`what` of them run
+  // again) and gradients accumulated as `a`; returns its iteration (infinite where it does not
+  // fit).
+  double run(int checkpointed, GradientAccumulation a, Recompute what = Recompute::kBlocks) {
+    const trace::Trace t = checkpointed > 0 ? recompute_trace(tr_, checkpointed, what) : tr_;
     PolicyResult r =
         plan_host_step(std::make_shared<HostStepModel>(host_step_model(t, hw_, a)), tr_, hw_, opt_);
+    const std::string kind = what == Recompute::kMemoryBound
+                                 ? "selective activation checkpointing (memory-bound ops)"
+                                 : "layer-wise activation checkpointing";
     if (checkpointed >= layers_) {
-      r.note += "; with layer-wise activation checkpointing";
+      r.note += "; with " + kind;
     } else if (checkpointed > 0) {
-      r.note += "; with layer-wise activation checkpointing of the first " +
-                std::to_string(checkpointed) + " of " + std::to_string(layers_) + " layers";
+      r.note += "; with " + kind + " of the first " + std::to_string(checkpointed) + " of " +
+                std::to_string(layers_) + " layers";
     }
     if (!bound_ ||
         (r.bound->no_fit_op < 0 &&
@@ -500,8 +504,9 @@ class VariantSearch {
 PolicyResult run_host_step(const trace::Trace& tr, const Hardware& hw, const PolicyOptions& opt) {
   // The variants: the gradients accumulated on the host or on the device, on the trace as it is
   // and with layer-wise activation checkpointing (ZeRO-Offload's companion: more compute, far
-  // fewer activations to move); then checkpointing of the first half of the layers with the
-  // better accumulation, and of a quarter or three quarters on the side where that helped.
+  // fewer activations to move) and with selective checkpointing (the memory-bound ops only);
+  // then checkpointing of the first half of the layers with the better accumulation, and of a
+  // quarter or three quarters on the side where that helped.
   VariantSearch search(tr, hw, opt);
   const int L = search.layers();
   double none = INFINITY;
@@ -509,6 +514,13 @@ PolicyResult run_host_step(const trace::Trace& tr, const Hardware& hw, const Pol
   for (GradientAccumulation a : {GradientAccumulation::kHost, GradientAccumulation::kDevice}) {
     none = std::min(none, search.run(0, a));
     if (L > 0) all = std::min(all, search.run(L, a));
+  }
+  if (L > 0) {
+    // Selective checkpointing: the memory-bound ops only, for far less compute than whole
+    // blocks where that saves enough.
+    for (GradientAccumulation a : {GradientAccumulation::kHost, GradientAccumulation::kDevice}) {
+      (void)search.run(L, a, Recompute::kMemoryBound);
+    }
   }
   if (L >= 2) {
     const GradientAccumulation a = search.best_accumulation();

@@ -240,12 +240,15 @@ bool tracking_cpu_allocator_active() {
   return c10::GetCPUAllocator() == &TrackingCpuAllocator::instance();
 }
 
-HostMemoryScope::HostMemoryScope() {
+HostMemoryScope::HostMemoryScope(bool active) : active_(active) {
+  if (!active_) return;
   install_tracking_cpu_allocator();
   ++t_host_scopes;
 }
 
-HostMemoryScope::~HostMemoryScope() { --t_host_scopes; }
+HostMemoryScope::~HostMemoryScope() {
+  if (active_) --t_host_scopes;
+}
 
 bool host_tier_storage(const c10::StorageImpl& storage) {
   return TrackingCpuAllocator::is_host(storage.data_ptr());

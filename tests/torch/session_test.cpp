@@ -20,6 +20,7 @@ struct RunResult {
   std::vector<torch::Tensor> params;
   SessionStats stats;
   ExecutorStats executor;
+  std::uint64_t held_before = 0;  // the meter's bytes before the trainer was made
 };
 
 // The optimizer schedule of a run: after-backward (default), in-backward, deferred, clipping.
@@ -29,16 +30,19 @@ struct Schedule {
   double clip = 0;
   std::int64_t micro_batches = 1;
   plan::MicroBatchOrder order = plan::MicroBatchOrder::kSequential;
+  bool host = false;  // the optimizer step on the host (AdamW::Options::on_host)
 };
 
 RunResult train(const std::string& model, OffloadMode mode, const std::string& dir, int steps,
                 io::FaultPlan faults = {}, Schedule schedule = {}) {
   MemoryMeter meter(torch::kCPU);
+  const std::uint64_t held_before = meter.current_bytes();
   models::TrainerOptions o = testing::tiny_options(model, 4, 32, 77);
   o.optimizer = optimizer_schedule(schedule.in_backward, schedule.deferred);
   o.clip_grad_norm = schedule.clip;
   o.micro_batches = schedule.micro_batches;
   o.micro_batch_order = schedule.order;
+  o.adamw.on_host = schedule.host;
   models::Trainer trainer(o);
   SessionOptions so;
   so.mode = mode;
@@ -59,6 +63,7 @@ RunResult train(const std::string& model, OffloadMode mode, const std::string& d
   so.reset_peak = [&meter] { meter.reset_peak(); };
   so.model_name = model;
   RunResult r;
+  r.held_before = held_before;
   {
     Session session(so);
     trainer.add_observer(&session);
@@ -211,6 +216,31 @@ TEST(Session, LayerMajorMicroBatchesAreBitIdenticalInEveryMode) {
   }
   // (Not the parameters: Adam divides by the root of the second moment, so a rounding
   // difference in a gradient near zero moves a weight by up to the learning rate.)
+}
+
+// The optimizer step on the host: the same AdamW on host copies, with the gradients taken to the
+// host as backward completes them, is the device step's arithmetic on a CPU device: bit for bit,
+// in every mode, with micro-batches in either order. Its state is host memory: never registered,
+// never in the trace, never moved (the plan has less to move than the device step's).
+TEST(Session, OptimizerStepOnTheHostIsBitIdenticalInEveryMode) {
+  testing::TestDir dir;
+  const int steps = 8;
+  for (const auto order : {plan::MicroBatchOrder::kSequential, plan::MicroBatchOrder::kLayerMajor}) {
+    Schedule device;
+    device.micro_batches = 2;
+    device.order = order;
+    Schedule host = device;
+    host.host = true;
+    const RunResult reference = train("llama-tiny", OffloadMode::kNone, dir.path(), steps, {},
+                                      device);
+    const ModeRuns runs = expect_same_in_every_mode(reference, "llama-tiny", host, "host step",
+                                                    dir.path(), steps);
+    const RunResult device_plan =
+        train("llama-tiny", OffloadMode::kPlan, dir.path(), steps, {}, device);
+    EXPECT_LT(runs.plan.stats.profiled_peak - runs.plan.held_before,
+              device_plan.stats.profiled_peak - device_plan.held_before)
+        << "the host step's device memory holds no optimizer state";
+  }
 }
 
 TEST(Session, MicroBatchesThatDoNotDivideTheBatchSaySo) {

@@ -34,6 +34,7 @@ struct ModelArgs {
   double clip_grad_norm = 0;
   std::int64_t micro_batches = 1;
   std::string micro_batch_order = "sequential";
+  std::string optimizer_step = "device";
 };
 
 inline void add_model_options(CLI::App* cmd, ModelArgs& a) {
@@ -72,6 +73,12 @@ inline void add_model_options(CLI::App* cmd, ModelArgs& a) {
                   "layer's weights in once for all of them)")
       ->check(CLI::IsMember({"sequential", "layer-major"}))
       ->capture_default_str();
+  cmd->add_option("--optimizer-step", a.optimizer_step,
+                  "device, or host: AdamW updates host copies of the parameters, with its state "
+                  "and the gradients in host memory (outside the budget), and writes each "
+                  "parameter back (same math)")
+      ->check(CLI::IsMember({"device", "host"}))
+      ->capture_default_str();
 }
 
 /// The optimizer schedule the flags ask for, as traces and reports name it.
@@ -87,6 +94,7 @@ inline models::TrainerOptions to_trainer_options(const ModelArgs& a) {
   TIDAL_EXPECT_AS(InvalidArgument, std::isfinite(a.lr) && a.lr > 0, "--lr ", a.lr,
                   " is not a learning rate: give a number above 0, e.g. 3e-4");
   o.adamw.lr = a.lr;
+  o.adamw.on_host = a.optimizer_step == "host";
   o.optimizer = optimizer_schedule(a.optimizer_in_backward, a.optimizer_deferred);
   o.clip_grad_norm = a.clip_grad_norm;
   o.micro_batches = a.micro_batches;

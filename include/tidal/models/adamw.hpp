@@ -23,6 +23,12 @@ class AdamW {
     double beta2 = 0.95;
     double eps = 1e-8;
     double weight_decay = 0.1;
+    /// The step on the host (issue 49): the optimizer updates host copies of the parameters
+    /// (fp32 masters, same dtype), its state and the gradients live in host memory (on a CPU
+    /// device the meter's host scope, torch_layer::HostMemoryScope; beside a GPU pinned
+    /// memory), and each update writes the parameter on the device from its copy. The same
+    /// ATen ops on the same values as on the device: bit-identical on a CPU device.
+    bool on_host = false;
   };
 
   AdamW(std::vector<torch::Tensor> params, Options options);
@@ -41,8 +47,20 @@ class AdamW {
 
   [[nodiscard]] std::size_t size() const { return params_.size(); }
 
-  /// Zeroes the gradients in place (they stay allocated: persistent across steps).
+  /// Zeroes the gradients in place (they stay allocated: persistent across steps). On the host:
+  /// the host copies' gradients.
   void zero_grad();
+
+  /// On the host: adds parameter i's gradient into its host copy's (as autograd adds into
+  /// `.grad`) and drops it from the device. Call when backward has completed it (a gradient
+  /// accumulator's post hook), once per backward pass.
+  void take_gradient(std::size_t i);
+
+  /// On the host: the host copies from the parameters (after the parameters were loaded), and
+  /// no gradient held.
+  void refresh_copies();
+
+  [[nodiscard]] bool on_host() const { return options_.on_host; }
 
   /// The state tensors with a name: ("exp_avg.<i>", t), ("exp_avg_sq.<i>", t) for parameter i.
   [[nodiscard]] std::vector<std::pair<std::string, torch::Tensor>> named_state() const;
@@ -53,7 +71,14 @@ class AdamW {
   void set_steps_taken(std::int64_t steps) { step_ = steps; }
 
  private:
+  // The tensor update(i) changes and the gradient it reads: the parameter and its .grad, or on
+  // the host its copy and the copy's gradient.
+  [[nodiscard]] torch::Tensor& target(std::size_t i);
+  [[nodiscard]] torch::Tensor gradient(std::size_t i) const;
+
   std::vector<torch::Tensor> params_;
+  std::vector<torch::Tensor> copies_;       // on the host: the parameters' host copies
+  std::vector<torch::Tensor> copy_grads_;   // on the host: their gradients (undefined: none)
   std::vector<torch::Tensor> exp_avg_;
   std::vector<torch::Tensor> exp_avg_sq_;
   Options options_;

@@ -72,6 +72,9 @@ struct TrainerOptions {
   /// head) sums its two uses in another order: the losses match kSequential to rounding, not
   /// bit for bit (for models without tied weights they match bit for bit).
   plan::MicroBatchOrder micro_batch_order = plan::MicroBatchOrder::kSequential;
+  // adamw.on_host puts the optimizer step on the host (AdamW::Options::on_host): each gradient
+  // goes to the host when backward completes it. Needs the after-backward schedule without
+  // clipping (for now).
 };
 
 /// What one step produced.
@@ -118,9 +121,12 @@ class Trainer {
 
   /// Registers persistent_tensors(gradients) with `registry`: anything with
   /// register_persistent(tensor, name, class), such as a torch_layer::Session or Tracer.
+  /// The optimizer's state on the host (AdamW::Options::on_host) is host memory, not the
+  /// device's: not registered.
   template <typename Registry>
   void register_persistent(Registry& registry, bool gradients = true) {
     for (const auto& p : persistent_tensors(gradients)) {
+      if (p.cls == trace::TensorClass::kOptimizerState && optimizer_.on_host()) continue;
       registry.register_persistent(p.tensor, p.name, p.cls);
     }
   }

@@ -55,10 +55,14 @@ bool tracking_cpu_allocator_active();
 /// state) lives there, as it would in a GPU machine's RAM. Installs the tracking allocator.
 class HostMemoryScope {
  public:
-  HostMemoryScope();
+  /// active false: the object does nothing (for a scope that depends on a condition).
+  explicit HostMemoryScope(bool active = true);
   ~HostMemoryScope();
   HostMemoryScope(const HostMemoryScope&) = delete;
   HostMemoryScope& operator=(const HostMemoryScope&) = delete;
+
+ private:
+  bool active_;
 };
 
 /// True for a storage allocated inside a HostMemoryScope.
