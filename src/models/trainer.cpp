@@ -67,12 +67,13 @@ Trainer::Trainer(TrainerOptions options)
           (options_.optimizer == OptimizerSchedule::kAfterBackward && options_.clip_grad_norm == 0),
       "micro-batches need the after-backward optimizer schedule without clipping "
       "(the other schedules update a parameter after one micro-batch's gradient)");
-  TIDAL_EXPECT_AS(InvalidArgument,
-                  !optimizer_.on_host() || (options_.optimizer == OptimizerSchedule::kAfterBackward &&
-                                            options_.clip_grad_norm == 0),
-                  "the optimizer step on the host runs after backward, without clipping (for "
-                  "now): leave out --optimizer-in-backward, --optimizer-deferred and "
-                  "--clip-grad-norm, or keep the step on the device");
+  TIDAL_EXPECT_AS(
+      InvalidArgument,
+      !optimizer_.on_host() ||
+          (options_.optimizer == OptimizerSchedule::kAfterBackward && options_.clip_grad_norm == 0),
+      "the optimizer step on the host runs after backward, without clipping (for "
+      "now): leave out --optimizer-in-backward, --optimizer-deferred and "
+      "--clip-grad-norm, or keep the step on the device");
   if (optimizer_.on_host()) {
     on_gradient_ready([this](std::size_t i) { optimizer_.take_gradient(i); });
   }

@@ -451,22 +451,14 @@ class VariantSearch {
   }
   [[nodiscard]] int layers() const { return layers_; }
 
-  // Plans the variant with the first `checkpointed` layers checkpointed (`what` of them run
-  // again) and gradients accumulated as `a`; returns its iteration (infinite where it does not
-  // fit).
-  double run(int checkpointed, GradientAccumulation a, Recompute what = Recompute::kBlocks) {
-    const trace::Trace t = checkpointed > 0 ? recompute_trace(tr_, checkpointed, what) : tr_;
+  // Plans the variant with checkpointing `c` and gradients accumulated as `a`; returns its
+  // iteration (infinite where it does not fit).
+  double run(Checkpointing c, GradientAccumulation a) {
+    const bool any = c.whole_layers > 0 || c.selective_layers > 0;
+    const trace::Trace t = any ? recompute_trace(tr_, c) : tr_;
     PolicyResult r =
         plan_host_step(std::make_shared<HostStepModel>(host_step_model(t, hw_, a)), tr_, hw_, opt_);
-    const std::string kind = what == Recompute::kMemoryBound
-                                 ? "selective activation checkpointing (memory-bound ops)"
-                                 : "layer-wise activation checkpointing";
-    if (checkpointed >= layers_) {
-      r.note += "; with " + kind;
-    } else if (checkpointed > 0) {
-      r.note += "; with " + kind + " of the first " + std::to_string(checkpointed) + " of " +
-                std::to_string(layers_) + " layers";
-    }
+    if (any) r.note += "; with " + checkpointing_name(c, layers_);
     if (!bound_ ||
         (r.bound->no_fit_op < 0 &&
          (bound_->no_fit_op >= 0 || r.bound->iteration_seconds < bound_->iteration_seconds))) {
@@ -504,35 +496,31 @@ class VariantSearch {
 PolicyResult run_host_step(const trace::Trace& tr, const Hardware& hw, const PolicyOptions& opt) {
   // The variants: the gradients accumulated on the host or on the device, on the trace as it is
   // and with layer-wise activation checkpointing (ZeRO-Offload's companion: more compute, far
-  // fewer activations to move) and with selective checkpointing (the memory-bound ops only);
-  // then checkpointing of the first half of the layers with the better accumulation, and of a
-  // quarter or three quarters on the side where that helped.
+  // fewer activations to move); then, with the better accumulation, checkpointing of the first
+  // half of the layers, and of a quarter or three quarters on the side where that helped; then
+  // selective checkpointing behind whole blocks.
   VariantSearch search(tr, hw, opt);
   const int L = search.layers();
   double none = INFINITY;
   double all = INFINITY;
   for (GradientAccumulation a : {GradientAccumulation::kHost, GradientAccumulation::kDevice}) {
-    none = std::min(none, search.run(0, a));
-    if (L > 0) all = std::min(all, search.run(L, a));
+    none = std::min(none, search.run({0, 0}, a));
+    if (L > 0) all = std::min(all, search.run({L, 0}, a));
   }
-  if (L > 0) {
-    // Selective checkpointing: the memory-bound ops only, for far less compute than whole
-    // blocks where that saves enough.
-    for (GradientAccumulation a : {GradientAccumulation::kHost, GradientAccumulation::kDevice}) {
-      (void)search.run(L, a, Recompute::kMemoryBound);
+  if (L < 2) return search.take();
+  const GradientAccumulation a = search.best_accumulation();
+  const double half = search.run({L / 2, 0}, a);
+  if (L >= 4) {
+    if (half < all || all == INFINITY) {
+      if (none == INFINITY || half < none) search.run({L / 4, 0}, a);
+    } else {
+      search.run({3 * L / 4, 0}, a);
     }
   }
-  if (L >= 2) {
-    const GradientAccumulation a = search.best_accumulation();
-    const double half = search.run(L / 2, a);
-    if (L >= 4) {
-      if (half < all || all == INFINITY) {
-        if (none == INFINITY || half < none) search.run(L / 4, a);
-      } else {
-        search.run(3 * L / 4, a);
-      }
-    }
-  }
+  // Selective checkpointing of the layers whole-block checkpointing leaves, or of all of
+  // them: less compute where the link can move what it keeps. The first layers' activations
+  // live longest, so they are the ones checkpointed whole.
+  for (int whole : {0, L / 4, L / 2, 3 * L / 4}) (void)search.run({whole, L - whole}, a);
   return search.take();
 }
 

@@ -126,7 +126,6 @@ std::vector<Policy> all_policies() {
   return v;
 }
 
-
 namespace {
 
 // An activation that the activations policy may offload: its last forward use `a`, its first

@@ -5,8 +5,8 @@
 #include <ATen/ops/ones.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
-#include <c10/core/StorageImpl.h>
 #include <c10/core/CachingDeviceAllocator.h>  // torch >= 2.9: any device's allocator statistics
+#include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
 #include <sys/mman.h>
 #include <torch/version.h>
@@ -38,7 +38,7 @@ std::string format_bytes_u(std::uint64_t b) { return format_bytes(static_cast<do
 
 thread_local std::string t_shortfall;  // note_reclaim_shortfall, for the refusal being made
 thread_local std::uint64_t t_last_refused = 0;  // take_last_refused_bytes
-thread_local int t_host_scopes = 0;               // HostMemoryScope objects alive on this thread
+thread_local int t_host_scopes = 0;             // HostMemoryScope objects alive on this thread
 
 // TIDAL_HUGE_PAGES (default on): tensors of kHugePage or more on transparent huge pages.
 bool huge_pages() {

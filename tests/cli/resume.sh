@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Checkpoint and resume: a run killed with SIGKILL in the middle of a step (activations and
 # planned migrations in flight) and resumed from its last checkpoint gives the losses of an
-# uninterrupted run, bit for bit, in each offload mode and optimizer schedule.
+# uninterrupted run, bit for bit, in each offload mode and optimizer schedule, with the optimizer
+# step on the device or on the host.
 #
 #   tests/cli/resume.sh PATH_TO_TIDAL
 set -uo pipefail
@@ -63,6 +64,13 @@ run_case activations --offload activations
 run_case plan --offload plan --mem-budget 50%
 run_case plan-offloaded --offload plan --mem-budget 50% --between-steps offloaded
 run_case deferred --offload plan --mem-budget 50% --optimizer-deferred --clip-grad-norm 1.0
+run_case host-step --offload plan --mem-budget 50% --optimizer-step host
+# The step on the host is the device step's arithmetic: the same losses as the plan run's.
+if [[ "$(losses "$tmp/host-step.full")" != "$(losses "$tmp/plan.full")" ]]; then
+  echo "FAIL host-step: its losses differ from the device step's"; failures=$((failures + 1))
+else
+  echo "ok   host-step: the losses of the device step, bit for bit"
+fi
 
 # Bad input: a missing checkpoint, and one written with other options.
 out=$("$tidal" train --model gpt-tiny --steps 3 --resume "$tmp/nowhere" 2>&1)

@@ -45,8 +45,8 @@ class SelectiveCheckpointing : public ::testing::TestWithParam<std::string> {};
 TEST_P(SelectiveCheckpointing, RunsTheMemoryBoundOpsAgainForPartOfTheSaving) {
   const Hardware hw = hardware_preset("h100-4ssd");
   const trace::Trace t = transformer_trace(three_layers(GetParam()), 2, 512, hw);
-  const trace::Trace sel = recompute_trace(t, 1000, Recompute::kMemoryBound);
-  const trace::Trace full = recompute_trace(t, 1000, Recompute::kBlocks);
+  const trace::Trace sel = recompute_trace(t, Checkpointing{0, 1000});
+  const trace::Trace full = recompute_trace(t, Checkpointing{1000, 0});
   EXPECT_NO_THROW(trace::validate(sel));
 
   // What runs again: norms and activation functions, never a matmul or attention.
@@ -75,9 +75,30 @@ TEST_P(SelectiveCheckpointing, RunsTheMemoryBoundOpsAgainForPartOfTheSaving) {
             trace::analyze_lifetimes(t).summary.peak_live_bytes);
 }
 
+// Whole blocks for the first layers and selective for the rest: between the two, and named so.
+TEST(Checkpointing, WholeBlocksFirstThenSelective) {
+  const Hardware hw = hardware_preset("h100-4ssd");
+  const trace::Trace t = transformer_trace(three_layers("llama3.2-1b"), 2, 512, hw);
+  const trace::Trace mixed = recompute_trace(t, Checkpointing{1, 2});
+  const trace::Trace sel = recompute_trace(t, Checkpointing{0, 3});
+  const trace::Trace full = recompute_trace(t, Checkpointing{3, 0});
+  EXPECT_NO_THROW(trace::validate(mixed));
+  EXPECT_LT(at_backward(mixed), at_backward(sel));
+  EXPECT_GT(at_backward(mixed), at_backward(full));
+  EXPECT_GT(mixed.compute_seconds(), sel.compute_seconds());
+  EXPECT_LT(mixed.compute_seconds(), full.compute_seconds());
+  for (const auto& op : mixed.ops) {
+    if (op.name.rfind("recompute:", 0) != 0 || op.layer == 0) continue;
+    EXPECT_EQ(op.name.find("feed_forward"), std::string::npos) << op.name << ": a selective layer";
+  }
+  EXPECT_EQ(checkpointing_name({1, 2}, 3),
+            "layer-wise activation checkpointing of the first 1 of 3 layers, selective "
+            "(memory-bound ops) of the 2 after them");
+  EXPECT_EQ(checkpointing_name({3, 0}, 3), "layer-wise activation checkpointing");
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, SelectiveCheckpointing,
-                         ::testing::Values("gpt2-small", "llama3.2-1b"),
-                         [](const auto& info) {
+                         ::testing::Values("gpt2-small", "llama3.2-1b"), [](const auto& info) {
                            std::string n = info.param;
                            for (auto& c : n) c = (c == '-' || c == '.') ? '_' : c;
                            return n;

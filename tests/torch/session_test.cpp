@@ -225,16 +225,17 @@ TEST(Session, LayerMajorMicroBatchesAreBitIdenticalInEveryMode) {
 TEST(Session, OptimizerStepOnTheHostIsBitIdenticalInEveryMode) {
   testing::TestDir dir;
   const int steps = 8;
-  for (const auto order : {plan::MicroBatchOrder::kSequential, plan::MicroBatchOrder::kLayerMajor}) {
+  for (const auto order :
+       {plan::MicroBatchOrder::kSequential, plan::MicroBatchOrder::kLayerMajor}) {
     Schedule device;
     device.micro_batches = 2;
     device.order = order;
     Schedule host = device;
     host.host = true;
-    const RunResult reference = train("llama-tiny", OffloadMode::kNone, dir.path(), steps, {},
-                                      device);
-    const ModeRuns runs = expect_same_in_every_mode(reference, "llama-tiny", host, "host step",
-                                                    dir.path(), steps);
+    const RunResult reference =
+        train("llama-tiny", OffloadMode::kNone, dir.path(), steps, {}, device);
+    const ModeRuns runs =
+        expect_same_in_every_mode(reference, "llama-tiny", host, "host step", dir.path(), steps);
     const RunResult device_plan =
         train("llama-tiny", OffloadMode::kPlan, dir.path(), steps, {}, device);
     EXPECT_LT(runs.plan.stats.profiled_peak - runs.plan.held_before,

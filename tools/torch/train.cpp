@@ -228,12 +228,13 @@ void print_run_header(const TrainArgs& args, const models::TrainerOptions& optio
   const auto& c = options.config;
   std::fprintf(stderr,
                "tidal train: %s (%.1fM parameters) batch %lld seq %lld on %s (BLAS %s), offload "
-               "%s\n",
+               "%s%s\n",
                c.name.c_str(), static_cast<double>(c.parameter_count()) / 1e6,
                static_cast<long long>(options.batch), static_cast<long long>(options.seq),
                options.device.str().c_str(),
                options.device.is_cuda() ? "cuBLAS" : torch_layer::blas_library().c_str(),
-               args.offload.c_str());
+               args.offload.c_str(),
+               options.adamw.on_host ? ", optimizer step on the host (state in host memory)" : "");
   if (!session.store()) return;
   const auto st = session.store()->stats();
   std::string dirs;

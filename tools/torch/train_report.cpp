@@ -197,6 +197,7 @@ nlohmann::json run_json(const RunContext& run, const StepRecord& rec, const RunT
   j["offload_mode"] = run.args.offload;
   j["recompute"] = run.args.recompute;
   j["optimizer_schedule"] = schedule_name(options);
+  j["optimizer_step"] = options.adamw.on_host ? "host" : "device";
   j["clip_grad_norm"] = options.clip_grad_norm;
   j["micro_batches"] = options.micro_batches;
   j["micro_batch_order"] = plan::to_string(options.micro_batch_order);

@@ -77,8 +77,8 @@ class AdamW {
   [[nodiscard]] torch::Tensor gradient(std::size_t i) const;
 
   std::vector<torch::Tensor> params_;
-  std::vector<torch::Tensor> copies_;       // on the host: the parameters' host copies
-  std::vector<torch::Tensor> copy_grads_;   // on the host: their gradients (undefined: none)
+  std::vector<torch::Tensor> copies_;      // on the host: the parameters' host copies
+  std::vector<torch::Tensor> copy_grads_;  // on the host: their gradients (undefined: none)
   std::vector<torch::Tensor> exp_avg_;
   std::vector<torch::Tensor> exp_avg_sq_;
   Options options_;

@@ -99,13 +99,19 @@ trace::Trace recompute_trace(const trace::Trace& trace);
 /// layers' activations live longest, from their forward op to the end of backward, so they save
 /// the most memory for the compute they cost again. `layers` >= the model's layers: all.
 trace::Trace recompute_trace(const trace::Trace& trace, int layers);
-/// What checkpointing runs again in backward: every forward op of a block, or only its
-/// memory-bound ops (norms, activation functions, element-wise products: selective
-/// checkpointing, Korthikanti et al. 2022), whose inputs backward keeps anyway. The selective
-/// kind saves those ops' outputs (a llama block's norms, SiLU and gate product: about 40% of its
-/// activations) for a few percent of the block's time instead of a whole forward pass.
-enum class Recompute { kBlocks, kMemoryBound };
-trace::Trace recompute_trace(const trace::Trace& trace, int layers, Recompute what);
+/// Checkpointing per layer: the first `whole_layers` layers run their blocks again whole; the
+/// `selective_layers` after them run only their memory-bound ops again (norms, activation
+/// functions, element-wise products: selective checkpointing, Korthikanti et al. 2022), whose
+/// inputs backward keeps anyway. A selective layer saves those ops' outputs (a llama block's
+/// norms, SiLU and gate product: about 40% of its activations) for a few percent of its time
+/// instead of a whole forward pass.
+struct Checkpointing {
+  int whole_layers = 0;
+  int selective_layers = 0;
+};
+trace::Trace recompute_trace(const trace::Trace& trace, Checkpointing checkpointing);
+/// How a note names `checkpointing` of a model of `layers` layers.
+std::string checkpointing_name(Checkpointing checkpointing, int layers);
 
 /// The SSDTrain-like plan: activations of at least min_bytes leave after their last forward
 /// use for the SSD and are prefetched `lookahead` ops before their first backward use; with

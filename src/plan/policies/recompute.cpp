@@ -209,7 +209,8 @@ double op_bytes(const trace::Trace& in, const trace::Op& op) {
 // activation functions, element-wise products), none writing a persistent tensor, whose
 // non-persistent inputs are made by another such op of the same layer or kept for backward
 // anyway (read by a backward op): running them again keeps nothing alive longer.
-std::vector<char> memory_bound_selection(const trace::Trace& in, const trace::LifetimeAnalysis& la) {
+std::vector<char> memory_bound_selection(const trace::Trace& in,
+                                         const trace::LifetimeAnalysis& la) {
   constexpr double kMemoryBoundSlack = 2.0;
   double fastest = 0;
   for (const auto& op : in.ops) {
@@ -248,29 +249,33 @@ trace::Trace recompute_trace(const trace::Trace& given) {
 }
 
 trace::Trace recompute_trace(const trace::Trace& given, int layers) {
-  return recompute_trace(given, layers, Recompute::kBlocks);
+  return recompute_trace(given, Checkpointing{layers, 0});
 }
 
-trace::Trace recompute_trace(const trace::Trace& given, int layers, Recompute what) {
+trace::Trace recompute_trace(const trace::Trace& given, Checkpointing c) {
   trace::Trace in = gaps_in_durations(given);
   const auto la = trace::analyze_lifetimes(in);
   int max_layers = 0;
   for (const auto& op : in.ops) max_layers = std::max(max_layers, op.layer + 1);
   if (max_layers == 0) return in;
-  const std::vector<char> selected = what == Recompute::kMemoryBound
-                                         ? memory_bound_selection(in, la)
-                                         : std::vector<char>(in.ops.size(), 1);
-  const CheckpointBlocks blocks = checkpoint_blocks(in, max_layers, layers, selected);
+  const int whole = std::clamp(c.whole_layers, 0, max_layers);
+  const int checkpointed = whole + std::clamp(c.selective_layers, 0, max_layers - whole);
+  // Every op of a whole layer; the memory-bound ones of a selective layer.
+  std::vector<char> selected(in.ops.size(), 1);
+  if (checkpointed > whole) {
+    const std::vector<char> memory_bound = memory_bound_selection(in, la);
+    for (const auto& op : in.ops) {
+      if (op.layer >= whole)
+        selected[static_cast<std::size_t>(op.index)] =
+            memory_bound[static_cast<std::size_t>(op.index)];
+    }
+  }
+  const CheckpointBlocks blocks = checkpoint_blocks(in, max_layers, checkpointed, selected);
   const std::vector<char> recompute = recomputed_tensors(in, la, blocks, selected);
 
   trace::Trace out = in;
   out.ops.clear();
-  const std::string kind = what == Recompute::kMemoryBound
-                               ? "selective activation checkpointing (memory-bound ops)"
-                               : "layer-wise activation checkpointing";
-  out.meta["rewrite"] = layers >= max_layers
-                            ? kind
-                            : kind + " of the first " + std::to_string(layers) + " layers";
+  out.meta["rewrite"] = checkpointing_name(c, max_layers);
   const std::vector<OpIndex> op_remap = append_with_recomputation(in, blocks, recompute, out);
   for (std::size_t i = 0; i < in.tensors.size(); ++i) {
     trace::Tensor& t = out.tensors[i];
@@ -284,6 +289,23 @@ trace::Trace recompute_trace(const trace::Trace& given, int layers, Recompute wh
   retime(out);
   trace::validate(out);
   return out;
+}
+
+std::string checkpointing_name(Checkpointing c, int layers) {
+  const int whole = std::clamp(c.whole_layers, 0, layers);
+  const int selective = std::clamp(c.selective_layers, 0, layers - whole);
+  const auto of = [&](int n) {
+    return n >= layers ? std::string()
+                       : " of " + std::to_string(n) + " of " + std::to_string(layers) + " layers";
+  };
+  if (whole > 0 && selective > 0) {
+    return "layer-wise activation checkpointing of the first " + std::to_string(whole) + " of " +
+           std::to_string(layers) + " layers, selective (memory-bound ops) of the " +
+           std::to_string(selective) + " after them";
+  }
+  if (selective > 0) return "selective activation checkpointing (memory-bound ops)" + of(selective);
+  if (whole > 0) return "layer-wise activation checkpointing" + of(whole);
+  return "no activation checkpointing";
 }
 
 }  // namespace tidal::plan
