@@ -197,6 +197,9 @@ def main():
                          f"{report['params_per_s'] / threads / 1e9:.2f}e9 params/s per thread")
             print(line)
             results["cases"].append(case)
+            del got, losses, params
+        del ref
+        gc.collect()
     rates = adam_rates(shapes, threads)
     results["adam_per_thread"] = rates
     print("\nAdam on these parameter shapes, outside any session (params/s per thread):")

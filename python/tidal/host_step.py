@@ -1,4 +1,4 @@
-"""The optimizer step on the host (issue 49): the optimizer's parameters become host copies of
+"""The optimizer step on the host: the optimizer's parameters become host copies of
 the model's, with their gradients and the optimizer's state in host memory; the device keeps the
 model's parameters and a gradient only until it is copied out.
 

@@ -212,10 +212,12 @@ void attach_session(torch_layer::Session& session, const torch_layer::SessionOpt
     std::fprintf(stderr, "defaults: %s\n", session.stats().defaults.c_str());
   }
   if (so.mode == torch_layer::OffloadMode::kPlan) {
-    // The model's state before step 0: weights, gradients and AdamW's two moments.
+    // The model's state before step 0: weights, gradients and AdamW's two moments; with the
+    // optimizer step on the host, the weights and a gradient on its way out.
     std::uint64_t weights = 0;
     for (const auto& p : trainer.model()->parameters()) weights += p.nbytes();
-    const plan::Preflight check = session.preflight(4 * weights);
+    const plan::Preflight check =
+        session.preflight((trainer.optimizer().on_host() ? 2 : 4) * weights);
     std::fprintf(stderr, "%s\n", check.line.c_str());
     TIDAL_EXPECT_AS(InvalidArgument, check.fits, check.line);
   }

@@ -23,7 +23,7 @@ class AdamW {
     double beta2 = 0.95;
     double eps = 1e-8;
     double weight_decay = 0.1;
-    /// The step on the host (issue 49): the optimizer updates host copies of the parameters
+    /// The step on the host: the optimizer updates host copies of the parameters
     /// (fp32 masters, same dtype), its state and the gradients live in host memory (on a CPU
     /// device the meter's host scope, torch_layer::HostMemoryScope; beside a GPU pinned
     /// memory), and each update writes the parameter on the device from its copy. The same
