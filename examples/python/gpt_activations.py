@@ -3,6 +3,7 @@
     PYTHONPATH=build/python python3 examples/python/gpt_activations.py --dir /var/tmp/tidal
     ... --mode plan --budget 50%     # every tensor class, within a memory budget
     ... --mode none                  # the reference: same losses, bit for bit
+    ... --mode plan --optimizer-step host   # AdamW on host copies, its state in host memory
 
 --mode activations wraps forward in tidal.offload_activations(); --mode plan runs each step
 in a tidal.Session(mode="plan"). Prints the loss, step time and memory peak of every step, and
@@ -29,6 +30,8 @@ def main() -> None:
     p.add_argument("--min-bytes", default="1MiB", help="smallest tensor to offload")
     p.add_argument("--capacity", default="4GiB", help="store size")
     p.add_argument("--json", help="write the per-step figures here")
+    p.add_argument("--optimizer-step", choices=["device", "host"], default="device",
+                   help="plan mode: where AdamW steps (host: its state outside the budget)")
     a = p.parse_args()
 
     torch.manual_seed(a.seed)
@@ -44,7 +47,8 @@ def main() -> None:
     elif a.mode == "plan":
         session = tidal.Session(mode="plan", dirs=a.dir, budget=a.budget,
                                 host_memory=a.host_memory, capacity=a.capacity,
-                                min_bytes=a.min_bytes, model=model, optimizer=opt, name="gpt")
+                                min_bytes=a.min_bytes, model=model, optimizer=opt, name="gpt",
+                                optimizer_step=a.optimizer_step)
     # Steps before the mode runs as it will: plan mode warms up, profiles two steps, and its
     # first executed step still brings memory down from the profiled peak.
     skip = 4 if a.mode == "plan" else 1

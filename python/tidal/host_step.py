@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from typing import Optional
 
 import torch
@@ -60,6 +61,31 @@ class _Entry:
         self.stepped = False  # (GPU) the host gradient was stepped with: the next one replaces it
 
 
+def _own_method(opt, name: str):
+    """(rebind, callable): the optimizer's own attribute `name` (None: the class's method);
+    rebind: it is a method bound to `opt`, kept as its function and bound again at each call."""
+    own = opt.__dict__.get(name)
+    if own is not None and getattr(own, "__self__", None) is opt:
+        return True, own.__func__
+    return False, own
+
+
+class _GradientHook:
+    """A parameter's post-accumulate-grad hook: the step's _gradient_made for its entry, while
+    the step lives (held weakly)."""
+
+    __slots__ = ("_step", "_index")
+
+    def __init__(self, step_ref, index: int) -> None:
+        self._step = step_ref
+        self._index = index
+
+    def __call__(self, _param) -> None:
+        step = self._step()
+        if step is not None and self._index < len(step._entries):
+            step._gradient_made(step._entries[self._index])
+
+
 class HostStep:
     """The optimizer step of `optimizer` on the host (see the module's doc). Made by
     optimizer_on_host(); `remove()` gives the optimizer its parameters back, with its state
@@ -69,7 +95,10 @@ class HostStep:
         if getattr(optimizer, "_tidal_host_step", None) is not None:
             raise _C.InvalidArgument("this optimizer's step is on the host already "
                                      "(optimizer_on_host was called on it before)")
-        self._optimizer = optimizer
+        # Held weakly, as the hooks on the parameters hold the step: the optimizer holds the
+        # step (its wrapped methods), so no cycle keeps the model's tensors alive once the user
+        # drops model and optimizer.
+        self._optimizer_ref = weakref.ref(optimizer)
         self._entries: list[_Entry] = []
         self._copy_stream = None
         self._copied = None  # the event after the last step's copies to the device
@@ -79,13 +108,26 @@ class HostStep:
         for group in optimizer.param_groups:
             group["params"] = [self._adopt(p) for p in group["params"]]
         self._move_state(lambda e: e.param, lambda e: e.master)
-        self._inner_step = optimizer.step
-        self._inner_zero_grad = optimizer.zero_grad
-        self._step = self.step  # the bound methods set on the optimizer (remove() checks them)
-        self._zero_grad = self.zero_grad
-        optimizer.step = self._step
-        optimizer.zero_grad = self._zero_grad
+        # What step() and zero_grad() were before: the class's, or an attribute set on the
+        # optimizer (an LR scheduler's wrapper), kept without a strong reference back to it.
+        self._inner = {name: _own_method(optimizer, name) for name in ("step", "zero_grad")}
+        optimizer.step = self.step
+        optimizer.zero_grad = self.zero_grad
         optimizer._tidal_host_step = self
+
+    def _call_inner(self, name: str, *args, **kwargs):
+        opt = self._optimizer
+        bound, own = self._inner[name]
+        if own is None:
+            return getattr(type(opt), name)(opt, *args, **kwargs)
+        return own(opt, *args, **kwargs) if bound else own(*args, **kwargs)
+
+    @property
+    def _optimizer(self) -> torch.optim.Optimizer:
+        opt = self._optimizer_ref()
+        if opt is None:
+            raise _C.Error("the optimizer of this host step is gone")
+        return opt
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -101,7 +143,7 @@ class HostStep:
         entry = _Entry(p, master)
         if p.requires_grad:
             entry.hook = p.register_post_accumulate_grad_hook(
-                lambda param, e=entry: self._gradient_made(e))
+                _GradientHook(weakref.ref(self), len(self._entries)))
         self._entries.append(entry)
         return master
 
@@ -181,7 +223,7 @@ class HostStep:
                 "forward and backward again inside the step; call backward before step() "
                 "instead (or keep the step on the device)")
         if self._optimizer.__dict__.get("_tidal_host_step") is not self:
-            return self._inner_step()  # removed, and the step patched again on top of ours
+            return self._call_inner("step")  # removed, and patched again on top of ours
         if self._copied is not None:
             self._copied.synchronize()  # the masters are read by last step's copies
         for e in self._entries:
@@ -190,7 +232,7 @@ class HostStep:
         stepped = [e for e in self._entries if e.master.grad is not None]
         start = time.perf_counter()
         with _host_memory(cpu_device):
-            out = self._inner_step()
+            out = self._call_inner("step")
         self.step_seconds += time.perf_counter() - start
         self.steps += 1
         self.parameters_stepped += sum(e.master.numel() for e in stepped)
@@ -206,7 +248,7 @@ class HostStep:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """optimizer.zero_grad(): the host copies' gradients, and the model's `.grad` that
         shares them."""
-        self._inner_zero_grad(set_to_none=set_to_none)
+        self._call_inner("zero_grad", set_to_none=set_to_none)
         for e in self._entries:
             if e.master.grad is None and e.param.grad is not None:
                 e.param.grad = None
@@ -251,8 +293,8 @@ class HostStep:
                     e.hook.remove()
                 if e.master.grad is not None:
                     e.param.grad = e.master.grad.to(e.param.device, copy=True)
-        for name, ours in (("step", self._step), ("zero_grad", self._zero_grad)):
-            if opt.__dict__.get(name) is ours:
+        for name in ("step", "zero_grad"):
+            if getattr(opt.__dict__.get(name), "__self__", None) is self:
                 del opt.__dict__[name]
         opt._tidal_host_step = None
         self._entries.clear()

@@ -10,11 +10,11 @@ TINY = ["--layers", "2", "--d", "64", "--heads", "2", "--block", "64", "--batch"
         "--steps", "5", "--min-bytes", "16KiB", "--capacity", "256MiB"]
 
 
-def run_gpt(mode, store_dir):
-    out = os.path.join(store_dir, f"gpt-{mode}.json")
+def run_gpt(mode, store_dir, *extra):
+    out = os.path.join(store_dir, f"gpt-{mode}{'-'.join(extra)}.json")
     cmd = [sys.executable, os.path.join(ROOT, "examples/python/gpt_activations.py"),
            "--text", os.path.join(ROOT, "README.md"), "--mode", mode, "--dir", store_dir,
-           "--json", out] + TINY
+           "--json", out] + TINY + list(extra)
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=120)
     assert p.returncode == 0, p.stdout
@@ -29,6 +29,8 @@ def test_gpt_example_in_three_modes(store_dir):
     for mode in ("activations", "plan"):
         assert [s["loss"] for s in runs[mode]["steps"]] == ref, mode
         assert runs[mode]["summary"]["store_bytes_written"] > 0, mode
+    host = run_gpt("plan", store_dir, "--optimizer-step", "host")
+    assert [s["loss"] for s in host["steps"]] == ref, "the optimizer step on the host"
 
 
 def run_losses(example, mode, store_dir, *args):

@@ -243,6 +243,12 @@ def test_trainer_callback_same_losses_lower_peak(store_dir, tmp_path):
     assert planned.last_stats.state == "executing" and planned.last_stats.within_budget
     assert planned.last_stats.step_peak < baseline.last_stats.step_peak, (
         planned.last_stats.step_peak, baseline.last_stats.step_peak)
+    # The optimizer step on the host through the Trainer (its clipping and model.zero_grad()
+    # included): the same losses, the step's state outside the budget.
+    host = TidalCallback(mode="plan", dirs=[store_dir], capacity="512MiB", min_bytes="16KiB",
+                         budget="50%", strict=True, optimizer_step="host")
+    assert run([host]) == plain
+    assert host.last_stats.within_budget and host.last_stats.steps_over_budget == 0
     print(f"Trainer step peak: {planned.last_stats.step_peak} B in plan mode, "
           f"{callback.last_stats.step_peak} B in activation mode, "
           f"{baseline.last_stats.step_peak} B without")

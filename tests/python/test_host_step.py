@@ -158,3 +158,25 @@ def test_host_step_refuses_what_it_cannot_do():
     host.remove()
     assert all(p is q for p, q in zip(opt.param_groups[0]["params"], model.parameters()))
     assert "step" not in opt.__dict__
+
+
+def test_dropping_model_and_optimizer_frees_device_and_host_memory_at_once():
+    """No reference cycle between the step, the optimizer and the parameters' hooks: memory
+    comes back when the user drops them, not at the next garbage collection."""
+    gc.collect()
+    before = tidal.memory_stats()
+    gc.disable()
+    try:
+        model = make_model(seed=2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tidal.optimizer_on_host(opt)
+        x, y = make_data(seed=3, steps=1, micro=1)[0][0]
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        assert tidal.memory_stats()["host_bytes"] > before["host_bytes"]
+        del model, opt, x, y
+        after = tidal.memory_stats()
+        assert after["current_bytes"] == before["current_bytes"]
+        assert after["host_bytes"] == before["host_bytes"]
+    finally:
+        gc.enable()
