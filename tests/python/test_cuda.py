@@ -302,3 +302,33 @@ def test_memory_meter_agrees_with_the_cuda_allocator():
     off = [(meter, cuda) for meter, cuda in rows if abs(meter - cuda) > max(cuda // 20, 1 << 20)]
     assert not off, f"(session meter, torch.cuda.max_memory_allocated) per step: {rows}"
     assert all(cuda > 0 for _, cuda in rows)
+
+
+def test_host_step_on_cuda_matches_the_same_optimizer_on_the_host(store_dir):
+    """The optimizer step on the host beside a GPU: the gradients cross to pinned memory on a
+    side stream and the step is Adam on CPU tensors, so the reference is the same host step
+    without offloading (tidal.optimizer_on_host, no session); plan mode under the wall with
+    optimizer_step="host" gives its losses and parameters bit for bit, and the device peak holds
+    no optimizer state."""
+    data = batches(seed=31, steps=STEPS)
+
+    def host_only(model, opt):
+        tidal.optimizer_on_host(opt)
+        return None
+
+    ref_losses, ref_params, _ = train_mlp(data, session=host_only, device=DEVICE)
+    holder = {}
+
+    def make(model, opt):
+        holder["s"] = tidal.Session(mode="plan", dirs=[store_dir], capacity="1GiB",
+                                    min_bytes="64KiB", model=model, optimizer=opt,
+                                    optimizer_step="host", budget="50%")
+        return holder["s"]
+
+    losses, params, stats = train_mlp(data, session=make, device=DEVICE)
+    assert torch.equal(losses.cpu(), ref_losses.cpu())
+    for p, r in zip(params, ref_params):
+        assert torch.equal(p.cpu(), r.cpu())
+    assert stats[-1].state == "executing" and stats[-1].steps_over_budget == 0
+    assert holder["s"].host_step.host_bytes() > 0
+    holder["s"].close()
