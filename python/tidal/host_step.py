@@ -5,7 +5,7 @@ model's parameters and a gradient only until it is copied out.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     host = tidal.optimizer_on_host(opt)          # or Session(..., optimizer_step="host")
     for x, y in data:
-        loss_fn(model(x), y).backward()          # each gradient goes to the host as it is made
+        loss_fn(model(x), y).backward()          # (CPU device) each gradient goes to the host
         opt.step()                               # the step runs on the host copies, then the
         opt.zero_grad()                          # model's parameters are written from them
     host.remove()                                # the optimizer is the user's again
@@ -15,7 +15,9 @@ its arithmetic is what the same optimizer does on the CPU, so a run is bit-ident
 same loop with its optimizer on the host and nothing offloaded (on a CPU device, to the plain
 loop). Gradients of several backward passes before a step add up on the host, as autograd adds
 them up in `.grad`. On a CPU device "host memory" is tidal's meter's host scope (_C.host_memory):
-outside the device's budget and never moved by a plan, as a GPU machine's RAM would be.
+outside the device's budget and never moved by a plan, as a GPU machine's RAM would be; `.grad`
+is then the host copy's gradient. Beside a GPU, `.grad` stays on the device as without the host
+step, and step() copies it to pinned host memory first.
 """
 
 from __future__ import annotations
@@ -49,16 +51,13 @@ def _host_empty_like(p: torch.Tensor) -> torch.Tensor:
 class _Entry:
     """One parameter: the model's tensor on the device and its host copy (the optimizer's)."""
 
-    __slots__ = ("param", "master", "staging", "event", "hook", "stepped")
+    __slots__ = ("param", "master", "hook")
 
 
     def __init__(self, param: torch.Tensor, master: torch.Tensor) -> None:
         self.param = param
         self.master = master
-        self.staging: Optional[torch.Tensor] = None  # a GPU gradient's pinned copy in flight
-        self.event = None  # when the copy into `staging` is done
         self.hook = None
-        self.stepped = False  # (GPU) the host gradient was stepped with: the next one replaces it
 
 
 def _own_method(opt, name: str):
@@ -100,7 +99,6 @@ class HostStep:
         # drops model and optimizer.
         self._optimizer_ref = weakref.ref(optimizer)
         self._entries: list[_Entry] = []
-        self._copy_stream = None
         self._copied = None  # the event after the last step's copies to the device
         self.step_seconds = 0.0  # time in the optimizer's own step, over all steps
         self.steps = 0
@@ -141,7 +139,7 @@ class HostStep:
         with torch.no_grad():
             master.copy_(p)
         entry = _Entry(p, master)
-        if p.requires_grad:
+        if p.requires_grad and _on_cpu_device(p):
             entry.hook = p.register_post_accumulate_grad_hook(
                 _GradientHook(weakref.ref(self), len(self._entries)))
         self._entries.append(entry)
@@ -169,48 +167,35 @@ class HostStep:
     # -- gradients -------------------------------------------------------------------------
 
     def _gradient_made(self, e: _Entry) -> None:
-        """autograd's hook after it added this backward pass's gradient into `.grad`.
-
-        On a CPU device `.grad` becomes the host copy's gradient itself: the next pass adds into
-        it in place, as autograd adds into any `.grad`, and code between backward and step
-        (clipping, model.zero_grad()) sees and changes it. A `.grad` that is not the host one
-        (the first pass, or one after zero_grad) replaces it. On a GPU the gradient is copied
-        to pinned host memory on a side stream and added there; `.grad` is left empty, and the
-        first gradient after a step replaces the host one (as after either zero_grad; a loop
-        that never zeroes its gradients would add across steps)."""
+        """(CPU device) autograd's hook after it added this backward pass's gradient into
+        `.grad`: `.grad` becomes the host copy's gradient itself. The next pass adds into it in
+        place, as autograd adds into any `.grad`, and code between backward and step (clipping,
+        model.zero_grad()) sees and changes it. A `.grad` that is not the host one (the first
+        pass, or one after zero_grad) replaces it."""
         g = e.param.grad
         if g is None or g is e.master.grad:
             return
-        if _on_cpu_device(e.param):
-            with _C.host_memory(), torch.no_grad():
-                e.master.grad = g.clone()
-            e.param.grad = e.master.grad
-            return
-        self._drain(e)
-        if e.staging is None:
-            e.staging = _host_empty_like(g)
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device=g.device)
-        self._copy_stream.wait_stream(torch.cuda.current_stream(g.device))
-        with torch.cuda.stream(self._copy_stream):
-            e.staging.copy_(g, non_blocking=True)
-            e.event = torch.cuda.Event()
-            e.event.record(self._copy_stream)
-        g.record_stream(self._copy_stream)
-        e.param.grad = None
+        with _C.host_memory(), torch.no_grad():
+            e.master.grad = g.clone()
+        e.param.grad = e.master.grad
 
-    def _drain(self, e: _Entry) -> None:
-        """A GPU gradient's copy to the host, finished and added into the master's gradient."""
-        if e.event is None:
-            return
-        e.event.synchronize()
-        e.event = None
+    def _fetch_gradients(self) -> None:
+        """(GPU) Each parameter's `.grad`, as the loop left it (accumulated, clipped), copied into
+        its host copy's pinned gradient; none where `.grad` is none. `.grad` stays on the
+        device, as without the host step."""
+        fetched = False
         with torch.no_grad():
-            if e.master.grad is None or e.stepped:
-                e.master.grad = e.staging.clone()
-            else:
-                e.master.grad.add_(e.staging)
-        e.stepped = False
+            for e in self._entries:
+                g = e.param.grad
+                if g is None:
+                    e.master.grad = None
+                    continue
+                if e.master.grad is None:
+                    e.master.grad = _host_empty_like(g)
+                e.master.grad.copy_(g, non_blocking=True)
+                fetched = True
+        if fetched:
+            torch.cuda.current_stream(self._entries[0].param.device).synchronize()
 
     # -- the step --------------------------------------------------------------------------
 
@@ -226,9 +211,9 @@ class HostStep:
             return self._call_inner("step")  # removed, and patched again on top of ours
         if self._copied is not None:
             self._copied.synchronize()  # the masters are read by last step's copies
-        for e in self._entries:
-            self._drain(e)
         cpu_device = bool(self._entries) and _on_cpu_device(self._entries[0].param)
+        if not cpu_device:
+            self._fetch_gradients()
         stepped = [e for e in self._entries if e.master.grad is not None]
         start = time.perf_counter()
         with _host_memory(cpu_device):
@@ -239,7 +224,6 @@ class HostStep:
         with torch.no_grad():
             for e in stepped:
                 e.param.copy_(e.master, non_blocking=not cpu_device)
-                e.stepped = True
         if not cpu_device and stepped and torch.cuda.is_available():
             self._copied = torch.cuda.Event()
             self._copied.record(torch.cuda.current_stream(stepped[0].param.device))
@@ -250,8 +234,13 @@ class HostStep:
         shares them."""
         self._call_inner("zero_grad", set_to_none=set_to_none)
         for e in self._entries:
-            if e.master.grad is None and e.param.grad is not None:
+            if e.param.grad is None or e.param.grad is e.master.grad:
+                if e.master.grad is None:
+                    e.param.grad = None
+            elif set_to_none:  # a GPU's own .grad, as the optimizer would clear it
                 e.param.grad = None
+            else:
+                e.param.grad.zero_()
 
     # -- what it holds ---------------------------------------------------------------------
 
@@ -261,7 +250,6 @@ class HostStep:
         total = 0
         for e in self._entries:
             total += e.master.nbytes + (e.master.grad.nbytes if e.master.grad is not None else 0)
-            total += e.staging.nbytes if e.staging is not None else 0
         for values in self._optimizer.state.values():
             total += sum(v.nbytes for v in values.values() if isinstance(v, torch.Tensor))
         return total
@@ -279,8 +267,6 @@ class HostStep:
         opt = self._optimizer
         if opt.__dict__.get("_tidal_host_step") is not self:
             return
-        for e in self._entries:
-            self._drain(e)
         if self._copied is not None:
             self._copied.synchronize()
         swap = {id(e.master): e.param for e in self._entries}
@@ -291,7 +277,7 @@ class HostStep:
             for e in self._entries:
                 if e.hook is not None:
                     e.hook.remove()
-                if e.master.grad is not None:
+                if e.master.grad is not None and e.param.grad is e.master.grad:
                     e.param.grad = e.master.grad.to(e.param.device, copy=True)
         for name in ("step", "zero_grad"):
             if getattr(opt.__dict__.get(name), "__self__", None) is self:
