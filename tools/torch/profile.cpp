@@ -97,7 +97,9 @@ void run_profile(const ProfileArgs& args) {
     plain_bar.update(i + 1, "unprofiled, " + format_seconds(r.seconds));
   }
 
-  torch_layer::Tracer tracer({c.name, options.batch, options.seq});
+  torch_layer::Tracer::Options to{c.name, options.batch, options.seq};
+  to.device = options.device;  // the trace holds this device's tensors
+  torch_layer::Tracer tracer(to);
   trainer.register_persistent(tracer);
   tracer.start();
   trainer.add_observer(&tracer);

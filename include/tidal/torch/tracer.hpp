@@ -70,10 +70,11 @@ class Tracer : public StepObserver {
     /// Seconds ops have waited for offloading I/O so far (a session whose budget is a wall
     /// from step 0 moves tensors while it profiles): left out of the op times recorded.
     std::function<double()> io_wait_seconds;
-    /// The device the step computes on. On a GPU an op returns once its kernels are queued:
-    /// while iterations are kept (profiling), the tracer waits for the device's current stream
-    /// before and after every op, so that an op's time is its device time (profiling steps run
-    /// slower; executed steps are not touched).
+    /// The device the step computes on: the trace holds tensors of its type only (not a CPU
+    /// tensor of a GPU step, nor host memory: torch_layer::HostMemoryScope). On a GPU an op
+    /// returns once its kernels are queued: while iterations are kept (profiling), the tracer
+    /// waits for the device's current stream before and after every op, so that an op's time
+    /// is its device time (profiling steps run slower; executed steps are not touched).
     c10::Device device = c10::Device(c10::kCPU);
   };
 
