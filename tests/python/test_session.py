@@ -148,7 +148,13 @@ def test_close_gives_everything_back_and_the_model_trains_on(reference, store_di
     free_before = shutil.disk_usage(store_dir).free
     session = tidal.Session(mode="plan", dirs=[store_dir], capacity="512MiB", min_bytes="64KiB",
                             budget="50%", between_steps="offloaded", model=model, optimizer=opt)
-    assert _reserved_mib(store_dir, free_before) >= 256, "the store reserves its capacity"
+    reserved = _reserved_mib(store_dir, free_before)
+    if reserved < 256:
+        # Closed before failing: a plan session left open would fail the next test that opens
+        # one. (The disk's free space is shared: another process freeing space on it meanwhile
+        # makes this measure less.)
+        session.close()
+    assert reserved >= 256, "the store reserves its capacity"
     losses = []
 
     def step(x, y):
