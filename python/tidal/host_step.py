@@ -1,6 +1,6 @@
 """The optimizer step on the host: the optimizer's parameters become host copies of
 the model's, with their gradients and the optimizer's state in host memory; the device keeps the
-model's parameters and a gradient only until it is copied out.
+model's parameters (on a CPU device, a gradient only until autograd has finished it).
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     host = tidal.optimizer_on_host(opt)          # or Session(..., optimizer_step="host")
@@ -52,7 +52,6 @@ class _Entry:
     """One parameter: the model's tensor on the device and its host copy (the optimizer's)."""
 
     __slots__ = ("param", "master", "hook")
-
 
     def __init__(self, param: torch.Tensor, master: torch.Tensor) -> None:
         self.param = param
@@ -154,8 +153,8 @@ class HostStep:
             if old not in state:
                 continue
             values = state.pop(old)
-            cpu_device = new.device.type == "cpu" and _on_cpu_device(e.param)
-            with _host_memory(cpu_device and new is e.master), torch.no_grad():
+            to_host_scope = new is e.master and _on_cpu_device(e.param)
+            with _host_memory(to_host_scope), torch.no_grad():
                 state[new] = {k: self._moved(v, new) for k, v in values.items()}
 
     @staticmethod
@@ -289,6 +288,6 @@ class HostStep:
 def optimizer_on_host(optimizer: torch.optim.Optimizer) -> HostStep:
     """Runs `optimizer`'s step on the host from now on (see tidal.host_step's doc): its
     parameters become host copies of the model's, its state moves to host memory, gradients go
-    to the host as autograd makes them, and step() writes the updated parameters back to the
-    device. Returns the HostStep; its remove() undoes it."""
+    to the host (on a CPU device as autograd makes them, beside a GPU at step()), and step()
+    writes the updated parameters back to the device. Returns the HostStep; its remove() undoes it."""
     return HostStep(optimizer)

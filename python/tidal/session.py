@@ -286,7 +286,7 @@ class Session:
             raise _C.InvalidArgument(f"optimizer_step={where!r}: give \"device\" (the step as "
                                      "written) or \"host\" (the step on host copies)")
         if where == "device":
-            return None
+            return
         if optimizer is None:
             raise _C.InvalidArgument("optimizer_step=\"host\" needs the optimizer: "
                                      "Session(..., optimizer=opt, optimizer_step=\"host\")")

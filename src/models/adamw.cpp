@@ -10,7 +10,7 @@ namespace {
 
 // Host memory for the step's tensors: the meter's host scope on a CPU device (beside a GPU they
 // are made pinned on the CPU: host_like).
-bool host_scope(bool on_host, const torch::Tensor& p) { return on_host && p.device().is_cpu(); }
+bool use_host_scope(bool on_host, const torch::Tensor& p) { return on_host && p.device().is_cpu(); }
 
 torch::Tensor host_like(const torch::Tensor& p) {
   auto options = p.options().device(torch::kCPU);
@@ -26,7 +26,7 @@ AdamW::AdamW(std::vector<torch::Tensor> params, Options options)
   exp_avg_.reserve(params_.size());
   exp_avg_sq_.reserve(params_.size());
   for (const auto& p : params_) {
-    const torch_layer::HostMemoryScope scope(host_scope(options_.on_host, p));
+    const torch_layer::HostMemoryScope scope(use_host_scope(options_.on_host, p));
     if (options_.on_host) {
       copies_.push_back(host_like(p).copy_(p));
       copy_grads_.emplace_back();
@@ -51,7 +51,7 @@ void AdamW::take_gradient(std::size_t i) {
   if (!options_.on_host || !g.defined()) return;
   {
     torch::NoGradGuard no_grad;
-    const torch_layer::HostMemoryScope scope(host_scope(true, p));
+    const torch_layer::HostMemoryScope scope(use_host_scope(true, p));
     auto& held = copy_grads_.at(i);
     if (!held.defined()) {
       held = host_like(g).copy_(g);
@@ -89,7 +89,7 @@ void AdamW::update(std::size_t i) {
   const torch::Tensor g = gradient(i);
   if (!g.defined()) return;
   {
-    const torch_layer::HostMemoryScope scope(host_scope(options_.on_host, params_.at(i)));
+    const torch_layer::HostMemoryScope scope(use_host_scope(options_.on_host, params_.at(i)));
     auto& p = target(i);
     if (options_.weight_decay != 0 && p.dim() >= 2) {
       p.mul_(1.0 - options_.lr * options_.weight_decay);

@@ -212,9 +212,13 @@ double op_bytes(const trace::Trace& in, const trace::Op& op) {
 std::vector<char> memory_bound_selection(const trace::Trace& in,
                                          const trace::LifetimeAnalysis& la) {
   constexpr double kMemoryBoundSlack = 2.0;
+  std::vector<double> bytes(in.ops.size());
   double fastest = 0;
   for (const auto& op : in.ops) {
-    if (op.duration() > 0) fastest = std::max(fastest, op_bytes(in, op) / op.duration());
+    bytes[static_cast<std::size_t>(op.index)] = op_bytes(in, op);
+    if (op.duration() > 0) {
+      fastest = std::max(fastest, bytes[static_cast<std::size_t>(op.index)] / op.duration());
+    }
   }
   std::vector<char> backward_use(in.tensors.size(), 0);
   for (const auto& t : in.tensors) {
@@ -228,7 +232,9 @@ std::vector<char> memory_bound_selection(const trace::Trace& in,
   if (fastest <= 0) return selected;
   for (const auto& op : in.ops) {
     if (op.phase != Phase::kForward || op.layer < 0) continue;
-    if (op.duration() > kMemoryBoundSlack * op_bytes(in, op) / fastest) continue;
+    if (op.duration() > kMemoryBoundSlack * bytes[static_cast<std::size_t>(op.index)] / fastest) {
+      continue;
+    }
     bool ok = true;
     for (TensorId id : op.outputs) ok = ok && !in.tensors[static_cast<std::size_t>(id)].persistent;
     for (TensorId id : op.inputs) {
@@ -265,9 +271,8 @@ trace::Trace recompute_trace(const trace::Trace& given, Checkpointing c) {
   if (checkpointed > whole) {
     const std::vector<char> memory_bound = memory_bound_selection(in, la);
     for (const auto& op : in.ops) {
-      if (op.layer >= whole)
-        selected[static_cast<std::size_t>(op.index)] =
-            memory_bound[static_cast<std::size_t>(op.index)];
+      const auto k = static_cast<std::size_t>(op.index);
+      if (op.layer >= whole) selected[k] = memory_bound[k];
     }
   }
   const CheckpointBlocks blocks = checkpoint_blocks(in, max_layers, checkpointed, selected);
@@ -295,8 +300,9 @@ std::string checkpointing_name(Checkpointing c, int layers) {
   const int whole = std::clamp(c.whole_layers, 0, layers);
   const int selective = std::clamp(c.selective_layers, 0, layers - whole);
   const auto of = [&](int n) {
-    return n >= layers ? std::string()
-                       : " of " + std::to_string(n) + " of " + std::to_string(layers) + " layers";
+    return n >= layers
+               ? std::string()
+               : " of the first " + std::to_string(n) + " of " + std::to_string(layers) + " layers";
   };
   if (whole > 0 && selective > 0) {
     return "layer-wise activation checkpointing of the first " + std::to_string(whole) + " of " +
