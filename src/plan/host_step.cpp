@@ -507,7 +507,9 @@ PolicyResult run_host_step(const trace::Trace& tr, const Hardware& hw, const Pol
     none = std::min(none, search.run({0, 0}, a));
     if (L > 0) all = std::min(all, search.run({L, 0}, a));
   }
-  if (L < 2) return search.take();
+  // Nothing checkpoints more than every layer whole: where neither that nor no checkpointing
+  // fits, no variant between them does.
+  if (L < 2 || (all == INFINITY && none == INFINITY)) return search.take();
   const GradientAccumulation a = search.best_accumulation();
   const double half = search.run({L / 2, 0}, a);
   if (L >= 4) {

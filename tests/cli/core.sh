@@ -209,8 +209,8 @@ fi
 # tidal estimate: a Hugging Face config.json's decoder, before it exists in memory.
 configs="$(dirname "$0")/../plan/hf_configs"
 for cfg in Meta-Llama-3-8B Qwen2.5-32B Mixtral-8x7B-v0.1; do
-  out=$(timeout 60 "$tidal" estimate --hf-config "$configs/$cfg.json" --batch 8 --seq 4096 \
-    --gpu-mem 80GiB --host-mem 256GiB --json 2>&1)
+  out=$(timeout 120 "$tidal" estimate --hf-config "$configs/$cfg.json" --batch 8 --seq 4096 \
+    --gpu-mem 80GiB --host-mem 256GiB --json 2>&1) || out+=$'\n'"(exit status $?; 124: timed out)"
   if python3 -c 'import json, sys
 j = json.loads(sys.argv[1].splitlines()[-1])
 assert j["fits"] and j["step_seconds"] >= j["lower_bound_seconds"] > 0, j
