@@ -65,6 +65,7 @@ class SessionStats:
     shape: int
     replans: int
     tightenings: int
+    retimings: int
     executed_peak: int
     plan_summary: str
     defaults: str

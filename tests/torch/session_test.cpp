@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "io/test_dir.hpp"
 #include "tidal/common/error.hpp"
@@ -375,6 +377,76 @@ TEST(Session, AStepOverTheBudgetIsPlannedAgainForLess) {
         << "step " << i << " went over the budget and was neither planned again nor explained";
   }
   const SessionStats& last = plan.per_step.back();
+  EXPECT_EQ(last.shapes, 1);
+}
+
+// Sleeps before backward's first op in the steps before `until`: the profiled steps run slower
+// than the executed ones, as a process's first steps do on a CPU.
+class SlowFirstSteps final : public StepObserver {
+ public:
+  SlowFirstSteps(std::int64_t until, double seconds) : until_(until), seconds_(seconds) {}
+  void begin_step(std::int64_t step, const std::vector<torch::Tensor>&) override { step_ = step; }
+  void begin_phase(trace::Phase phase) override {
+    if (phase != trace::Phase::kBackward || step_ >= until_) return;
+    std::this_thread::sleep_for(std::chrono::duration<double>(seconds_));
+  }
+
+ private:
+  std::int64_t until_;
+  double seconds_;
+  std::int64_t step_ = 0;
+};
+
+// Op times that executed steps contradict are replaced by theirs, and the step shape planned
+// again on them, under the wall, with no loss changed: the plan's compute time drops by what
+// only the profiled steps spent.
+TEST(Session, PlansAgainOnOpTimesFromExecutedSteps) {
+  testing::TestDir dir;
+  const int steps = 14;
+  const std::int64_t first_executed = 3;  // after the warm-up and 2 profiled steps
+  const double slow = 0.05;
+  struct Run {
+    std::vector<double> losses;
+    std::vector<SessionStats> per_step;
+    std::vector<double> planned_compute;  // after each step: the plan's, 0 before it
+  };
+  const auto run = [&](OffloadMode mode) {
+    models::Trainer trainer(testing::tiny_options("gpt-tiny", 4, 32, 77));
+    SessionOptions so;
+    so.mode = mode;
+    so.store.dirs = {dir.path()};
+    so.store.capacity = 256 * kMiB;
+    so.executor.min_bytes = 16 * 1024;
+    so.budget_fraction = 0.6;
+    if (mode == OffloadMode::kPlan) so.strict_meter = true;
+    so.hardware_overrides.ssd = plan::parse_ssd_spec("1x2.0/1.5GB/s");
+    Session session(so);
+    SlowFirstSteps slower(first_executed, slow);
+    trainer.add_observer(&session);
+    trainer.add_observer(&slower);
+    Run r;
+    for (int i = 0; i < steps; ++i) {
+      r.losses.push_back(trainer.step().loss);
+      if (i == 0) trainer.register_persistent(session);
+      r.per_step.push_back(session.stats());
+      r.planned_compute.push_back(session.plan() ? session.plan()->summary.compute_seconds : 0);
+    }
+    trainer.remove_observer(&slower);
+    trainer.remove_observer(&session);
+    return r;
+  };
+  const Run none = run(OffloadMode::kNone);
+  const Run plan = run(OffloadMode::kPlan);
+  EXPECT_EQ(none.losses, plan.losses);
+  const auto first = static_cast<std::size_t>(first_executed - 1);
+  ASSERT_EQ(plan.per_step[first].state, SessionState::kExecuting) << plan.per_step[first].notice;
+  EXPECT_EQ(plan.per_step[first].retimings, 0);
+  EXPECT_GE(plan.planned_compute[first], slow) << "the profiled steps' sleep is not in the plan";
+  const SessionStats& last = plan.per_step.back();
+  EXPECT_GE(last.retimings, 1) << last.plan_summary;
+  EXPECT_LT(plan.planned_compute.back(), plan.planned_compute[first] - 0.8 * slow)
+      << "planned again on executed steps' op times, but they still hold the profiled sleep";
+  EXPECT_EQ(last.steps_over_budget, 0) << last.budget_reason;
   EXPECT_EQ(last.shapes, 1);
 }
 

@@ -83,7 +83,7 @@ void print_plan_results(const torch_layer::SessionOptions& so, const RunTotals& 
       stderr,
       "budget %s (of a profiled peak of %s; %s of it untouched by any step), %s over "
       "the %lld step(s) of the current plan (%lld earlier step(s) over it; %d re-plan(s) "
-      "for memory); step boundary %s%s; %s\n",
+      "for memory, %d on op times from executed steps); step boundary %s%s; %s\n",
       format_bytes(static_cast<double>(st.memory_budget)).c_str(),
       format_bytes(static_cast<double>(st.profiled_peak)).c_str(),
       format_bytes(static_cast<double>(st.untouched_bytes)).c_str(),
@@ -91,7 +91,7 @@ void print_plan_results(const torch_layer::SessionOptions& so, const RunTotals& 
       : st.within_budget ? "kept"
                          : "EXCEEDED",
       static_cast<long long>(st.steps_measured), static_cast<long long>(st.steps_over_budget),
-      st.tightenings, st.between_steps.empty() ? "not chosen yet" : st.between_steps.c_str(),
+      st.tightenings, st.retimings, st.between_steps.empty() ? "not chosen yet" : st.between_steps.c_str(),
       so.between_steps == torch_layer::BetweenSteps::kAuto ? " (the planner's choice)" : "",
       st.plan_summary.c_str());
   if (!st.within_budget && !st.budget_reason.empty()) {
@@ -156,6 +156,7 @@ void add_plan_json(nlohmann::json& j, const torch_layer::SessionOptions& so, con
   j["between_steps"] = st.between_steps;
   j["replans"] = st.replans;
   j["budget_replans"] = st.tightenings;
+  j["retimings"] = st.retimings;
   j["within_budget"] = t.peak_measured ? nlohmann::json(st.within_budget) : nlohmann::json(nullptr);
   j["steps_measured"] = st.steps_measured;
   j["steps_over_budget"] = st.steps_over_budget;

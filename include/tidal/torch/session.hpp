@@ -213,6 +213,9 @@ struct SessionStats {
   int shape = -1;             ///< plan mode: the shape the last step ran (-1: none)
   int replans = 0;            ///< plans made after the first (new step shapes, tighter plans)
   int tightenings = 0;  ///< plan mode: re-plans for a smaller capacity after a step over budget
+  /// Plan mode on a CPU device: re-plans on op times measured in executed steps, where they
+  /// differed from the profiled ones by more than a tenth (a process's warm-up, a busier core).
+  int retimings = 0;
   std::uint64_t executed_peak = 0;  ///< plan mode: the highest peak of the current plans' steps
   std::string plan_summary;         ///< plan mode: one line from the planner
   /// Plan mode: what the session chose where an option was left to the machine (the budget,

@@ -18,6 +18,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -107,6 +108,9 @@ class Tracer : public StepObserver {
   /// Reports every recorded op, with the trace's tensor ids and their storages, to `listener`
   /// (the plan executor), or to nobody when nullptr. Not owned. Set it between steps.
   void set_listener(OpListener* listener);
+  /// Options::io_wait_seconds, from now on (a plan's executor, once it runs): the op times of the
+  /// steps recorded after it leave out what ops waited for transfers. Call between steps.
+  void set_io_wait_clock(std::function<double()> clock);
 
   /// Keep each recorded iteration (the default, for profiling) or only check it against the
   /// first and drop it (while executing a plan for many steps).

@@ -49,6 +49,11 @@ inline std::uint64_t bytes_at_start(const trace::Trace& t) {
 }
 
 inline constexpr int kMaxTightenings = 4;  // consecutive, per step shape
+// Op times from executed steps (retiming.cpp): medians over this many steps, adopted where they
+// differ from the plan's by more than this share, at most this many times per step shape.
+inline constexpr std::size_t kRetimeSteps = 4;
+inline constexpr double kRetimeTolerance = 0.10;
+inline constexpr int kMaxRetimings = 3;
 inline constexpr std::size_t kMaxPendingShapes = 16;
 
 // The process's one plan-mode session: its tracer and executor follow every op of the loop's
@@ -101,6 +106,8 @@ struct Session::Impl {
     double peak_live = 0;   // the trace's peak of live bytes, everything kept
     double capacity = 0;    // planner units (trace bytes)
     int tightenings = 0;    // consecutive
+    int retimings = 0;      // plans made on op times from executed steps
+    std::vector<std::vector<double>> executed_times;  // since the last check (retiming.cpp)
     bool at_floor = false;  // no plan can go lower
     // The plan replayed by the simulator (for the timeline), once asked; empty: not yet.
     std::vector<std::uint64_t> planned_memory;
@@ -286,6 +293,12 @@ struct Session::Impl {
   // then planned; a known shape over the budget is planned again for less.
   void after_executed_step(const ExecutorStats& e, std::uint64_t peak);
 
+  // Executed step of shape `index`, within its plan: its op times are kept, and every
+  // kRetimeSteps steps their medians replace the trace's where those are off by more than
+  // kRetimeTolerance, and the shape is planned again (on a CPU device only).
+  void note_executed_times(int index);
+  // Plans step shape `index` again, for `capacity` (trace bytes), and hands the plan over.
+  void replan(int index, double capacity);
   // Plans step shape `index` again for `over` bytes less capacity, and a little more.
   // end_step's stages, in order: the observers' ends and the step's peak (a failed read back
   // is kept in `error`), activation mode's rule, plan mode's planning, the timeline.

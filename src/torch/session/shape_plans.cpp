@@ -180,6 +180,9 @@ void Session::Impl::add_shape(trace::Trace t) {
       eo.current_bytes = opt.current_bytes;
       eo.host = host;
       executor = std::make_unique<PlanExecutor>(store, s.trace, s.plan, eo);
+      // Executed steps' op times without the executor's waits (retiming.cpp).
+      PlanExecutor* ex = executor.get();
+      tracer->set_io_wait_clock([ex] { return ex->io_wait_seconds(); });
     }
     executor->bind_alive(tracer->alive_tensors());
     tracer->set_keep_iterations(false);
@@ -263,7 +266,9 @@ void Session::Impl::after_executed_step(const ExecutorStats& e, std::uint64_t pe
     } else if (!s.at_floor && s.tightenings < kMaxTightenings) {
       tighten(e.shape, static_cast<double>(std::min<std::uint64_t>(e.eviction_overshoot,
                                                                    without - stats.memory_budget)));
+      return;
     }
+    note_executed_times(e.shape);
     return;
   }
   all_within = false;
@@ -283,23 +288,32 @@ void Session::Impl::after_executed_step(const ExecutorStats& e, std::uint64_t pe
 
 void Session::Impl::tighten(int index, double over) {
   Shape& s = shapes[static_cast<std::size_t>(index)];
-  double cap = std::max(0.0, s.capacity - over - 0.01 * static_cast<double>(stats.memory_budget));
-  bool floor = false;
-  plan::Plan p = plan_for(s, cap, floor);
-  s.capacity = cap;
-  s.at_floor = floor;
-  s.plan = std::move(p);
   ++s.tightenings;
   ++stats.tightenings;
+  replan(index, std::max(0.0, s.capacity - over -
+                                  0.01 * static_cast<double>(stats.memory_budget)));
+}
+
+void Session::Impl::replan(int index, double capacity) {
+  Shape& s = shapes[static_cast<std::size_t>(index)];
+  bool floor = false;
+  plan::Plan p = plan_for(s, capacity, floor);
+  s.capacity = capacity;
+  s.at_floor = floor;
+  s.plan = std::move(p);
   ++stats.replans;
   // The new plan is judged on its own steps.
   all_within = true;
   stats.steps_measured = 0;
   stats.executed_peak = 0;
   s.planned_memory.clear();
+  s.executed_times.clear();
   executor->replace_plan(index, s.trace, s.plan);
   set_wall(executor_budget(s));
-  if (index == 0) plan = s.plan;
+  if (index == 0) {
+    plan = s.plan;
+    trace = s.trace;
+  }
   summarise(s);
 }
 

@@ -309,6 +309,9 @@ void Tracer::begin_layer(std::int64_t layer) { impl_->begin_layer(layer); }
 void Tracer::end_step(std::int64_t step) { impl_->end_step(step); }
 void Tracer::abort_step() { impl_->abort_step(); }
 void Tracer::set_listener(OpListener* listener) { impl_->set_listener(listener); }
+void Tracer::set_io_wait_clock(std::function<double()> clock) {
+  impl_->set_io_wait_clock(std::move(clock));
+}
 void Tracer::set_keep_iterations(bool keep) { impl_->set_keep_iterations(keep); }
 void Tracer::set_step_end_op(bool on) { impl_->set_step_end_op(on); }
 BoundTensors Tracer::alive_tensors() { return impl_->alive_tensors(); }

@@ -50,6 +50,10 @@ class Tracer::Impl {
   void abort_step();
 
   void set_listener(OpListener* listener) { listener_ = listener; }
+  void set_io_wait_clock(std::function<double()> clock) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    options_.io_wait_seconds = std::move(clock);
+  }
 
   void set_keep_iterations(bool keep) { keep_iterations_ = keep; }
   void set_step_end_op(bool on) {
