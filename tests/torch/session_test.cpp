@@ -404,7 +404,7 @@ TEST(Session, PlansAgainOnOpTimesFromExecutedSteps) {
   testing::TestDir dir;
   const int steps = 14;
   const std::int64_t first_executed = 3;  // after the warm-up and 2 profiled steps
-  const double slow = 0.05;
+  const double slow = 0.2;
   struct Run {
     std::vector<double> losses;
     std::vector<SessionStats> per_step;
@@ -444,7 +444,7 @@ TEST(Session, PlansAgainOnOpTimesFromExecutedSteps) {
   EXPECT_GE(plan.planned_compute[first], slow) << "the profiled steps' sleep is not in the plan";
   const SessionStats& last = plan.per_step.back();
   EXPECT_GE(last.retimings, 1) << last.plan_summary;
-  EXPECT_LT(plan.planned_compute.back(), plan.planned_compute[first] - 0.8 * slow)
+  EXPECT_LT(plan.planned_compute.back(), plan.planned_compute[first] - slow / 2)
       << "planned again on executed steps' op times, but they still hold the profiled sleep";
   EXPECT_EQ(last.steps_over_budget, 0) << last.budget_reason;
   EXPECT_EQ(last.shapes, 1);
