@@ -13,8 +13,11 @@
 # /var/tmp/tidal-simexec; O_DIRECT). TIDAL_SIMEXEC_CONFIGS overrides the configurations, one per
 # line: "<model flags> | <train flags>". The simulator gets the SSD figures the session measured
 # (its plan summary), the plan's capacity, no margin, and the run's --host-mem. The simulator
-# replays the profiled op times, so the profile is 5 steps (TIDAL_SIMEXEC_PROFILE_STEPS; medians
-# per op), not train's default 2: on a small CPU one slow step moves a 2-step median a lot.
+# replays the saved trace's op times: the profile's (5 steps, TIDAL_SIMEXEC_PROFILE_STEPS, medians
+# per op, not train's default 2: on a small CPU one slow step moves a 2-step median a lot), or,
+# where executed steps contradicted them by more than a tenth, the medians of 4 executed steps
+# (the session then planned again on them: SessionStats::retimings). The executed figures are
+# those of the saved plan's steps. Runs under the strict meter (the budget a wall, as a GPU's).
 # Each run starts after a sync and a pause (TIDAL_SIMEXEC_SETTLE seconds, default 5).
 set -euo pipefail
 build=${1:-build}
@@ -56,7 +59,7 @@ for ((rep = 1; rep <= repeats; ++rep)); do
     sleep "${TIDAL_SIMEXEC_SETTLE:-5}"
     echo "== run $rep, $i: $bin train ${model_a[*]} --offload plan ${flags_a[*]} --steps $steps --profile-steps $profile_steps" >&2
     "$bin" train "${model_a[@]}" --steps "$steps" --profile-steps "$profile_steps" \
-      --offload plan --min-offload 16KiB "${flags_a[@]}" --dir "$dir" --save-trace "$f.trace.json" \
+      --offload plan --strict-meter --min-offload 16KiB "${flags_a[@]}" --dir "$dir" --save-trace "$f.trace.json" \
       --save-plan "$f.plan.json" --json 2>"$f.train.log" | tail -n 1 >"$f.train.json"
     read -r cap ssd iocost < <("$py" - "$f.plan.json" "$f.train.json" <<'PY'
 import json, re, sys
@@ -90,8 +93,14 @@ for row in sys.argv[3:]:
         t = json.load(open(f"{out}/{i}-{rep}.train.json"))
         s = json.load(open(f"{out}/{i}-{rep}.sim.json"))
         n = max(1, t["steps_offloaded"])
-        exec_s = t["offload_step_seconds_median"]
-        exec_b = (t["bytes_written"] + t["bytes_to_host"]) / n
+        # The steps of the plan saved (the last one: a session plans again on executed steps'
+        # op times, or for less memory), where there are enough of them; every offloaded step
+        # otherwise. Bytes: the time report's, a mean over the last steps (the same plan).
+        m = t["steps_measured"]
+        exec_s = (statistics.median(t["step_seconds"][-m:]) if m >= 3
+                  else t["offload_step_seconds_median"])
+        tb = t["time_report"]["bytes"]
+        exec_b = tb["ssd-write"] + tb["host-write"]
         sim_b = s["ssd_bytes_written"] + s["host_bytes_written"]
         ex.append(exec_s)
         tr.append(s["iteration_seconds"] / exec_s)

@@ -99,12 +99,11 @@ void print_estimate(const Estimate& e, const TraceSource& s, const plan::Hardwar
               gib(r.ssd_bytes_written).c_str(), gib(r.ssd_bytes_read).c_str());
   std::printf("optimizer step: on the %s; plan: %s\n", plan::to_string(e.tidal.optimizer_step),
               e.tidal.note.c_str());
-  std::printf("to train it: tidal.Session(model, optimizer, budget=\"%s\", host_memory=\"%s\")%s\n",
-              gib(hw.device_memory).c_str(), gib(e.host_needed).c_str(),
-              e.tidal.optimizer_step == plan::OptimizerPlacement::kHost
-                  ? " (the optimizer step on the host is simulated; the Session runs it on the "
-                    "device so far)"
-                  : "");
+  std::printf(
+      "to train it: tidal.Session(model=model, optimizer=optimizer, budget=\"%s\", "
+      "host_memory=\"%s\"%s)\n",
+      gib(hw.device_memory).c_str(), gib(e.host_needed).c_str(),
+      e.tidal.optimizer_step == plan::OptimizerPlacement::kHost ? ", optimizer_step=\"host\"" : "");
   std::printf("estimated in %s\n", format_seconds(e.wall_seconds).c_str());
 }
 

@@ -129,7 +129,8 @@ py::dict session_stats_dict(const tt::SessionStats& s) {
       between_steps, stall_seconds, write_stall_seconds, misses, write_failures, store_full_writes,
       write_error, step_peak, memory_budget, untouched_bytes, profiled_peak, within_budget,
       steps_measured, steps_over_budget, steps_aborted, out_of_memory_retries, budget_reason,
-      shapes, shape, replans, tightenings, retimings, executed_peak, plan_summary, defaults, notice);
+      shapes, shape, replans, tightenings, retimings, executed_peak, plan_summary, defaults,
+      notice);
 }
 
 py::dict activation_stats_dict(const tt::ActivationStats& s) {

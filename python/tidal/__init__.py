@@ -20,17 +20,20 @@ import torch  # noqa: F401  (first: the extension links libtorch_python, loaded 
 from . import _C
 from ._C import Error, InvalidArgument, IoError, format_bytes, parse_bytes
 from .activations import ActivationStats, offload_activations
+from .estimate import Estimate, estimate
 from .host_step import HostStep, optimizer_on_host
 from .session import Session, SessionStats
 
 __all__ = [
     "ActivationStats",
     "Error",
+    "Estimate",
     "HostStep",
     "InvalidArgument",
     "IoError",
     "Session",
     "SessionStats",
+    "estimate",
     "format_bytes",
     "memory_cap",
     "memory_stats",

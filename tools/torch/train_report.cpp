@@ -91,7 +91,8 @@ void print_plan_results(const torch_layer::SessionOptions& so, const RunTotals& 
       : st.within_budget ? "kept"
                          : "EXCEEDED",
       static_cast<long long>(st.steps_measured), static_cast<long long>(st.steps_over_budget),
-      st.tightenings, st.retimings, st.between_steps.empty() ? "not chosen yet" : st.between_steps.c_str(),
+      st.tightenings, st.retimings,
+      st.between_steps.empty() ? "not chosen yet" : st.between_steps.c_str(),
       so.between_steps == torch_layer::BetweenSteps::kAuto ? " (the planner's choice)" : "",
       st.plan_summary.c_str());
   if (!st.within_budget && !st.budget_reason.empty()) {

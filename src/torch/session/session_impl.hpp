@@ -107,8 +107,9 @@ struct Session::Impl {
     double capacity = 0;    // planner units (trace bytes)
     int tightenings = 0;    // consecutive
     int retimings = 0;      // plans made on op times from executed steps
-    std::vector<std::vector<double>> executed_times;  // since the last check (retiming.cpp)
     bool at_floor = false;  // no plan can go lower
+    // Executed steps' op times since the last check (retiming.cpp).
+    std::vector<std::vector<double>> executed_times;
     // The plan replayed by the simulator (for the timeline), once asked; empty: not yet.
     std::vector<std::uint64_t> planned_memory;
     std::array<std::uint64_t, plan::kNumChannels> planned_bytes{};

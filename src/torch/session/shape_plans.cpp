@@ -290,8 +290,7 @@ void Session::Impl::tighten(int index, double over) {
   Shape& s = shapes[static_cast<std::size_t>(index)];
   ++s.tightenings;
   ++stats.tightenings;
-  replan(index, std::max(0.0, s.capacity - over -
-                                  0.01 * static_cast<double>(stats.memory_budget)));
+  replan(index, std::max(0.0, s.capacity - over - 0.01 * static_cast<double>(stats.memory_budget)));
 }
 
 void Session::Impl::replan(int index, double capacity) {

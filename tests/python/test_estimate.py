@@ -1,0 +1,109 @@
+"""tidal.estimate before a run: Hugging Face decoders built on the meta device (nothing
+allocated), their configs, and clear errors for what it does not model."""
+
+import json
+import random
+
+import pytest
+import torch
+
+import tidal
+
+transformers = pytest.importorskip("transformers")
+
+
+def random_llama(rng: random.Random):
+    heads = rng.choice([4, 8])
+    return transformers.LlamaConfig(
+        vocab_size=rng.randrange(500, 4000), hidden_size=heads * rng.choice([16, 32]),
+        intermediate_size=rng.randrange(64, 512), num_hidden_layers=rng.randrange(1, 5),
+        num_attention_heads=heads, num_key_value_heads=heads // rng.choice([1, 2, 4]))
+
+
+def random_mixtral(rng: random.Random):
+    return transformers.MixtralConfig(
+        vocab_size=rng.randrange(500, 4000), hidden_size=128,
+        intermediate_size=rng.randrange(64, 384),
+        num_hidden_layers=rng.randrange(1, 4), num_attention_heads=8, num_key_value_heads=2,
+        num_local_experts=rng.choice([4, 8]), num_experts_per_tok=2)
+
+
+def random_gpt2(rng: random.Random):
+    return transformers.GPT2Config(vocab_size=rng.randrange(500, 4000), n_embd=128,
+                                   n_layer=rng.randrange(1, 4), n_head=4)
+
+
+MODELS = {"llama": (random_llama, transformers.LlamaForCausalLM),
+          "mixtral": (random_mixtral, transformers.MixtralForCausalLM),
+          "gpt2": (random_gpt2, transformers.GPT2LMHeadModel)}
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_a_model_on_the_meta_device_is_estimated_without_memory(kind):
+    make_config, cls = MODELS[kind]
+    rng = random.Random(kind)
+    for _ in range(2):
+        config = make_config(rng)
+        with torch.device("meta"):
+            model = cls(config)
+        before = tidal.memory_stats()["current_bytes"]
+        e = tidal.estimate(model, batch=2, seq=64, budget="8GiB", host_memory="4GiB",
+                           ssd="1x2/2GB/s", optimizer=torch.optim.AdamW)
+        assert tidal.memory_stats()["current_bytes"] == before
+        # The analytic trace has the model's parameters, counted independently by PyTorch.
+        assert e.parameters == sum(p.numel() for p in model.parameters()), config
+        assert e.fits, e.note
+        assert 0 < e.planned_peak_bytes <= e.device_memory == 8 << 30
+        # The ideal step runs the optimizer on the device; on the host it may run beside the
+        # device's work and beat it.
+        if e.optimizer_step == "device":
+            assert e.ideal_seconds <= e.step_seconds
+        assert e.lower_bound_seconds is not None
+        assert e.lower_bound_seconds <= e.step_seconds * (1 + 1e-9)  # summed in another order
+        assert e.batch == 2 and e.seq == 64
+        opts = e.session_options()
+        assert opts["budget"] == 8 << 30 and opts["optimizer_step"] in ("device", "host")
+        assert "fits" in str(e)
+
+
+def test_a_config_a_dict_and_a_path_give_the_same_estimate(tmp_path):
+    config = random_llama(random.Random(7))
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json_string())
+    kw = dict(batch=1, seq=128, budget=1 << 30, host_memory=0, ssd="2x3/3GB/s")
+    a = tidal.estimate(config, **kw)
+    b = tidal.estimate(json.loads(config.to_json_string()), **kw)
+    c = tidal.estimate(str(path), **kw)
+    for x in (b, c):
+        assert (x.parameters, x.planned_peak_bytes, x.step_seconds) == \
+               (a.parameters, a.planned_peak_bytes, a.step_seconds)
+
+
+def test_less_memory_never_plans_a_faster_step_and_too_little_does_not_fit():
+    config = random_llama(random.Random(3))
+    kw = dict(batch=4, seq=256, host_memory=0, ssd="1x1/1GB/s", optimizer_step="device")
+    roomy = tidal.estimate(config, budget="16GiB", **kw)
+    assert roomy.fits and roomy.ssd_bytes_written == 0
+    tight = tidal.estimate(config, budget=roomy.planned_peak_bytes * 3 // 4, **kw)
+    assert tight.fits and tight.ssd_bytes_written > 0
+    assert tight.step_seconds >= roomy.step_seconds
+    none = tidal.estimate(config, budget="1MiB", **kw)
+    assert not none.fits and none.note
+
+
+def test_a_built_in_model_by_name():
+    e = tidal.estimate("llama3-8b", batch=1, seq=512, budget="80GiB", host_memory="256GiB")
+    assert e.fits and 7.9e9 < e.parameters < 8.1e9
+
+
+def test_what_it_does_not_model_is_refused_with_what_to_do():
+    with pytest.raises(tidal.InvalidArgument, match="tidal.Session"):
+        tidal.estimate(torch.nn.Linear(4, 4), batch=1, seq=8, budget="1GiB")
+    with pytest.raises(tidal.InvalidArgument, match="not SGD"):
+        tidal.estimate("llama3-8b", batch=1, seq=8, budget="1GiB", optimizer=torch.optim.SGD)
+    with pytest.raises(tidal.InvalidArgument, match="falcon"):
+        tidal.estimate({"model_type": "falcon"}, batch=1, seq=8, budget="1GiB")
+    with pytest.raises(tidal.InvalidArgument, match="num_hidden_layers"):
+        tidal.estimate({"model_type": "llama", "hidden_size": 64}, batch=1, seq=8, budget="1GiB")
+    with pytest.raises(tidal.InvalidArgument, match="a size is bytes"):
+        tidal.estimate("llama3-8b", batch=1, seq=8, budget=-1)
