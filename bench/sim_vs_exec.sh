@@ -35,6 +35,12 @@ configs=${TIDAL_SIMEXEC_CONFIGS:-"--model gpt-tiny --layers 2 --batch 8 --seq 12
 --model gpt-tiny --layers 8 --batch 8 --seq 128 | --mem-budget 25% --host-mem 64MiB
 --model gpt-tiny --hidden 256 --layers 4 --heads 8 --batch 8 --seq 256 | --mem-budget 50%"}
 
+# TIDAL_SIMEXEC_BOTH=1: each configuration also with --retime-steps 0 (the profile's op times
+# throughout), right after it, so that the two are measured side by side.
+if [ "${TIDAL_SIMEXEC_BOTH:-0}" = 1 ]; then
+  configs=$(while IFS= read -r l; do [ -n "$l" ] && printf '%s\n%s --retime-steps 0\n' "$l" "$l"; done <<<"$configs")
+fi
+
 py=/usr/bin/python3
 [ -x "$py" ] || py=python3
 repeats=${TIDAL_SIMEXEC_RUNS:-3}
@@ -59,8 +65,8 @@ for ((rep = 1; rep <= repeats; ++rep)); do
     sleep "${TIDAL_SIMEXEC_SETTLE:-5}"
     echo "== run $rep, $i: $bin train ${model_a[*]} --offload plan ${flags_a[*]} --steps $steps --profile-steps $profile_steps" >&2
     "$bin" train "${model_a[@]}" --steps "$steps" --profile-steps "$profile_steps" \
-      --offload plan --strict-meter --min-offload 16KiB "${flags_a[@]}" --dir "$dir" --save-trace "$f.trace.json" \
-      --save-plan "$f.plan.json" --json 2>"$f.train.log" | tail -n 1 >"$f.train.json"
+      --offload plan --strict-meter --min-offload 16KiB "${flags_a[@]}" --dir "$dir" \
+      --save-trace "$f.trace.json" --save-plan "$f.plan.json" --json 2>"$f.train.log" | tail -n 1 >"$f.train.json"
     read -r cap ssd iocost < <("$py" - "$f.plan.json" "$f.train.json" <<'PY'
 import json, re, sys
 plan = json.load(open(sys.argv[1]))
@@ -84,7 +90,7 @@ import json, statistics, sys
 out, repeats = sys.argv[1], int(sys.argv[2])
 print(f"{repeats} runs of each configuration, one after the other; medians over the runs "
       f"(time ratio: min-max in brackets)")
-print(f"{'#':>2} {'configuration':<58} {'exec s/step':>11} {'sim/exec time':>22} "
+print(f"{'#':>2} {'configuration':<72} {'exec s/step':>11} {'sim/exec time':>22} "
       f"{'exec MB/step':>12} {'sim/exec bytes':>14} {'max exec peak/budget':>20} {'sim fits':>8}")
 for row in sys.argv[3:]:
     i, model, flags = row.split("|")
@@ -111,6 +117,6 @@ for row in sys.argv[3:]:
     med = statistics.median
     name = (model.replace("--model ", "").strip() + " " + flags.strip()).replace("--", "")
     time_text = f"{med(tr):.2f} [{min(tr):.2f}-{max(tr):.2f}]"
-    print(f"{i:>2} {name:<58} {med(ex):>11.3f} {time_text:>22} {med(eb) / 1e6:>12.1f} "
+    print(f"{i:>2} {name:<72} {med(ex):>11.3f} {time_text:>22} {med(eb) / 1e6:>12.1f} "
           f"{med(br):>14.3f} {max(pk):>20.3f} {str(fits):>8}")
 PY

@@ -285,18 +285,18 @@ PYBIND11_MODULE(_C, m) {
                               : s == "offloaded" ? tt::BetweenSteps::kOffloaded
                                                  : tt::BetweenSteps::kAuto;
           });
-  def_fields(session_options, TIDAL_FIELD(SessionOptions, store),
-             TIDAL_FIELD(SessionOptions, activations), TIDAL_FIELD(SessionOptions, warmup_steps),
-             TIDAL_FIELD(SessionOptions, profile_steps), TIDAL_FIELD(SessionOptions, memory_budget),
-             TIDAL_FIELD(SessionOptions, budget_fraction),
-             TIDAL_FIELD(SessionOptions, strict_budget), TIDAL_FIELD(SessionOptions, strict_meter),
-             TIDAL_FIELD(SessionOptions, wall_by_retry), TIDAL_FIELD(SessionOptions, budget_option),
-             TIDAL_FIELD(SessionOptions, between_steps_option),
-             TIDAL_FIELD(SessionOptions, host_memory), TIDAL_FIELD(SessionOptions, hardware),
-             TIDAL_FIELD(SessionOptions, model_name), TIDAL_FIELD(SessionOptions, batch),
-             TIDAL_FIELD(SessionOptions, seq), TIDAL_FIELD(SessionOptions, timeline_steps),
-             TIDAL_FIELD(SessionOptions, timeline_chosen_steps),
-             TIDAL_FIELD(SessionOptions, timeline_path));
+  def_fields(
+      session_options, TIDAL_FIELD(SessionOptions, store), TIDAL_FIELD(SessionOptions, activations),
+      TIDAL_FIELD(SessionOptions, warmup_steps), TIDAL_FIELD(SessionOptions, profile_steps),
+      TIDAL_FIELD(SessionOptions, retime_steps), TIDAL_FIELD(SessionOptions, memory_budget),
+      TIDAL_FIELD(SessionOptions, budget_fraction), TIDAL_FIELD(SessionOptions, strict_budget),
+      TIDAL_FIELD(SessionOptions, strict_meter), TIDAL_FIELD(SessionOptions, wall_by_retry),
+      TIDAL_FIELD(SessionOptions, budget_option), TIDAL_FIELD(SessionOptions, between_steps_option),
+      TIDAL_FIELD(SessionOptions, host_memory), TIDAL_FIELD(SessionOptions, hardware),
+      TIDAL_FIELD(SessionOptions, model_name), TIDAL_FIELD(SessionOptions, batch),
+      TIDAL_FIELD(SessionOptions, seq), TIDAL_FIELD(SessionOptions, timeline_steps),
+      TIDAL_FIELD(SessionOptions, timeline_chosen_steps),
+      TIDAL_FIELD(SessionOptions, timeline_path));
 
   py::class_<tt::Session, Holder<tt::Session>>(m, "Session")
       .def(py::init<tt::SessionOptions>(), py::call_guard<py::gil_scoped_release>())

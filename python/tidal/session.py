@@ -188,6 +188,7 @@ class Session:
                  min_bytes: Optional[Size] = None,
                  warmup_steps: int = 1,
                  profile_steps: int = 2,
+                 retime_steps: int = 4,
                  strict_budget: bool = False,
                  strict: Optional[bool] = None,
                  wall_by_retry: bool = False,
@@ -236,6 +237,7 @@ class Session:
         opt.activations = act
         opt.warmup_steps = warmup_steps
         opt.profile_steps = profile_steps
+        opt.retime_steps = retime_steps
         opt.strict_budget = strict_budget
         if strict is not None:  # else on for a GPU, off on the CPU
             opt.strict_meter = strict

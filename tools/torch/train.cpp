@@ -154,6 +154,7 @@ torch_layer::SessionOptions session_options(const TrainArgs& args, const torch::
   so.executor.min_bytes = parse_bytes(args.min_offload);
   so.warmup_steps = args.warmup_steps;
   so.profile_steps = args.profile_steps;
+  so.retime_steps = args.retime_steps;
   check_mode_flags(args, so.mode);
   set_memory_budget(args, so);
   so.budget_option = "--mem-budget";
@@ -355,6 +356,12 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--warmup-steps", args->warmup_steps, "plan mode: steps before profiling")
       ->capture_default_str();
   cmd->add_option("--profile-steps", args->profile_steps, "plan mode: steps profiled")
+      ->capture_default_str();
+  cmd->add_option("--retime-steps", args->retime_steps,
+                  "plan mode on the CPU: every this many executed steps, their op times replace "
+                  "the profile's where the step's compute time differs by more than a tenth, and "
+                  "the step is planned again on them (0: the profile's stand)")
+      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   cmd->add_option("--ssd", args->ssd, "plan mode: SSD figures for the planner, e.g. 1x2.0/1.5GB/s");
   cmd->add_option("--save-trace", args->save_trace,

@@ -23,6 +23,7 @@ struct TrainArgs {
   std::string min_offload = "1MiB";
   int warmup_steps = 1;
   int profile_steps = 2;
+  int retime_steps = 4;
   std::string ssd;  // planner's SSD figures, e.g. "1x2.0/1.5GB/s"
   std::string save_trace;
   std::string save_plan;

@@ -38,7 +38,7 @@ std::optional<std::vector<double>> op_times(const trace::Trace& executed,
 
 void Session::Impl::note_executed_times(int index) {
   // On a GPU the executed steps' op times are launch times (nothing waits for the stream there).
-  if (!opt.device.is_cpu() || !tracer) return;
+  if (!opt.device.is_cpu() || !tracer || opt.retime_steps <= 0) return;
   Shape& s = shapes[static_cast<std::size_t>(index)];
   if (s.retimings >= kMaxRetimings) return;
   const trace::Trace* t = tracer->last_iteration();
@@ -46,7 +46,7 @@ void Session::Impl::note_executed_times(int index) {
   std::optional<std::vector<double>> times = op_times(*t, s.trace);
   if (!times) return;
   s.executed_times.push_back(std::move(*times));
-  if (s.executed_times.size() < kRetimeSteps) return;
+  if (s.executed_times.size() < static_cast<std::size_t>(opt.retime_steps)) return;
   // Per op, the median over the steps: one slow step moves none.
   std::vector<double> med(s.executed_times.front().size());
   std::vector<double> column(s.executed_times.size());

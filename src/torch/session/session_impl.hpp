@@ -49,9 +49,9 @@ inline std::uint64_t bytes_at_start(const trace::Trace& t) {
 }
 
 inline constexpr int kMaxTightenings = 4;  // consecutive, per step shape
-// Op times from executed steps (retiming.cpp): medians over this many steps, adopted where they
-// differ from the plan's by more than this share, at most this many times per step shape.
-inline constexpr std::size_t kRetimeSteps = 4;
+// Op times from executed steps (retiming.cpp): medians over SessionOptions::retime_steps steps,
+// adopted where they differ from the plan's by more than this share, at most this many times per
+// step shape.
 inline constexpr double kRetimeTolerance = 0.10;
 inline constexpr int kMaxRetimings = 3;
 inline constexpr std::size_t kMaxPendingShapes = 16;
@@ -295,10 +295,12 @@ struct Session::Impl {
   void after_executed_step(const ExecutorStats& e, std::uint64_t peak);
 
   // Executed step of shape `index`, within its plan: its op times are kept, and every
-  // kRetimeSteps steps their medians replace the trace's where those are off by more than
+  // retime_steps steps their medians replace the trace's where those are off by more than
   // kRetimeTolerance, and the shape is planned again (on a CPU device only).
   void note_executed_times(int index);
-  // Plans step shape `index` again, for `capacity` (trace bytes), and hands the plan over.
+  // Plans step shape `index` again, for `capacity` (trace bytes), and hands the plan over. The
+  // budget's record (steps measured, their peak) goes on: a plan for less memory (tighten)
+  // starts it anew.
   void replan(int index, double capacity);
   // Plans step shape `index` again for `over` bytes less capacity, and a little more.
   // end_step's stages, in order: the observers' ends and the step's peak (a failed read back

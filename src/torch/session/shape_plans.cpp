@@ -290,7 +290,12 @@ void Session::Impl::tighten(int index, double over) {
   Shape& s = shapes[static_cast<std::size_t>(index)];
   ++s.tightenings;
   ++stats.tightenings;
+  ++stats.replans;
   replan(index, std::max(0.0, s.capacity - over - 0.01 * static_cast<double>(stats.memory_budget)));
+  // The new plan is judged on its own steps.
+  all_within = true;
+  stats.steps_measured = 0;
+  stats.executed_peak = 0;
 }
 
 void Session::Impl::replan(int index, double capacity) {
@@ -300,11 +305,6 @@ void Session::Impl::replan(int index, double capacity) {
   s.capacity = capacity;
   s.at_floor = floor;
   s.plan = std::move(p);
-  ++stats.replans;
-  // The new plan is judged on its own steps.
-  all_within = true;
-  stats.steps_measured = 0;
-  stats.executed_peak = 0;
   s.planned_memory.clear();
   s.executed_times.clear();
   executor->replace_plan(index, s.trace, s.plan);
