@@ -40,7 +40,9 @@ void Session::Impl::note_executed_times(int index) {
   // On a GPU the executed steps' op times are launch times (nothing waits for the stream there).
   if (!opt.device.is_cpu() || !tracer || opt.retime_steps <= 0) return;
   Shape& s = shapes[static_cast<std::size_t>(index)];
-  if (s.retimings >= kMaxRetimings) return;
+  // A plan at its floor is the least memory any plan reaches, with the executor's wall raised to
+  // it: planned again, it may land above the floor and lower the wall under what it needs.
+  if (s.retimings >= kMaxRetimings || s.at_floor) return;
   const trace::Trace* t = tracer->last_iteration();
   if (t == nullptr) return;
   std::optional<std::vector<double>> times = op_times(*t, s.trace);
@@ -70,6 +72,7 @@ void Session::Impl::note_executed_times(int index) {
   const double scale = std::max(0.5, (executed - io) / executed);
   const double planned = s.trace.compute_seconds();
   if (std::abs(executed * scale - planned) <= kRetimeTolerance * planned) return;
+  trace::Trace before = s.trace;  // kept where the new times do not plan as well
   double now = s.trace.ops.empty() ? 0.0 : s.trace.ops.front().start_s;
   for (std::size_t k = 0; k < s.trace.ops.size(); ++k) {
     auto& op = s.trace.ops[k];
@@ -78,9 +81,16 @@ void Session::Impl::note_executed_times(int index) {
     now = op.end_s + med[2 * k + 1] * scale;
   }
   s.trace.meta["op_durations"] = "median over executed steps";
+  // The same capacity and smallest size moved, and a plan that fits there, or none.
+  PlanAttempt attempt(*this, s.trace);
+  std::optional<plan::Plan> p = attempt.at(s.capacity);
+  if (!p || !p->summary.fits || attempt.least < opt.executor.min_bytes) {
+    s.trace = std::move(before);
+    return;
+  }
   ++s.retimings;
   ++stats.retimings;
-  replan(index, s.capacity);
+  install_plan(index, std::move(*p), s.capacity, false);
 }
 
 }  // namespace tidal::torch_layer

@@ -302,6 +302,8 @@ struct Session::Impl {
   // budget's record (steps measured, their peak) goes on: a plan for less memory (tighten)
   // starts it anew.
   void replan(int index, double capacity);
+  // Hands plan `p` of step shape `index`, made for `capacity`, to the executor.
+  void install_plan(int index, plan::Plan p, double capacity, bool at_floor);
   // Plans step shape `index` again for `over` bytes less capacity, and a little more.
   // end_step's stages, in order: the observers' ends and the step's peak (a failed read back
   // is kept in `error`), activation mode's rule, plan mode's planning, the timeline.

@@ -299,11 +299,15 @@ void Session::Impl::tighten(int index, double over) {
 }
 
 void Session::Impl::replan(int index, double capacity) {
-  Shape& s = shapes[static_cast<std::size_t>(index)];
   bool floor = false;
-  plan::Plan p = plan_for(s, capacity, floor);
+  plan::Plan p = plan_for(shapes[static_cast<std::size_t>(index)], capacity, floor);
+  install_plan(index, std::move(p), capacity, floor);
+}
+
+void Session::Impl::install_plan(int index, plan::Plan p, double capacity, bool at_floor) {
+  Shape& s = shapes[static_cast<std::size_t>(index)];
   s.capacity = capacity;
-  s.at_floor = floor;
+  s.at_floor = at_floor;
   s.plan = std::move(p);
   s.planned_memory.clear();
   s.executed_times.clear();
