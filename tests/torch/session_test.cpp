@@ -298,6 +298,37 @@ class LateAllocation final : public StepObserver {
   c10::DataPtr held_;
 };
 
+// Plan mode on the tiny GPT in `dir`: a budget the first plan meets with room to plan for less
+// (and above its floor), and the preset's SSD figures for this machine (no 64 MiB measurement of
+// the store, seconds on a busy disk; the same plans on every run).
+SessionOptions tiny_plan_options(OffloadMode mode, const std::string& dir) {
+  SessionOptions so;
+  so.mode = mode;
+  so.store.dirs = {dir};
+  so.store.capacity = 256 * kMiB;
+  so.executor.min_bytes = 16 * 1024;
+  so.budget_fraction = 0.8;
+  so.hardware_overrides.ssd = plan::parse_ssd_spec("1x2.0/1.5GB/s");
+  return so;
+}
+
+// `steps` steps of `trainer` observed by `session` and `extra`; `after(i)` after step i.
+template <typename After>
+std::vector<double> train_observed(models::Trainer& trainer, Session& session, StepObserver& extra,
+                                   int steps, After after) {
+  trainer.add_observer(&session);
+  trainer.add_observer(&extra);
+  std::vector<double> losses;
+  for (int i = 0; i < steps; ++i) {
+    losses.push_back(trainer.step().loss);
+    if (i == 0) trainer.register_persistent(session);
+    after(i);
+  }
+  trainer.remove_observer(&extra);
+  trainer.remove_observer(&session);
+  return losses;
+}
+
 // A step over the hard budget (memory the plan did not know of) makes the session plan that
 // step shape again for less memory; the tighter plan keeps the budget, and no loss changes.
 TEST(Session, AStepOverTheBudgetIsPlannedAgainForLess) {
@@ -312,15 +343,7 @@ TEST(Session, AStepOverTheBudgetIsPlannedAgainForLess) {
   const auto run = [&](OffloadMode mode) {
     MemoryMeter meter(torch::kCPU);
     models::Trainer trainer(testing::tiny_options("gpt-tiny", 4, 32, 77));
-    SessionOptions so;
-    so.mode = mode;
-    so.store.dirs = {dir.path()};
-    so.store.capacity = 256 * kMiB;
-    so.executor.min_bytes = 16 * 1024;
-    so.budget_fraction = 0.8;  // a budget the first plan meets, with room to plan for less
-    // The preset's figures for this machine: no 64 MiB measurement of the store (seconds on a
-    // busy disk), and the same plans on every run.
-    so.hardware_overrides.ssd = plan::parse_ssd_spec("1x2.0/1.5GB/s");
+    SessionOptions so = tiny_plan_options(mode, dir.path());
     so.peak_bytes = [&meter] { return meter.peak_bytes(); };
     so.current_bytes = [&meter] { return meter.current_bytes(); };
     so.reset_peak = [&meter] { meter.reset_peak(); };
@@ -337,17 +360,11 @@ TEST(Session, AStepOverTheBudgetIsPlannedAgainForLess) {
       }
       return late_bytes;
     });
-    trainer.add_observer(&session);
-    trainer.add_observer(&late);
     Run r;
-    for (int i = 0; i < steps; ++i) {
-      r.losses.push_back(trainer.step().loss);
-      if (i == 0) trainer.register_persistent(session);
+    r.losses = train_observed(trainer, session, late, steps, [&](int) {
       r.per_step.push_back(session.stats());
       r.planned_peak.push_back(session.plan() ? session.plan()->summary.peak_after_bytes : 0);
-    }
-    trainer.remove_observer(&late);
-    trainer.remove_observer(&session);
+    });
     return r;
   };
   const Run none = run(OffloadMode::kNone);
@@ -412,27 +429,15 @@ TEST(Session, PlansAgainOnOpTimesFromExecutedSteps) {
   };
   const auto run = [&](OffloadMode mode) {
     models::Trainer trainer(testing::tiny_options("gpt-tiny", 4, 32, 77));
-    SessionOptions so;
-    so.mode = mode;
-    so.store.dirs = {dir.path()};
-    so.store.capacity = 256 * kMiB;
-    so.executor.min_bytes = 16 * 1024;
-    so.budget_fraction = 0.8;  // a plan above its floor (one at it is not planned again)
+    SessionOptions so = tiny_plan_options(mode, dir.path());  // above its floor: it is retimed
     if (mode == OffloadMode::kPlan) so.strict_meter = true;
-    so.hardware_overrides.ssd = plan::parse_ssd_spec("1x2.0/1.5GB/s");
     Session session(so);
     SlowFirstSteps slower(first_executed, slow);
-    trainer.add_observer(&session);
-    trainer.add_observer(&slower);
     Run r;
-    for (int i = 0; i < steps; ++i) {
-      r.losses.push_back(trainer.step().loss);
-      if (i == 0) trainer.register_persistent(session);
+    r.losses = train_observed(trainer, session, slower, steps, [&](int) {
       r.per_step.push_back(session.stats());
       r.planned_compute.push_back(session.plan() ? session.plan()->summary.compute_seconds : 0);
-    }
-    trainer.remove_observer(&slower);
-    trainer.remove_observer(&session);
+    });
     return r;
   };
   const Run none = run(OffloadMode::kNone);
