@@ -358,7 +358,8 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--profile-steps", args->profile_steps, "plan mode: steps profiled")
       ->capture_default_str();
   cmd->add_option("--retime-steps", args->retime_steps,
-                  "plan mode on the CPU: every this many executed steps, their op times replace "
+                  "plan mode on the CPU: every this many executed steps (twice as many after "
+                  "each retiming, up to 16 times), their op times replace "
                   "the profile's where the step's compute time differs by more than a tenth, and "
                   "the step is planned again on them (0: the profile's stand)")
       ->check(CLI::NonNegativeNumber)

@@ -86,9 +86,10 @@ struct SessionOptions {
   int warmup_steps = 1;
   /// Plan mode: steps profiled before planning (op times are their medians).
   int profile_steps = 2;
-  /// Plan mode on a CPU device: every this many executed steps of a step shape, their op times
-  /// (medians) replace the trace's where its compute time differs by more than a tenth, and the
-  /// shape is planned again on them (stats().retimings). 0: the profile's op times stand.
+  /// Plan mode on a CPU device: every this many executed steps of a step shape (twice as many
+  /// after each retiming, up to 16 times as many), their op times (medians) replace the trace's
+  /// where its compute time differs by more than a tenth, and the shape is planned again on them
+  /// (stats().retimings). 0: the profile's op times stand.
   int retime_steps = 4;
   /// Plan mode: the tensor memory the process may hold during a step, in bytes, as the meter
   /// counts it (all of it: what a GPU's out-of-memory check would see). 0: from budget_fraction.

@@ -42,13 +42,16 @@ void Session::Impl::note_executed_times(int index) {
   Shape& s = shapes[static_cast<std::size_t>(index)];
   // A plan at its floor is the least memory any plan reaches, with the executor's wall raised to
   // it: planned again, it may land above the floor and lower the wall under what it needs.
-  if (s.retimings >= kMaxRetimings || s.at_floor) return;
+  if (s.at_floor) return;
   const trace::Trace* t = tracer->last_iteration();
   if (t == nullptr) return;
   std::optional<std::vector<double>> times = op_times(*t, s.trace);
   if (!times) return;
   s.executed_times.push_back(std::move(*times));
-  if (s.executed_times.size() < static_cast<std::size_t>(opt.retime_steps)) return;
+  // A longer window after each change of plan: a machine whose speed keeps moving is followed,
+  // more and more slowly, rather than planned for every few steps.
+  const int shift = std::min(s.retimings, kMaxRetimeWindowShift);
+  if (s.executed_times.size() < static_cast<std::size_t>(opt.retime_steps) << shift) return;
   // Per op, the median over the steps: one slow step moves none.
   std::vector<double> med(s.executed_times.front().size());
   std::vector<double> column(s.executed_times.size());

@@ -50,10 +50,10 @@ inline std::uint64_t bytes_at_start(const trace::Trace& t) {
 
 inline constexpr int kMaxTightenings = 4;  // consecutive, per step shape
 // Op times from executed steps (retiming.cpp): medians over SessionOptions::retime_steps steps,
-// adopted where they differ from the plan's by more than this share, at most this many times per
-// step shape.
+// adopted where they differ from the plan's by more than this share; after each adoption the
+// next window is twice as long, up to this many times retime_steps.
 inline constexpr double kRetimeTolerance = 0.10;
-inline constexpr int kMaxRetimings = 3;
+inline constexpr int kMaxRetimeWindowShift = 4;
 inline constexpr std::size_t kMaxPendingShapes = 16;
 
 // The process's one plan-mode session: its tracer and executor follow every op of the loop's
@@ -295,8 +295,9 @@ struct Session::Impl {
   void after_executed_step(const ExecutorStats& e, std::uint64_t peak);
 
   // Executed step of shape `index`, within its plan: its op times are kept, and every
-  // retime_steps steps their medians replace the trace's where those are off by more than
-  // kRetimeTolerance, and the shape is planned again (on a CPU device only).
+  // retime_steps steps (twice as many after each retiming, up to 16 times as many) their medians
+  // replace the trace's where those are off by more than kRetimeTolerance, and the shape is
+  // planned again (on a CPU device only).
   void note_executed_times(int index);
   // Plans step shape `index` again, for `capacity` (trace bytes), and hands the plan over. The
   // budget's record (steps measured, their peak) goes on: a plan for less memory (tighten)
