@@ -326,6 +326,40 @@ void run_train(const TrainArgs& args) {
   report_run({args, options, so, first_step}, session, meter, rec);
 }
 
+// The options plan mode alone reads: its phases, the planner's SSD figures, what it saves, the
+// step boundary and the wall.
+void add_plan_mode_options(CLI::App* cmd, TrainArgs& a) {
+  cmd->add_option("--warmup-steps", a.warmup_steps, "plan mode: steps before profiling")
+      ->capture_default_str();
+  cmd->add_option("--profile-steps", a.profile_steps, "plan mode: steps profiled")
+      ->capture_default_str();
+  cmd->add_option("--retime-steps", a.retime_steps,
+                  "plan mode on the CPU: every this many executed steps (twice as many after "
+                  "each retiming, up to 16 times), their op times replace "
+                  "the profile's where the step's compute time differs by more than a tenth, and "
+                  "the step is planned again on them (0: the profile's stand)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--ssd", a.ssd, "plan mode: SSD figures for the planner, e.g. 1x2.0/1.5GB/s");
+  cmd->add_option("--save-trace", a.save_trace,
+                  "plan mode: write the trace of the last plan here (profiled; op times from "
+                  "executed steps where it was retimed; for tidal simulate --trace)");
+  cmd->add_option("--save-plan", a.save_plan, "plan mode: write the plan here");
+  cmd->add_option("--between-steps", a.between_steps,
+                  "plan mode: where the step's tensors are between steps: auto (resident where "
+                  "a plan meets the budget so, else offloaded), resident (readable by any code) "
+                  "or offloaded (more memory saved); default auto")
+      ->check(CLI::IsMember({"auto", "resident", "offloaded"}));
+  cmd->add_flag("--strict-meter", a.strict_meter,
+                "plan mode: the budget is a wall, as a GPU's memory is: an allocation past it "
+                "has tensors written out, or fails with out of memory; with a budget in bytes it "
+                "stands from step 0 (warm-up and profiling included). On by default on a GPU, "
+                "off on the CPU");
+  cmd->add_flag("--strict-budget", a.strict_budget,
+                "plan mode: stop with an error when no plan can meet the budget (default: run "
+                "with the smallest peak a plan reaches and say why)");
+}
+
 }  // namespace
 
 void add_train_command(CLI::App& app) {
@@ -353,37 +387,10 @@ void add_train_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--min-offload", args->min_offload, "tensors smaller than this stay in memory")
       ->capture_default_str();
-  cmd->add_option("--warmup-steps", args->warmup_steps, "plan mode: steps before profiling")
-      ->capture_default_str();
-  cmd->add_option("--profile-steps", args->profile_steps, "plan mode: steps profiled")
-      ->capture_default_str();
-  cmd->add_option("--retime-steps", args->retime_steps,
-                  "plan mode on the CPU: every this many executed steps (twice as many after "
-                  "each retiming, up to 16 times), their op times replace "
-                  "the profile's where the step's compute time differs by more than a tenth, and "
-                  "the step is planned again on them (0: the profile's stand)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  cmd->add_option("--ssd", args->ssd, "plan mode: SSD figures for the planner, e.g. 1x2.0/1.5GB/s");
-  cmd->add_option("--save-trace", args->save_trace,
-                  "plan mode: write the profiled trace here (for tidal simulate --trace)");
-  cmd->add_option("--save-plan", args->save_plan, "plan mode: write the plan here");
   cmd->add_flag("--recompute", args->recompute,
                 "activation checkpointing: recompute each block in backward instead of keeping "
                 "its activations");
-  cmd->add_option("--between-steps", args->between_steps,
-                  "plan mode: where the step's tensors are between steps: auto (resident where "
-                  "a plan meets the budget so, else offloaded), resident (readable by any code) "
-                  "or offloaded (more memory saved); default auto")
-      ->check(CLI::IsMember({"auto", "resident", "offloaded"}));
-  cmd->add_flag("--strict-meter", args->strict_meter,
-                "plan mode: the budget is a wall, as a GPU's memory is: an allocation past it "
-                "has tensors written out, or fails with out of memory; with a budget in bytes it "
-                "stands from step 0 (warm-up and profiling included). On by default on a GPU, "
-                "off on the CPU");
-  cmd->add_flag("--strict-budget", args->strict_budget,
-                "plan mode: stop with an error when no plan can meet the budget (default: run "
-                "with the smallest peak a plan reaches and say why)");
+  add_plan_mode_options(cmd, *args);
   cmd->add_option("--host-mem", args->host_mem,
                   "host memory offloaded tensors may use (e.g. 8GiB; 0: SSD only): the planner "
                   "puts there what the SSDs cannot move in time, activation offloading writes "
