@@ -15,8 +15,9 @@ double median_of(std::vector<double>& v) {
   return *mid;
 }
 
-// Executed steps' op times, (duration, host time after it) per op, each step's; nullopt when the
-// recorded step is not the shape's ops (a step-end op is the only extra allowed).
+// An executed step's op times, (duration, host time after it) per op of the shape; nullopt when
+// the step had other ops than the shape's (a step-end op is the only extra allowed). The names
+// need no check: the executor followed them op by op, and a step that left them diverged.
 std::optional<std::vector<double>> op_times(const trace::Trace& executed,
                                             const trace::Trace& shape) {
   const auto& ops = shape.ops;
@@ -26,7 +27,6 @@ std::optional<std::vector<double>> op_times(const trace::Trace& executed,
   }
   std::vector<double> times(2 * ops.size());
   for (std::size_t k = 0; k < ops.size(); ++k) {
-    if (executed.ops[k].name != ops[k].name) return std::nullopt;
     const double d = std::max(0.0, executed.ops[k].duration());
     times[2 * k] = d;
     times[2 * k + 1] = k + 1 < ops.size() ? std::max(0.0, executed.op_seconds(k) - d) : 0.0;
@@ -62,16 +62,14 @@ void Session::Impl::note_executed_times(int index) {
   s.executed_times.clear();
   double executed = 0;
   for (double x : med) executed += x;
+  if (executed <= 0) return;
   // On this CPU the plan's transfers took compute from the ops that ran beside them
-  // (Hardware::compute_seconds_per_byte), which the planner adds by itself: taken out again,
-  // spread over the ops, so that it is not counted twice.
-  const plan::Hardware hw = hardware();
+  // (io_compute: Hardware::compute_seconds_per_byte), which the planner adds by itself: taken
+  // out again, spread over the ops, so that it is not counted twice.
   const auto bytes = plan::compile_schedule(s.trace, &s.plan, /*strict=*/false).planned_bytes;
   double io = 0;
-  for (std::size_t c = 0; c < bytes.size(); ++c) {
-    io += static_cast<double>(bytes[c]) * hw.compute_seconds_per_byte[c];
-  }
-  if (executed <= 0) return;
+  for (std::size_t c = 0; c < bytes.size(); ++c)
+    io += static_cast<double>(bytes[c]) * io_compute[c];
   const double scale = std::max(0.5, (executed - io) / executed);
   const double planned = s.trace.compute_seconds();
   if (std::abs(executed * scale - planned) <= kRetimeTolerance * planned) return;
