@@ -129,8 +129,8 @@ py::dict session_stats_dict(const tt::SessionStats& s) {
       between_steps, stall_seconds, write_stall_seconds, misses, write_failures, store_full_writes,
       write_error, step_peak, memory_budget, untouched_bytes, profiled_peak, within_budget,
       steps_measured, steps_over_budget, steps_aborted, out_of_memory_retries, budget_reason,
-      shapes, shape, replans, tightenings, retimings, executed_peak, plan_summary, defaults,
-      notice);
+      shapes, shape, replans, tightenings, retimings, planned_ahead, executed_peak, plan_summary,
+      defaults, notice);
 }
 
 py::dict activation_stats_dict(const tt::ActivationStats& s) {
@@ -338,6 +338,21 @@ PYBIND11_MODULE(_C, m) {
              if (!s.trace()) return py::none();
              return py::str(tidal::trace::trace_to_json(*s.trace()));
            })
+      .def("recorded_iterations_json",
+           [](const tt::Session& s) {
+             py::list out;
+             for (const auto& t : s.recorded_iterations()) {
+               out.append(py::str(tidal::trace::trace_to_json(t)));
+             }
+             return out;
+           })
+      .def(
+          "plan_ahead",
+          [](tt::Session& s, const std::string& first, const std::string& steady) {
+            s.plan_ahead(tidal::trace::trace_from_json(first),
+                         tidal::trace::trace_from_json(steady));
+          },
+          py::arg("first"), py::arg("steady"), py::call_guard<py::gil_scoped_release>())
       .def("plan_json",
            [](const tt::Session& s) -> py::object {
              if (!s.plan()) return py::none();

@@ -23,6 +23,8 @@ from ._hooks import _inert, _inert_hook  # noqa: F401
 from ._optimizer_split import OptimizerSplit, join_groups
 from .distributed import prepare_model
 from .host_step import HostStep, optimizer_on_host
+from . import fake_trace
+from .fake_trace import StepFn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +68,7 @@ class SessionStats:
     replans: int
     tightenings: int
     retimings: int
+    planned_ahead: bool
     executed_peak: int
     plan_summary: str
     defaults: str
@@ -201,7 +204,9 @@ class Session:
                  timeline_steps: int = 2,
                  timeline: Optional[str] = None,
                  optimizer_step: str = "device",
-                 _faults: Optional[dict] = None) -> None:
+                 plan_ahead: Optional[StepFn] = None,
+                 _faults: Optional[dict] = None,
+                 _fake: bool = False) -> None:
         if mode != "plan":
             tiers = {"host_memory": (host_memory, None)} if mode == "none" else {}
             _refuse_plan_options(mode, budget=(budget, None), **tiers,
@@ -209,6 +214,12 @@ class Session:
                                  wall_by_retry=(wall_by_retry, False),
                                  between_steps=(between_steps, "auto"))
         Session._check_optimizer_step(optimizer_step, model, optimizer)
+        ahead = None
+        if plan_ahead is not None:
+            Session._check_plan_ahead(mode, model, optimizer_step)
+            ahead = Session._trace_ahead(model, optimizer, plan_ahead, dict(
+                mode="plan", dirs=dirs, budget=budget, min_bytes=min_bytes,
+                between_steps=between_steps, hardware=hardware, name=name, device=device))
         opt = _C.SessionOptions()
         opt.mode = mode
         # The device whose memory the budget is about and the meter measures: given, or the
@@ -276,11 +287,15 @@ class Session:
         self._register_optimizer()
         if mode == "plan":
             # With the step on the host, its state is not the device's.
-            self._preflight(model, optimizer if self._host_step is None else None)
+            if not _fake:
+                self._preflight(model, optimizer if self._host_step is None else None)
             self._hook_state_dicts(model, optimizer)
             if (optimizer is not None and self._host_step is None
                     and hasattr(optimizer, "register_step_pre_hook")):
                 self._split_multi_tensor_steps(optimizer)
+            if ahead is not None:
+                first, steady, self._split._piece_bytes = ahead
+                self._session.plan_ahead(json.dumps(first), json.dumps(steady))
 
     @staticmethod
     def _check_optimizer_step(where: str, model, optimizer) -> None:
@@ -298,6 +313,40 @@ class Session:
                 "optimizer_step=\"host\" with DDP or FSDP2 is not supported yet (their "
                 "collectives read the gradients on the device): use FSDP2's CPUOffloadPolicy, "
                 "or optimizer_step=\"device\"")
+
+    @staticmethod
+    def _check_plan_ahead(mode: str, model, optimizer_step: str) -> None:
+        if mode != "plan":
+            raise _C.InvalidArgument(f"plan_ahead is for plan mode (mode={mode!r}): it plans "
+                                     "the model's tensors before step 0")
+        if model is None:
+            raise _C.InvalidArgument("plan_ahead needs the model: Session(model=model, "
+                                     "optimizer=optimizer, plan_ahead=step)")
+        if optimizer_step != "device":
+            raise _C.InvalidArgument("plan_ahead with optimizer_step=\"host\" is not "
+                                     "supported yet: leave plan_ahead out (the session "
+                                     "profiles its first steps)")
+
+    @staticmethod
+    def _trace_ahead(model, optimizer, step: StepFn, kwargs: dict):
+        """Step 0's and a later step's traces from a fake run of `step` (fake_trace), with op
+        times from the cost model; None, said, when the step cannot run on fake tensors."""
+        kwargs.update(warmup_steps=0, profile_steps=3, retime_steps=0, strict=False,
+                      host_memory=0, timeline_steps=0, capacity="64MiB", checksum=False)
+        try:
+            first, steady, pieces = fake_trace.trace_step(model, optimizer, step, kwargs)
+        except fake_trace.FakeTraceError as e:
+            print(f"tidal: plan_ahead: {e}; the session profiles its first steps instead",
+                  file=sys.stderr)
+            return None
+        first_param = next(iter(model.parameters()), None)
+        dtype = first_param.dtype if first_param is not None else torch.float32
+        device = first_param.device if first_param is not None else torch.device("cpu")
+        flops, bandwidth = fake_trace.measure_rates(device, dtype)
+        element = torch.empty((), dtype=dtype).element_size()
+        for t in (first, steady):
+            fake_trace.model_op_times(t, flops, bandwidth, element)
+        return first, steady, pieces
 
     def _preflight(self, model, optimizer) -> None:
         # Before step 0: the choices left to the machine, and whether the model's state fits in

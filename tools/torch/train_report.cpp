@@ -158,6 +158,7 @@ void add_plan_json(nlohmann::json& j, const torch_layer::SessionOptions& so, con
   j["replans"] = st.replans;
   j["budget_replans"] = st.tightenings;
   j["retimings"] = st.retimings;
+  j["planned_ahead"] = st.planned_ahead;
   j["within_budget"] = t.peak_measured ? nlohmann::json(st.within_budget) : nlohmann::json(nullptr);
   j["steps_measured"] = st.steps_measured;
   j["steps_over_budget"] = st.steps_over_budget;

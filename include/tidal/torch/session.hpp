@@ -221,6 +221,9 @@ struct SessionStats {
   /// Plan mode on a CPU device: re-plans on op times measured in executed steps, where they
   /// differed from the profiled ones by more than a tenth (a process's warm-up, a busier core).
   int retimings = 0;
+  /// Plan mode: the first plan came before step 0 from traces of the loop made without
+  /// running it (Session::plan_ahead), rather than from profiled steps.
+  bool planned_ahead = false;
   std::uint64_t executed_peak = 0;  ///< plan mode: the highest peak of the current plans' steps
   std::string plan_summary;         ///< plan mode: one line from the planner
   /// Plan mode: what the session chose where an option was left to the machine (the budget,
@@ -307,6 +310,19 @@ class Session final : public StepObserver {
   void write_timeline(const std::string& path) const;
   /// Plan mode: the trace and plan in use (nullopt before planning).
   [[nodiscard]] const std::optional<trace::Trace>& trace() const;
+  /// The steps recorded while the session profiles (warm-up steps are not), in order; empty in
+  /// the other states. A session run on fake tensors (Python's tidal.fake_trace) is read so.
+  [[nodiscard]] std::vector<trace::Trace> recorded_iterations() const;
+  /// Plans before step 0 from traces of the loop made without running it (Python's
+  /// tidal.fake_trace: the step under FakeTensorMode): `first` is step 0's (lazily made state,
+  /// such as Adam's, appears in it), `steady` a later step's. Step 0 runs on demand under the
+  /// wall (as a warm-up step does) and the steps after it run the plan of `steady`, with no
+  /// profiled steps; a step whose ops leave it is profiled and planned as a new step shape, as
+  /// after profiling. The traces have no workspaces: the largest tensor an op touches is set
+  /// aside for them. Executed steps' op times replace the traces' (retime_steps). Call in plan
+  /// mode before the first step; persistent tensors are matched to the traces' by their
+  /// registered names. Throws tidal::InvalidArgument otherwise.
+  void plan_ahead(trace::Trace first, trace::Trace steady);
   [[nodiscard]] const std::optional<plan::Plan>& plan() const;
   [[nodiscard]] std::shared_ptr<io::TensorStore> store() const;
 

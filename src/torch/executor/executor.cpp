@@ -151,7 +151,11 @@ void PlanExecutor::replace_plan(int index, const trace::Trace& trace, const plan
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   TIDAL_EXPECT(index >= 0 && static_cast<std::size_t>(index) < impl_->shapes.size(),
                "replace_plan: no step shape ", index);
-  impl_->shapes[static_cast<std::size_t>(index)] = Impl::make_shape(trace, plan);
+  auto& shape = impl_->shapes[static_cast<std::size_t>(index)];
+  Impl::Shape next = Impl::make_shape(trace, plan);
+  // Another trace of the step (a plan made ahead, after step 0): its ids name other tensors.
+  if (next.tensor_names != shape.tensor_names) impl_->bound.clear();
+  shape = std::move(next);
   impl_->grow_bound(trace.tensors.size());
 }
 

@@ -33,7 +33,8 @@ class PlanExecutor final : public OpListener, public StepObserver {
 
   /// Another step shape and its plan; returns its index. Call between steps.
   int add_shape(const trace::Trace& trace, const plan::Plan& plan);
-  /// Replaces the plan of shape `index` (a tighter one). Call between steps.
+  /// Replaces the plan of shape `index` (a tighter one, or one for another trace of the step:
+  /// then the tensors bound to its ids are forgotten). Call between steps.
   void replace_plan(int index, const trace::Trace& trace, const plan::Plan& plan);
   /// Lowers (or raises) ExecutorOptions::min_bytes: the session does so when no plan meets the
   /// budget with the smaller tensors kept in memory. Between steps.

@@ -164,6 +164,10 @@ void Session::begin_step(std::int64_t step, const std::vector<torch::Tensor>& in
     m.timeline->begin_step(step, step_state(m.state), m.stats.memory_budget, m.wall);
     m.io_at_step_start = m.io_seconds();
   }
+  if (m.bind_by_name_steps > 0) {
+    --m.bind_by_name_steps;
+    m.bind_persistent_by_name();
+  }
   // A step starts within the budget (the first one after profiling holds everything).
   if (m.executor) m.executor->fit_budget();
   m.apply_cap();
@@ -283,6 +287,10 @@ void Session::Impl::after_plan_step(std::uint64_t peak, bool failed) {
     // A reason is for a budget not met: one left from a planning attempt that the executed
     // steps overcame would contradict within_budget.
     if (s.within_budget) s.budget_reason.clear();
+  }
+  // Plans made ahead: the later steps' plan once step 0 has run.
+  if (ahead_steady && state == SessionState::kExecuting && !failed) {
+    plan_or_stop([&] { take_steady_shape(); });
   }
 }
 

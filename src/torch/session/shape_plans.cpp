@@ -232,6 +232,12 @@ void Session::Impl::make_first_plan() {
 
 void Session::Impl::after_executed_step(const ExecutorStats& e, std::uint64_t peak) {
   if (e.diverged || e.shape < 0) {
+    if (stats.planned_ahead && !ahead_left_said && e.diverged) {
+      ahead_left_said = true;
+      add_notice("a step left the plan made ahead (" + e.divergence +
+                 "): its ops are profiled and planned as a new step shape (plan_ahead's step "
+                 "must run the same ops as the loop's, without .item() or printing of values)");
+    }
     const trace::Trace* t = tracer->last_iteration();
     if (t == nullptr) return;
     auto names = trace::op_names(*t);
