@@ -315,10 +315,9 @@ class Session final : public StepObserver {
   [[nodiscard]] std::vector<trace::Trace> recorded_iterations() const;
   /// Plans before step 0 from traces of the loop made without running it (Python's
   /// tidal.fake_trace: the step under FakeTensorMode): `first` is step 0's (lazily made state,
-  /// such as Adam's, appears in it), `steady` a later step's. Step 0 runs on demand under the
-  /// wall (as a warm-up step does) and the steps after it run the plan of `steady`, with no
-  /// profiled steps; a step whose ops leave it is profiled and planned as a new step shape, as
-  /// after profiling. The traces have no workspaces: the largest tensor an op touches is set
+  /// such as Adam's, appears in it), `steady` a later step's. Step 0 runs the plan of `first`
+  /// and the steps after it the plan of `steady`, with no profiled steps; a step whose ops leave
+  /// them is profiled and planned as a new step shape, as after profiling. The traces have no workspaces: the largest tensor an op touches is set
   /// aside for them. Executed steps' op times replace the traces' (retime_steps). Call in plan
   /// mode before the first step; persistent tensors are matched to the traces' by their
   /// registered names. Throws tidal::InvalidArgument otherwise.

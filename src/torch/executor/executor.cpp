@@ -93,7 +93,7 @@ std::uint64_t PlanExecutor::out_of_memory_retries() {
 void PlanExecutor::note_inputs(c10::ArrayRef<c10::StorageImpl*> storages, bool recent) {
   std::lock_guard<std::recursive_mutex> lock(impl_->mu);
   Impl& m = *impl_;
-  if (!m.planless()) return;
+  if (!m.planless() && !m.diverged) return;
   for (c10::StorageImpl* p : storages) {
     if (p == nullptr || p->nbytes() < m.opt.min_bytes || !movable_storage(*p)) continue;
     auto& e = m.seen[p];
@@ -408,6 +408,10 @@ void PlanExecutor::begin_step(std::int64_t /*step*/, const std::vector<torch::Te
   m.stats = ExecutorStats{};
   m.step_base += static_cast<std::int64_t>(m.ops_run);
   m.diverged = m.planless();  // without a plan every op is served on demand
+  if (!m.planless()) {  // a step that diverged noted the storages ops read: not this one
+    m.seen.clear();
+    g_guard.note_lru.store(false, std::memory_order_release);
+  }
   m.ops_run = 0;
   m.held.clear();
   m.current = m.last_completed;

@@ -235,27 +235,41 @@ struct PlanExecutor::Impl {
     return !g_guard.track_inputs.load(std::memory_order_acquire) || !g_guard.in_use_now(live.get());
   }
 
-  // The next victim: with a plan, the bound tensor used again latest (after op `index`);
-  // without one, the storage ops read least recently.
+  // The storage ops read least recently (seen: without a plan, or since the step diverged).
+  template <typename InUseFn>
+  c10::intrusive_ptr<c10::StorageImpl> least_recent(InUseFn in_use) {
+    c10::intrusive_ptr<c10::StorageImpl> victim;
+    std::uint64_t oldest = std::numeric_limits<std::uint64_t>::max();
+    for (auto it = seen.begin(); it != seen.end();) {
+      auto live = it->second.weak.lock();
+      if (!live) {
+        it = seen.erase(it);
+        continue;
+      }
+      if (it->second.last < oldest && evictable(live, in_use)) {
+        oldest = it->second.last;
+        victim = std::move(live);
+      }
+      ++it;
+    }
+    return victim;
+  }
+
+  // The next victim: with a plan, the bound tensor used again latest (after op `index`), and
+  // in a step that left its plan then the storage ops read least recently since; without a
+  // plan, the storage ops read least recently.
   template <typename InUseFn>
   c10::intrusive_ptr<c10::StorageImpl> pick_victim(trace::OpIndex index, InUseFn in_use) {
+    if (planless()) return least_recent(in_use);
+    c10::intrusive_ptr<c10::StorageImpl> victim = pick_planned_victim(index, in_use);
+    if (!victim && diverged) victim = least_recent(in_use);
+    return victim;
+  }
+
+  template <typename InUseFn>
+  c10::intrusive_ptr<c10::StorageImpl> pick_planned_victim(trace::OpIndex index,
+                                                           InUseFn in_use) {
     c10::intrusive_ptr<c10::StorageImpl> victim;
-    if (planless()) {
-      std::uint64_t oldest = std::numeric_limits<std::uint64_t>::max();
-      for (auto it = seen.begin(); it != seen.end();) {
-        auto live = it->second.weak.lock();
-        if (!live) {
-          it = seen.erase(it);
-          continue;
-        }
-        if (it->second.last < oldest && evictable(live, in_use)) {
-          oldest = it->second.last;
-          victim = std::move(live);
-        }
-        ++it;
-      }
-      return victim;
-    }
     const plan::Schedule& sched = shape().sched;
     const auto n_ops = static_cast<std::int64_t>(sched.num_ops);
     std::int64_t best = -1;
@@ -284,9 +298,10 @@ struct PlanExecutor::Impl {
         sum += live->nbytes();
       }
     };
-    if (planless()) {
+    if (planless() || diverged) {
       for (const auto& [p, s] : seen) add(s.weak.lock());
-    } else {
+    }
+    if (!planless()) {
       for (const auto& b : bound) add(b.lock());
     }
     return sum;

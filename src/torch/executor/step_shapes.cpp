@@ -66,6 +66,9 @@ void PlanExecutor::Impl::advance(trace::OpIndex index, const std::string& name) 
 
 void PlanExecutor::Impl::diverge(std::string why) {
   diverged = true;
+  // From here the residency guard notes the storages ops read, so that eviction can take the
+  // least recently read of those the plan does not know (the step's new tensors).
+  g_guard.note_lru.store(true, std::memory_order_release);
   stats.diverged = true;
   stats.divergence = std::move(why);
 }

@@ -58,12 +58,22 @@ void Session::plan_ahead(trace::Trace first, trace::Trace steady) {
   m.stats.memory_budget = budget;
   m.budget_known = true;
   m.start_profiling();  // the tracer, with the options profiling would give it
-  // Step 0 runs on demand under the wall, as a warm-up step does: the state it makes (Adam's)
-  // is not the executor's to move under step 0's own plan yet. The later steps' plan starts at
-  // step 1 (take_steady_shape), with no profiled steps before it.
-  if (m.opt.between_steps == BetweenSteps::kAuto && m.boundary < 0) {
-    m.plan_or_stop([&] { m.choose_boundary(steady); });
+  // Step 0 runs its own trace's plan, and the steps after it the steady trace's
+  // (take_steady_shape). What step 0 makes and keeps (Adam's state, made at the first optimizer
+  // step) lives across steps like the state registered later: persistent, so that the plan may
+  // write it out after its last use in step 0 (a per-step tensor alive at the step's end has no
+  // idle time the planner can use). Before its producer it does not exist: the executor finds
+  // nothing bound to its id there and skips it.
+  for (auto& t : first.tensors) {
+    if (!t.persistent && t.producer != trace::kNoOp && t.freed_after == trace::kNoOp) {
+      t.persistent = true;
+    }
   }
+  m.plan_or_stop([&] {
+    if (m.opt.between_steps == BetweenSteps::kAuto && m.boundary < 0) m.choose_boundary(steady);
+    m.add_shape(std::move(first));
+  });
+  m.bind_by_name_steps = 1;
   m.state = SessionState::kExecuting;
   m.steps_in_state = 0;
   m.ahead_steady = std::move(steady);
