@@ -15,6 +15,7 @@
 #include "tidal/common/units.hpp"
 #include "tidal/plan/order_choice.hpp"
 #include "tidal/plan/policies.hpp"
+#include "tidal/trace/cost_model.hpp"
 #include "trace_report.hpp"
 #include "trace_source.hpp"
 
@@ -39,19 +40,51 @@ struct Estimate {
   plan::StallBound bound;
   std::uint64_t host_needed = 0;  // the optimizer step's state on the host and what the plan puts
   double wall_seconds = 0;
+  std::int64_t batch = 0;  // a trace's own (--trace), else the flags'
+  std::int64_t seq = 0;
 };
 
 std::string gib(std::uint64_t b) { return format_bytes(static_cast<double>(b)); }
 
+// A trace made without running its ops (tidal.estimate of a module: its step on fake tensors)
+// has op times of the machine that traced it: timed again for the device described, from its
+// matrix products' FLOPs and its ops' bytes.
+void time_for_device(LoadedSource& src) {
+  for (auto& t : src.traces) {
+    TIDAL_EXPECT_AS(InvalidArgument, t.meta.count("parameters") && t.meta.count("precision"),
+                    "estimate --trace reads a trace with meta.parameters and meta.precision "
+                    "(tidal.estimate writes them for a module's step); to replay a profiled "
+                    "trace, use tidal simulate --trace");
+    const bool half = t.meta.at("precision") != "fp32";
+    trace::Roofline r;
+    const double peak =
+        half && src.hw.gpu_flops_bf16 > 0 ? src.hw.gpu_flops_bf16 : src.hw.gpu_flops;
+    r.flops = peak * src.hw.matmul_efficiency;
+    r.bytes_per_s = src.hw.gpu_mem_bw;
+    r.element_bytes = half ? 2 : 4;
+    trace::model_op_times(t, r);
+    t.meta["op_durations"] = "roofline of the device described (tidal estimate --trace)";
+  }
+}
+
 Estimate run_estimate(const EstimateArgs& a) {
   const auto t0 = std::chrono::steady_clock::now();
-  const LoadedSource src = load_trace_source(a.src);
+  LoadedSource src = load_trace_source(a.src);
   plan::PolicyOptions opt;
-  opt.optimizer_step = plan::optimizer_placement_from_string(a.optimizer_step);
+  if (!a.src.trace_path.empty()) {
+    time_for_device(src);
+    TIDAL_EXPECT_AS(InvalidArgument, a.optimizer_step != "host",
+                    "--optimizer-step host needs the model's layers (--model or --hf-config): "
+                    "a trace's optimizer step is planned on the device");
+  }
+  opt.optimizer_step = plan::optimizer_placement_from_string(
+      a.src.trace_path.empty() ? a.optimizer_step : std::string("device"));
   Estimate e;
   e.hw = src.hw;
   const trace::Trace& first = src.traces[0];
   e.model = first.model;
+  e.batch = a.src.trace_path.empty() ? a.src.batch : first.batch;
+  e.seq = a.src.trace_path.empty() ? a.src.seq : first.seq;
   e.parameters = std::stoll(first.meta.at("parameters"));
   e.precision = first.meta.at("precision");
   e.ideal_seconds = plan::run_policy(plan::Policy::kIdeal, first, src.hw).sim.iteration_seconds;
@@ -77,10 +110,15 @@ Estimate run_estimate(const EstimateArgs& a) {
 
 void print_estimate(const Estimate& e, const TraceSource& s, const plan::Hardware& hw) {
   const plan::SimResult& r = e.tidal.sim;
-  std::printf("%s: %.2fB parameters, %s, batch %lld x %lld tokens in %d micro-batch%s (%s)\n",
-              e.model.c_str(), static_cast<double>(e.parameters) / 1e9, e.precision.c_str(),
-              static_cast<long long>(s.batch), static_cast<long long>(s.seq), s.micro_batches,
-              s.micro_batches == 1 ? "" : "es", e.order.c_str());
+  if (s.trace_path.empty()) {
+    std::printf("%s: %.2fB parameters, %s, batch %lld x %lld tokens in %d micro-batch%s (%s)\n",
+                e.model.c_str(), static_cast<double>(e.parameters) / 1e9, e.precision.c_str(),
+                static_cast<long long>(s.batch), static_cast<long long>(s.seq), s.micro_batches,
+                s.micro_batches == 1 ? "" : "es", e.order.c_str());
+  } else {
+    std::printf("%s: %.2fB parameters, %s, its traced step (%s)\n", e.model.c_str(),
+                static_cast<double>(e.parameters) / 1e9, e.precision.c_str(), s.trace_path.c_str());
+  }
   std::printf("on %s: %s\n", hw.name.c_str(), hw.describe().c_str());
   if (e.tidal.fits) {
     std::printf("fits: yes, planned peak %s of %s device memory; host memory %s, SSD space %s\n",
@@ -143,7 +181,8 @@ void add_estimate_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "estimate",
       "Before a run: does a model train on this machine at this batch, and how fast "
-      "(tidal's plan of its analytic trace, simulated; nothing is allocated)");
+      "(tidal's plan of its analytic trace, or of a module's step traced on fake tensors "
+      "(--trace from tidal.estimate), simulated; nothing is allocated)");
   add_trace_source_options(cmd, args->src);
   cmd->add_option("--optimizer-step", args->optimizer_step,
                   "where the optimizer step runs: device, host, or auto (both planned, the "
@@ -152,14 +191,14 @@ void add_estimate_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_flag("--json", args->json, "print one JSON object instead of the summary");
   cmd->callback([args] {
-    TIDAL_EXPECT_AS(InvalidArgument, args->src.trace_path.empty(),
-                    "estimate builds the model's trace from --model or --hf-config; to plan a "
-                    "profiled trace, use tidal simulate --trace");
     const Estimate e = run_estimate(*args);
+    TraceSource shown = args->src;
+    shown.batch = e.batch;
+    shown.seq = e.seq;
     if (args->json) {
-      print_estimate_json(e, args->src, e.hw);
+      print_estimate_json(e, shown, e.hw);
     } else {
-      print_estimate(e, args->src, e.hw);
+      print_estimate(e, shown, e.hw);
     }
     std::fflush(stdout);
     TIDAL_EXPECT_AS(InvalidArgument, e.tidal.fits, "no plan fits ", e.model, " at --batch ",

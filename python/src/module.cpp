@@ -24,6 +24,7 @@
 #include "tidal/torch/activations.hpp"
 #include "tidal/torch/memory.hpp"
 #include "tidal/torch/session.hpp"
+#include "tidal/trace/cost_model.hpp"
 #include "tidal/trace/io.hpp"
 #include "tidal/trace/trace.hpp"
 
@@ -297,6 +298,20 @@ PYBIND11_MODULE(_C, m) {
       TIDAL_FIELD(SessionOptions, seq), TIDAL_FIELD(SessionOptions, timeline_steps),
       TIDAL_FIELD(SessionOptions, timeline_chosen_steps),
       TIDAL_FIELD(SessionOptions, timeline_path));
+
+  m.def(
+      "model_op_times",
+      [](const std::string& trace_json, double flops, double bytes_per_s, int element_bytes) {
+        tidal::trace::Trace t = tidal::trace::trace_from_json(trace_json);
+        tidal::trace::Roofline r;
+        r.flops = flops;
+        r.bytes_per_s = bytes_per_s;
+        r.element_bytes = element_bytes;
+        tidal::trace::model_op_times(t, r);
+        return tidal::trace::trace_to_json(t);
+      },
+      py::arg("trace_json"), py::arg("flops"), py::arg("bytes_per_s"), py::arg("element_bytes"),
+      "The trace (JSON) with each op's time from a roofline (tidal/trace/cost_model.hpp)");
 
   py::class_<tt::Session, Holder<tt::Session>>(m, "Session")
       .def(py::init<tt::SessionOptions>(), py::call_guard<py::gil_scoped_release>())

@@ -15,12 +15,13 @@ profiles its first steps), not from its code yet.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import tempfile
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from . import _C
 from .__main__ import cli_path
@@ -64,8 +65,9 @@ class Estimate:
 
     def __str__(self) -> str:
         b = _C.format_bytes
+        shape = f"batch {self.batch} x {self.seq}" if self.batch else "its traced step"
         head = (f"{self.model}: {self.parameters / 1e9:.2f}B parameters, {self.precision}, "
-                f"batch {self.batch} x {self.seq}")
+                f"{shape}")
         if not self.fits:
             return f"{head}: does not fit in {b(self.device_memory)} ({self.note})"
         return (f"{head}: fits, planned peak {b(self.planned_peak_bytes)} of "
@@ -137,11 +139,51 @@ def _run(args: list) -> Estimate:
     return Estimate(**{k: v for k, v in j.items() if k in known})
 
 
-def estimate(model: Any, batch: int, seq: int, *, budget: Any, host_memory: Any = 0,
-             ssd: Optional[str] = None, optimizer: Any = None, micro_batches: int = 1,
+def _module_trace(model: Any, optimizer: Any, step: Callable, directory: str) -> dict:
+    """The steady step's trace of `step(model, optimizer)` on fake tensors, with the meta
+    `tidal estimate --trace` reads. `model`: a module (copied onto fake tensors) or a function
+    that builds one (built under FakeTensorMode: nothing is allocated); `optimizer`: an
+    optimizer of `model`, a class or a function of the parameters (default AdamW)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from . import fake_trace
+    mode = None
+    if not isinstance(model, torch.nn.Module):
+        if not callable(model):
+            raise _C.InvalidArgument(f"tidal.estimate(step=...) takes a module or a function "
+                                     f"that builds one, not a {type(model).__name__}")
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            model = model()
+    if optimizer is None or isinstance(optimizer, type) or (
+            callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)):
+        make = optimizer or torch.optim.AdamW
+        with (mode if mode is not None else contextlib.nullcontext()):
+            optimizer = make(model.parameters())
+    elif mode is not None:
+        raise _C.InvalidArgument("with a function that builds the model, give the optimizer "
+                                 "as a class or a function of the parameters")
+    # The step boundary offloaded: the plan may keep the state away between steps, as an
+    # analytic trace's plan does (no step-end op holding every tensor in memory).
+    kwargs = dict(mode="plan", dirs=[directory], budget=1 << 50, warmup_steps=0,
+                  profile_steps=3, retime_steps=0, strict=False, host_memory=0,
+                  timeline_steps=0, capacity="64MiB", checksum=False,
+                  between_steps="offloaded")
+    steady = fake_trace.trace_step(model, optimizer, step, kwargs, fake_mode=mode)[1]
+    params = {id(p): p for p in model.parameters()}.values()
+    dtypes = {p.dtype for p in params}
+    steady["meta"]["parameters"] = str(sum(p.numel() for p in params))
+    steady["meta"]["precision"] = "fp32" if dtypes <= {torch.float32} else "bf16"
+    steady["model"] = type(model).__name__
+    return steady
+
+
+def estimate(model: Any, batch: Optional[int] = None, seq: Optional[int] = None, *,
+             budget: Any, host_memory: Any = 0, ssd: Optional[str] = None,
+             optimizer: Any = None, micro_batches: int = 1,
              micro_batch_order: str = "sequential", optimizer_step: str = "auto",
              precision: Optional[str] = None, hardware: str = "h100-4ssd",
-             **overrides: Any) -> Estimate:
+             step: Optional[Callable] = None, **overrides: Any) -> Estimate:
     """Whether `model` trains at `batch` x `seq` tokens on a device with `budget` bytes of
     memory (an int, or text such as "80GiB"), `host_memory` of host RAM for offloaded tensors,
     and the SSDs `ssd` ("4x6.5/6.7GB/s": count x write/read), and how fast. The other figures of
@@ -149,20 +191,38 @@ def estimate(model: Any, batch: int, seq: int, *, budget: Any, host_memory: Any 
     overrides named as `tidal estimate`'s flags (host_link="55GB/s", gpu_flops_bf16="835T",
     cpu_adam="2G", ...). `optimizer`: None, or Adam/AdamW (a class, an instance or its name).
 
+    Any other module: give `step`, a function `step(model, optimizer)` that runs one training
+    step (forward, backward, optimizer step) with the batch it closes over; `model` is the
+    module or a function that builds it (built on fake tensors: nothing is allocated, so a model
+    larger than the machine is fine), `optimizer` an optimizer, a class or a function of the
+    parameters (default AdamW). The step is traced on fake tensors (tidal.fake_trace), its op
+    times come from the device's roofline, and the optimizer step is planned on the device.
+
     Returns an Estimate; one with `fits` False where no plan fits (a bad config or option raises
     tidal.InvalidArgument with the reason)."""
+    common = ["--gpu-mem", _bytes_flag(budget), "--host-mem", _bytes_flag(host_memory),
+              "--hardware", hardware]
+    if ssd is not None:
+        common += ["--ssd", ssd]
+    for key, value in overrides.items():
+        common += ["--" + key.replace("_", "-"), str(value)]
+    if step is not None:
+        with tempfile.TemporaryDirectory(prefix="tidal-estimate-") as d:
+            trace = _module_trace(model, optimizer, step, d)
+            path = os.path.join(d, "trace.json")
+            with open(path, "x", encoding="utf-8") as f:
+                json.dump(trace, f)
+            return _run(["--trace", path, *common, "--optimizer-step", "device"])
+    if batch is None or seq is None:
+        raise _C.InvalidArgument("tidal.estimate needs batch and seq for a Hugging Face config "
+                                 "or a built-in model (or step=... for any module)")
     _check_optimizer(optimizer)
-    args = ["--batch", str(int(batch)), "--seq", str(int(seq)), "--gpu-mem", _bytes_flag(budget),
-            "--host-mem", _bytes_flag(host_memory), "--hardware", hardware,
+    args = ["--batch", str(int(batch)), "--seq", str(int(seq)), *common,
             "--micro-batches", str(int(micro_batches)), "--optimizer-step", optimizer_step]
     if micro_batches > 1:
         args += ["--micro-batch-order", micro_batch_order]
-    if ssd is not None:
-        args += ["--ssd", ssd]
     if precision is not None:
         args += ["--precision", precision]
-    for key, value in overrides.items():
-        args += ["--" + key.replace("_", "-"), str(value)]
     config = _config_dict(model)
     if config is None:
         return _run(["--model", os.fspath(model), *args])

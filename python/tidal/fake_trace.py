@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import time
 from typing import Any, Callable, Optional
 
@@ -176,14 +175,6 @@ def normalize(trace: dict) -> dict:
 
 # -- op times ------------------------------------------------------------------------------
 
-# Ops whose work is a matrix product of their two largest inputs into their output: FLOPs are
-# 2*m*k*n, which is 2*sqrt(a*b*c) for the three tensors' element counts a=m*k, b=k*n, c=m*n
-# (a batched product is overestimated by the square root of its batch; executed steps correct
-# it).
-_MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
-            "aten::linear", "aten::addbmm", "aten::_grouped_mm")
-
-
 def measure_rates(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
     """FLOP/s of a matrix product and bytes/s of an elementwise op on `device`, measured (a
     tenth of a second or so)."""
@@ -209,28 +200,14 @@ def measure_rates(device: torch.device, dtype: torch.dtype) -> tuple[float, floa
     return flops, bandwidth
 
 
-def model_op_times(trace: dict, flops: float, bandwidth: float, element_bytes: int,
-                   overhead: float = 5e-6) -> None:
-    """Each op's duration from a roofline: its FLOPs (matrix products, from the tensors' sizes)
+def model_op_times(trace: dict, flops: float, bandwidth: float, element_bytes: int) -> dict:
+    """The trace (a JSON dict) with each op's time from a roofline: its matrix products' FLOPs
     at `flops`, or the bytes it reads and writes at `bandwidth`, whichever is longer, plus a
-    per-op `overhead`; the ops laid end to end from 0 (trace["ops"][i]["start_s"], "end_s")."""
-    tensors = trace["tensors"]
-    now = 0.0
-    for o in trace["ops"]:
-        sizes = [tensors[x]["bytes"] for x in set(o["inputs"]) | set(o["outputs"])]
-        seconds = sum(sizes) / bandwidth
-        if o["name"] in _MATMULS and len(o["inputs"]) >= 2 and o["outputs"]:
-            ins = sorted((tensors[x]["bytes"] for x in o["inputs"]), reverse=True)[:2]
-            out = tensors[o["outputs"][0]]["bytes"]
-            elements = math.prod(ins) * out / element_bytes ** 3
-            seconds = max(seconds, 2.0 * math.sqrt(elements) / flops)
-        if o["name"] == "tidal::step_end":
-            seconds = 0.0
-        o["start_s"] = now
-        o["end_s"] = now + seconds
-        now = o["end_s"] + (overhead if seconds > 0 else 0.0)
-    trace.setdefault("meta", {})["op_durations"] = (
-        f"cost model: {flops / 1e9:.1f} GFLOP/s, {bandwidth / 1e9:.1f} GB/s measured here")
+    small per-op overhead; the ops end to end from 0 (tidal/trace/cost_model.hpp)."""
+    timed = json.loads(_C.model_op_times(json.dumps(trace), flops, bandwidth, element_bytes))
+    timed.setdefault("meta", {})["op_durations"] = (
+        f"cost model: {flops / 1e9:.1f} GFLOP/s, {bandwidth / 1e9:.1f} GB/s")
+    return timed
 
 
 # -- the fake run --------------------------------------------------------------------------
@@ -253,25 +230,30 @@ def _why(e: Exception) -> str:
     return f"the step cannot run on fake tensors ({type(e).__name__}: {first})"
 
 
-def trace_step(model: torch.nn.Module, optimizer, step: StepFn,
-               session_kwargs: dict) -> tuple[dict, dict, Optional[int]]:
+def trace_step(model: torch.nn.Module, optimizer, step: StepFn, session_kwargs: dict,
+               fake_mode=None) -> tuple[dict, dict, Optional[int]]:
     """Step 0's and step 1's traces of `step(model, optimizer)`, run on fake copies under a
     session made with `session_kwargs` (the real session's options), normalized; and the size
-    of the pieces its optimizer step was split into (None: not split)."""
+    of the pieces its optimizer step was split into (None: not split). With `fake_mode`, the
+    model and optimizer are already fake tensors of that mode (built under it): they are run
+    as they are."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from .session import Session
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    # The step's real inputs (the batch it closes over) become fake tensors where they first
-    # meet a fake op, a storage the real step does not make: an untraced step on a scratch copy
-    # converts them first (the mode keeps the conversions).
-    try:
-        with mode:
-            step(*_fake_copies(model, optimizer, mode))
-    except FakeTraceError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the op fake tensors could not run, said
-        raise FakeTraceError(_why(e)) from e
-    fake_model, fake_opt = _fake_copies(model, optimizer, mode)
+    if fake_mode is not None:
+        mode, fake_model, fake_opt = fake_mode, model, optimizer
+    else:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        # The step's real inputs (the batch it closes over) become fake tensors where they
+        # first meet a fake op, a storage the real step does not make: an untraced step on a
+        # scratch copy converts them first (the mode keeps the conversions).
+        try:
+            with mode:
+                step(*_fake_copies(model, optimizer, mode))
+        except FakeTraceError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the op fake tensors could not run, said
+            raise FakeTraceError(_why(e)) from e
+        fake_model, fake_opt = _fake_copies(model, optimizer, mode)
     session = Session(model=fake_model, optimizer=fake_opt, _fake=True, **session_kwargs)
     try:
         with mode:

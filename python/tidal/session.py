@@ -344,8 +344,8 @@ class Session:
         device = first_param.device if first_param is not None else torch.device("cpu")
         flops, bandwidth = fake_trace.measure_rates(device, dtype)
         element = torch.empty((), dtype=dtype).element_size()
-        for t in (first, steady):
-            fake_trace.model_op_times(t, flops, bandwidth, element)
+        first, steady = (fake_trace.model_op_times(t, flops, bandwidth, element)
+                         for t in (first, steady))
         return first, steady, pieces
 
     def _preflight(self, model, optimizer) -> None:

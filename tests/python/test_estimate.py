@@ -107,3 +107,65 @@ def test_what_it_does_not_model_is_refused_with_what_to_do():
         tidal.estimate({"model_type": "llama", "hidden_size": 64}, batch=1, seq=8, budget="1GiB")
     with pytest.raises(tidal.InvalidArgument, match="a size is bytes"):
         tidal.estimate("llama3-8b", batch=1, seq=8, budget=-1)
+
+
+def _cnn():
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(), torch.nn.Linear(64, 10))
+
+
+def _cnn_step(batch):
+    x = torch.randn(batch, 3, 32, 32)
+    y = torch.randint(0, 10, (batch,))
+
+    def step(model, optimizer):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return step
+
+
+def test_any_module_from_its_step_on_fake_tensors():
+    """A module tidal has no analytic model of (a CNN in the ordinary style), built by a
+    function on fake tensors: the estimate counts its parameters as PyTorch does, fits on a
+    large device and not on a tiny one, and its step takes longer at a larger batch."""
+    want = sum(p.numel() for p in _cnn().parameters())
+    small = tidal.estimate(_cnn, budget="1GiB", step=_cnn_step(8))
+    large = tidal.estimate(_cnn, budget="1GiB", step=_cnn_step(64))
+    assert small.parameters == large.parameters == want
+    assert small.fits and large.fits
+    assert large.step_seconds > small.step_seconds > 0
+    assert large.planned_peak_bytes > small.planned_peak_bytes
+    tiny = tidal.estimate(_cnn, budget=64 << 10, step=_cnn_step(64))
+    assert not tiny.fits
+
+
+def test_a_module_and_its_config_estimate_the_same_state():
+    """A Hugging Face Llama from its step on fake tensors against the analytic trace of its
+    config: the same parameter count; both fit on a large device."""
+    rng = random.Random(3)
+    config = random_llama(rng)
+    ids = torch.randint(0, config.vocab_size, (2, 64))
+
+    def step(model, optimizer):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    traced = tidal.estimate(lambda: transformers.LlamaForCausalLM(config), budget="8GiB",
+                            step=step)
+    analytic = tidal.estimate(config, 2, 64, budget="8GiB", optimizer_step="device")
+    assert traced.parameters == analytic.parameters
+    assert traced.fits and analytic.fits
+
+
+def test_a_step_that_cannot_run_on_fake_tensors_is_said():
+    def step(model, optimizer):
+        h = model(torch.randn(4, 3, 32, 32))
+        h[h.nonzero()[:, 0]].sum().backward()
+
+    with pytest.raises(tidal.InvalidArgument, match="fake tensors"):
+        tidal.estimate(_cnn, budget="1GiB", step=step)

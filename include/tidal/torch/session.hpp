@@ -317,10 +317,11 @@ class Session final : public StepObserver {
   /// tidal.fake_trace: the step under FakeTensorMode): `first` is step 0's (lazily made state,
   /// such as Adam's, appears in it), `steady` a later step's. Step 0 runs the plan of `first`
   /// and the steps after it the plan of `steady`, with no profiled steps; a step whose ops leave
-  /// them is profiled and planned as a new step shape, as after profiling. The traces have no workspaces: the largest tensor an op touches is set
-  /// aside for them. Executed steps' op times replace the traces' (retime_steps). Call in plan
-  /// mode before the first step; persistent tensors are matched to the traces' by their
-  /// registered names. Throws tidal::InvalidArgument otherwise.
+  /// them is profiled and planned as a new step shape, as after profiling. The traces have no
+  /// workspaces: the largest tensor an op touches is set aside for them. Executed steps' op times
+  /// replace the traces' (retime_steps). Call in plan mode before the first step; persistent
+  /// tensors are matched to the traces' by their registered names. Throws tidal::InvalidArgument
+  /// otherwise.
   void plan_ahead(trace::Trace first, trace::Trace steady);
   [[nodiscard]] const std::optional<plan::Plan>& plan() const;
   [[nodiscard]] std::shared_ptr<io::TensorStore> store() const;

@@ -408,7 +408,7 @@ void PlanExecutor::begin_step(std::int64_t /*step*/, const std::vector<torch::Te
   m.stats = ExecutorStats{};
   m.step_base += static_cast<std::int64_t>(m.ops_run);
   m.diverged = m.planless();  // without a plan every op is served on demand
-  if (!m.planless()) {  // a step that diverged noted the storages ops read: not this one
+  if (!m.planless()) {        // a step that diverged noted the storages ops read: not this one
     m.seen.clear();
     g_guard.note_lru.store(false, std::memory_order_release);
   }

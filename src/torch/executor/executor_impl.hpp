@@ -267,8 +267,7 @@ struct PlanExecutor::Impl {
   }
 
   template <typename InUseFn>
-  c10::intrusive_ptr<c10::StorageImpl> pick_planned_victim(trace::OpIndex index,
-                                                           InUseFn in_use) {
+  c10::intrusive_ptr<c10::StorageImpl> pick_planned_victim(trace::OpIndex index, InUseFn in_use) {
     c10::intrusive_ptr<c10::StorageImpl> victim;
     const plan::Schedule& sched = shape().sched;
     const auto n_ops = static_cast<std::int64_t>(sched.num_ops);
