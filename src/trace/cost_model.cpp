@@ -31,7 +31,7 @@ double op_seconds(const Trace& t, const Op& op, const Roofline& r) {
       in.push_back(static_cast<double>(t.tensors[static_cast<std::size_t>(id)].bytes));
     std::sort(in.rbegin(), in.rend());
     const double e = r.element_bytes;
-    const double out =
+    const auto out =
         static_cast<double>(t.tensors[static_cast<std::size_t>(op.outputs.front())].bytes);
     const double elements = (in[0] / e) * (in[1] / e) * (out / e);
     seconds = std::max(seconds, 2.0 * std::sqrt(elements) / r.flops);
