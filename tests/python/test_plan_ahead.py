@@ -106,10 +106,17 @@ def _train(model, opt, steps, session=None):
     return losses
 
 
-def _ahead_session(tmp_path, model, opt, ids):
-    return tidal.Session(mode="plan", dirs=[str(tmp_path)], budget=_state_bytes(model) // 2,
-                         strict=True, model=model, optimizer=opt,
-                         plan_ahead=lambda m, o: _step(m, o, ids))
+def _ahead_session(tmp_path):
+    """A Llama as _reference makes it, its AdamW, and a session at half its state under the
+    strict meter that plans ahead from a step on batch 10."""
+    torch.manual_seed(0)
+    model = _llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = _batch(10)
+    s = tidal.Session(mode="plan", dirs=[str(tmp_path)], budget=_state_bytes(model) // 2,
+                      strict=True, model=model, optimizer=opt,
+                      plan_ahead=lambda m, o: _step(m, o, ids))
+    return model, opt, s
 
 
 def _reference(steps):
@@ -125,10 +132,7 @@ def test_plan_ahead_runs_step_zero_under_the_plan(tmp_path):
     under the strict wall, and the losses are bit-identical to training without offloading."""
     steps = 4
     want = _reference(steps)
-    torch.manual_seed(0)
-    model = _llama()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    s = _ahead_session(tmp_path, model, opt, _batch(10))
+    model, opt, s = _ahead_session(tmp_path)
     st = s.stats()
     assert st.planned_ahead and st.state == "executing" and st.shapes == 1
     shapes, losses = [], []
@@ -154,10 +158,7 @@ def test_a_loop_that_leaves_the_plan_made_ahead_trains_under_the_wall(tmp_path):
     losses stay bit-identical."""
     steps = 4
     want = _reference(steps)
-    torch.manual_seed(0)
-    model = _llama()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    s = _ahead_session(tmp_path, model, opt, _batch(10))
+    model, opt, s = _ahead_session(tmp_path)
     losses = []
     for k in range(steps):
         with s.step():
