@@ -40,8 +40,6 @@ struct Estimate {
   plan::StallBound bound;
   std::uint64_t host_needed = 0;  // the optimizer step's state on the host and what the plan puts
   double wall_seconds = 0;
-  std::int64_t batch = 0;  // a trace's own (--trace), else the flags'
-  std::int64_t seq = 0;
 };
 
 std::string gib(std::uint64_t b) { return format_bytes(static_cast<double>(b)); }
@@ -83,8 +81,6 @@ Estimate run_estimate(const EstimateArgs& a) {
   e.hw = src.hw;
   const trace::Trace& first = src.traces[0];
   e.model = first.model;
-  e.batch = a.src.trace_path.empty() ? a.src.batch : first.batch;
-  e.seq = a.src.trace_path.empty() ? a.src.seq : first.seq;
   e.parameters = std::stoll(first.meta.at("parameters"));
   e.precision = first.meta.at("precision");
   e.ideal_seconds = plan::run_policy(plan::Policy::kIdeal, first, src.hw).sim.iteration_seconds;
@@ -192,13 +188,10 @@ void add_estimate_command(CLI::App& app) {
   cmd->add_flag("--json", args->json, "print one JSON object instead of the summary");
   cmd->callback([args] {
     const Estimate e = run_estimate(*args);
-    TraceSource shown = args->src;
-    shown.batch = e.batch;
-    shown.seq = e.seq;
     if (args->json) {
-      print_estimate_json(e, shown, e.hw);
+      print_estimate_json(e, args->src, e.hw);
     } else {
-      print_estimate(e, shown, e.hw);
+      print_estimate(e, args->src, e.hw);
     }
     std::fflush(stdout);
     TIDAL_EXPECT_AS(InvalidArgument, e.tidal.fits, "no plan fits ", e.model, " at --batch ",

@@ -73,7 +73,7 @@ void Session::plan_ahead(trace::Trace first, trace::Trace steady) {
     if (m.opt.between_steps == BetweenSteps::kAuto && m.boundary < 0) m.choose_boundary(steady);
     m.add_shape(std::move(first));
   });
-  m.bind_by_name_steps = 1;
+  m.bind_by_name_next_step = true;
   m.state = SessionState::kExecuting;
   m.steps_in_state = 0;
   m.ahead_steady = std::move(steady);
@@ -98,11 +98,7 @@ void Session::Impl::bind_persistent_by_name() {
 void Session::Impl::take_steady_shape() {
   trace::Trace t = std::move(*ahead_steady);
   ahead_steady.reset();
-  bind_by_name_steps = 1;
-  if (shapes.empty()) {  // step 0 ran on demand
-    add_shape(std::move(t));
-    return;
-  }
+  bind_by_name_next_step = true;
   if (boundary_offloaded()) strip_step_end(t);
   Shape& s = shapes.front();
   s.trace = std::move(t);

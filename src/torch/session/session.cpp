@@ -164,8 +164,8 @@ void Session::begin_step(std::int64_t step, const std::vector<torch::Tensor>& in
     m.timeline->begin_step(step, step_state(m.state), m.stats.memory_budget, m.wall);
     m.io_at_step_start = m.io_seconds();
   }
-  if (m.bind_by_name_steps > 0) {
-    --m.bind_by_name_steps;
+  if (m.bind_by_name_next_step) {
+    m.bind_by_name_next_step = false;
     m.bind_persistent_by_name();
   }
   // A step starts within the budget (the first one after profiling holds everything).

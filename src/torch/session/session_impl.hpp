@@ -314,11 +314,11 @@ struct Session::Impl {
   void end_timeline_step(std::uint64_t peak);
   void tighten(int index, double over);
 
-  // Session::plan_ahead (plan_ahead.cpp). The later steps' trace, until step 0 has run; and the
-  // steps whose persistent tensors are bound to the plan's ids by name at their start (step 0
-  // and step 1, which registers the state step 0 made).
+  // Session::plan_ahead (plan_ahead.cpp). The later steps' trace, until step 0 has run; and
+  // whether the next step binds its persistent tensors to the plan's ids by name at its start
+  // (step 0, and step 1, which registers the state step 0 made).
   std::optional<trace::Trace> ahead_steady;
-  int bind_by_name_steps = 0;
+  bool bind_by_name_next_step = false;
   bool ahead_left_said = false;  // a step left the plan made ahead: said once
   // Binds the registered tensors to shape 0's trace ids of the same names (before a step: the
   // plan may write them out before any op shows them).
